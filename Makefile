@@ -1,0 +1,37 @@
+# The two commands a newcomer runs: `make run` (compile the embedded default model and serve it) and
+# `make test` (the test suite). Both install what they need, idempotently, into .venv.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SHARED_MODEL := ../shared/models/stories260K
+# The embedded default: the real stories260K checkpoint when the shared folder is beside the clone,
+# otherwise a tiny randomly initialised Llama that the project generates itself (random weights).
+MODEL ?= $(if $(wildcard $(SHARED_MODEL)/config.json),$(SHARED_MODEL),random:tiny)
+ARTIFACTS ?= artifacts
+PORT ?= 8000
+
+.PHONY: install system-deps run test lint
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first, pinned to the local CPU build, so no later requirement pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Real servers the integration tests drive (Debian packages): nginx and promtool.
+system-deps:
+	@command -v nginx >/dev/null && command -v promtool >/dev/null || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light prometheus >/dev/null; }
+
+run: install
+	$(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1 > .last-artifact
+	$(VENV)/bin/inf2serve serve --artifact "$$(cat .last-artifact)" --port $(PORT)
+
+test: install system-deps
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,0 +1,138 @@
+"""The narrow backend contract shared by every device: `torch` (portable), `sim` (virtual device),
+`neuron-nxdi` and `neuron-tnx`.
+
+A backend owns a KV cache on its device, one row per slot, `grid.max_positions` long, which never
+crosses to the host. It runs two operations over slots, always on shapes from its `ShapeGrid`:
+
+- `prefill`: context encoding of new sequences into the given slots (a slot is reused by prefilling
+  over it), padded to `batch.context_bucket`; returns the first generated token of each sequence.
+- `decode`: one token-generation step for live slots, padded to `batch.batch_bucket` rows, attending
+  over at most `batch.token_bucket` positions; returns one token per slot, in input order.
+
+Positions: a prompt of n tokens occupies positions 0..n-1. In decode, `positions[i]` is the position of
+`last_tokens[i]` (the sequence length so far minus one), which is where its KV entry is written; the
+returned token is the one for position `positions[i] + 1`.
+
+Sampling happens inside the step, on the device. A sampled token is a pure function of the logits, the
+request's `seed` and the position of the token being generated, so the same seed gives the same tokens
+whatever else shares the batch. Full logits leave the device only when `num_top_logprobs > 0`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.shapes import ShapeGrid
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-sequence sampling. temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filter."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    num_top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """New sequences entering `slots`; every prompt fits `context_bucket` (chosen by the scheduler)."""
+
+    slots: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]
+    sampling: tuple[SamplingParams, ...]
+    context_bucket: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """One decode step for live slots, padded to `batch_bucket` rows, attending <= `token_bucket`."""
+
+    slots: tuple[int, ...]
+    last_tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    sampling: tuple[SamplingParams, ...]
+    batch_bucket: int
+    token_bucket: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """What an artifact was compiled for: recorded in the manifest, hashed into its key."""
+
+    backend: str
+    tp_degree: int
+    dtype: str
+    grid: ShapeGrid
+
+    def to_dict(self) -> dict[str, object]:
+        return {"backend": self.backend, "tp_degree": self.tp_degree, "dtype": self.dtype, **self.grid.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> BackendSpec:
+        return cls(
+            backend=str(data["backend"]),
+            tp_degree=int(data["tp_degree"]),  # type: ignore[arg-type]
+            dtype=str(data["dtype"]),
+            grid=ShapeGrid.from_dict(data),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Backend(ABC):
+    """A device running one compiled model over slots. Not thread-safe: one caller (the engine loop)."""
+
+    name: str
+    spec: BackendSpec
+    model: ModelInfo
+
+    @classmethod
+    @abstractmethod
+    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> Backend:
+        """Build the backend from an artifact's local directory (model/, weights/, compiled/)."""
+
+    @abstractmethod
+    def prefill(self, batch: PrefillBatch) -> list[SampledToken]: ...
+
+    @abstractmethod
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]: ...
+
+    def warmup(self) -> None:
+        """Run every compiled shape once (and capture graphs where the backend has them)."""
+        grid = self.spec.grid
+        for bucket in grid.context_buckets:
+            self.prefill(PrefillBatch((0,), ((0,) * bucket,), (GREEDY,), bucket))
+        for rows in grid.batch_buckets:
+            for span in grid.token_buckets:
+                slots = tuple(range(rows))
+                self.decode(DecodeBatch(slots, (0,) * rows, (span - 1,) * rows, (GREEDY,) * rows, rows, span))
+
+    def close(self) -> None:  # noqa: B027  (a backend without device resources has nothing to release)
+        """Release the device (NeuronCores, process group, CUDA graphs)."""

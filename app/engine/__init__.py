@@ -1,0 +1,1 @@
+"""The continuous-batching engine: requests, scheduler, step loop, stop rules and detokenization."""

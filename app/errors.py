@@ -1,0 +1,89 @@
+"""The one error taxonomy. Every failure a client or operator can see is one of these classes; the
+HTTP layer maps each to a status code in one place (`app/api/errors.py`), and the CLI prints
+`message` and exits non-zero."""
+
+from __future__ import annotations
+
+
+class Inf2ServeError(Exception):
+    """Base class: `message` is safe to show a client or operator as is."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(Inf2ServeError):
+    """The request is malformed or asks for something the server cannot honour (names the limit)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class AuthenticationError(Inf2ServeError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(Inf2ServeError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status_code = 413
+
+
+class OverloadedError(Inf2ServeError):
+    """The waiting queue is full; `retry_after_s` estimates when a slot frees up."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReadyError(Inf2ServeError):
+    """Still starting up, or draining."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class DeadlineExceededError(Inf2ServeError):
+    status_code = 504
+    error_type = "timeout"
+
+
+class GenerationError(Inf2ServeError):
+    """A device step failed for the requests in it; the engine keeps serving the others."""
+
+    status_code = 500
+    error_type = "generation_error"
+
+
+class ConfigError(Inf2ServeError):
+    """Bad settings, checkpoint, bucket grid or compile options: raised before any work starts."""
+
+    error_type = "config_error"
+
+
+class ArtifactError(Inf2ServeError):
+    """An artifact is missing, corrupt, of an unknown schema, or does not match the running stack."""
+
+    error_type = "artifact_error"
+
+
+class StorageError(Inf2ServeError):
+    """S3 or local storage failed (unreachable, access denied, missing key, disk full)."""
+
+    error_type = "storage_error"
