@@ -12,8 +12,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 REGISTRY = CollectorRegistry(auto_describe=True)
 PREFIX = "inf2serve:"
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -23,60 +43,129 @@ def _name(suffix: str) -> str:
 
 
 # Request level.
-TTFT = Histogram(_name("time_to_first_token_seconds"), "Time from arrival to the first token.",
-                 buckets=_LATENCY_BUCKETS, registry=REGISTRY)
-INTER_TOKEN = Histogram(_name("inter_token_latency_seconds"), "Time between consecutive output tokens.",
-                        buckets=_LATENCY_BUCKETS, registry=REGISTRY)
-E2E = Histogram(_name("e2e_request_latency_seconds"), "Time from arrival to the last token.",
-                buckets=_LATENCY_BUCKETS, registry=REGISTRY)
-QUEUE_TIME = Histogram(_name("request_queue_time_seconds"), "Time spent waiting for a slot.",
-                       buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+TTFT = Histogram(
+    _name("time_to_first_token_seconds"),
+    "Time from arrival to the first token.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+INTER_TOKEN = Histogram(
+    _name("inter_token_latency_seconds"),
+    "Time between consecutive output tokens.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+E2E = Histogram(
+    _name("e2e_request_latency_seconds"),
+    "Time from arrival to the last token.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+QUEUE_TIME = Histogram(
+    _name("request_queue_time_seconds"),
+    "Time spent waiting for a slot.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 PROMPT_TOKENS = Counter(_name("prompt_tokens"), "Prompt tokens processed.", registry=REGISTRY)
 GENERATION_TOKENS = Counter(_name("generation_tokens"), "Tokens generated.", registry=REGISTRY)
-REQUEST_PROMPT_TOKENS = Histogram(_name("request_prompt_tokens"), "Prompt length per request.",
-                                  buckets=_TOKEN_BUCKETS, registry=REGISTRY)
-REQUEST_GENERATION_TOKENS = Histogram(_name("request_generation_tokens"), "Generated tokens per request.",
-                                      buckets=_TOKEN_BUCKETS, registry=REGISTRY)
-REQUEST_SUCCESS = Counter(_name("request_success"), "Finished requests by finish reason.",
-                          ["finished_reason"], registry=REGISTRY)
-REQUEST_FAILURE = Counter(_name("request_failure"), "Requests that ended in an error, by error type.",
-                          ["error_type"], registry=REGISTRY)
-HTTP_RESPONSES = Counter(_name("http_responses"), "HTTP responses by route and status code.",
-                         ["route", "status"], registry=REGISTRY)
+REQUEST_PROMPT_TOKENS = Histogram(
+    _name("request_prompt_tokens"), "Prompt length per request.", buckets=_TOKEN_BUCKETS, registry=REGISTRY
+)
+REQUEST_GENERATION_TOKENS = Histogram(
+    _name("request_generation_tokens"),
+    "Generated tokens per request.",
+    buckets=_TOKEN_BUCKETS,
+    registry=REGISTRY,
+)
+REQUEST_SUCCESS = Counter(
+    _name("request_success"), "Finished requests by finish reason.", ["finished_reason"], registry=REGISTRY
+)
+REQUEST_FAILURE = Counter(
+    _name("request_failure"),
+    "Requests that ended in an error, by error type.",
+    ["error_type"],
+    registry=REGISTRY,
+)
+HTTP_RESPONSES = Counter(
+    _name("http_responses"),
+    "HTTP responses by route and status code.",
+    ["route", "status"],
+    registry=REGISTRY,
+)
 
 # Engine level.
 RUNNING = Gauge(_name("num_requests_running"), "Requests holding a slot.", registry=REGISTRY)
 WAITING = Gauge(_name("num_requests_waiting"), "Requests waiting for a slot.", registry=REGISTRY)
 SLOT_USAGE = Gauge(_name("slot_usage_perc"), "Fraction of compiled slots in use (0..1).", registry=REGISTRY)
-STEP_TIME = Histogram(_name("step_duration_seconds"), "Device step time by phase and bucket.",
-                      ["phase", "bucket"], buckets=_STEP_BUCKETS, registry=REGISTRY)
-PADDED_ROWS = Counter(_name("num_seqs_padding"), "Padded (wasted) batch rows, by phase and bucket.",
-                      ["phase", "bucket"], registry=REGISTRY)
-PADDED_TOKENS = Counter(_name("num_batched_tokens_padding"), "Padded (wasted) tokens, by phase and bucket.",
-                        ["phase", "bucket"], registry=REGISTRY)
-BATCHED_TOKENS = Counter(_name("num_batched_tokens"), "Useful tokens computed, by phase and bucket.",
-                         ["phase", "bucket"], registry=REGISTRY)
-DECODE_STALL = Histogram(_name("decode_stall_seconds"), "Time running decodes waited on prefills in a step.",
-                         buckets=_STEP_BUCKETS, registry=REGISTRY)
-ENGINE_BUSY = Gauge(_name("engine_busy_ratio"), "Fraction of recent wall time the device was executing.",
-                    registry=REGISTRY)
+STEP_TIME = Histogram(
+    _name("step_duration_seconds"),
+    "Device step time by phase and bucket.",
+    ["phase", "bucket"],
+    buckets=_STEP_BUCKETS,
+    registry=REGISTRY,
+)
+PADDED_ROWS = Counter(
+    _name("num_seqs_padding"),
+    "Padded (wasted) batch rows, by phase and bucket.",
+    ["phase", "bucket"],
+    registry=REGISTRY,
+)
+PADDED_TOKENS = Counter(
+    _name("num_batched_tokens_padding"),
+    "Padded (wasted) tokens, by phase and bucket.",
+    ["phase", "bucket"],
+    registry=REGISTRY,
+)
+BATCHED_TOKENS = Counter(
+    _name("num_batched_tokens"),
+    "Useful tokens computed, by phase and bucket.",
+    ["phase", "bucket"],
+    registry=REGISTRY,
+)
+DECODE_STALL = Histogram(
+    _name("decode_stall_seconds"),
+    "Time running decodes waited on prefills in a step.",
+    buckets=_STEP_BUCKETS,
+    registry=REGISTRY,
+)
+ENGINE_BUSY = Gauge(
+    _name("engine_busy_ratio"), "Fraction of recent wall time the device was executing.", registry=REGISTRY
+)
 
 # Device level (neuron-monitor on inf2, the engine's own busy fraction elsewhere: see `source`).
-CORE_UTILIZATION = Gauge(_name("neuroncore_utilization_ratio"), "NeuronCore utilization (0..1).",
-                         ["core", "source"], registry=REGISTRY)
-DEVICE_MEMORY = Gauge(_name("device_memory_used_bytes"), "Device memory used.",
-                      ["core", "category"], registry=REGISTRY)
-EXECUTION_ERRORS = Counter(_name("neuron_execution_errors"), "NeuronCore execution errors by type.",
-                           ["error_type"], registry=REGISTRY)
-EXECUTION_LATENCY = Gauge(_name("neuron_execution_latency_seconds"), "Runtime execution latency percentile.",
-                          ["percentile"], registry=REGISTRY)
+CORE_UTILIZATION = Gauge(
+    _name("neuroncore_utilization_ratio"),
+    "NeuronCore utilization (0..1).",
+    ["core", "source"],
+    registry=REGISTRY,
+)
+DEVICE_MEMORY = Gauge(
+    _name("device_memory_used_bytes"), "Device memory used.", ["core", "category"], registry=REGISTRY
+)
+EXECUTION_ERRORS = Counter(
+    _name("neuron_execution_errors"),
+    "NeuronCore execution errors by type.",
+    ["error_type"],
+    registry=REGISTRY,
+)
+EXECUTION_LATENCY = Gauge(
+    _name("neuron_execution_latency_seconds"),
+    "Runtime execution latency percentile.",
+    ["percentile"],
+    registry=REGISTRY,
+)
 
 # Startup.
-STARTUP_PHASE = Gauge(_name("startup_phase_seconds"), "Duration of each startup phase.", ["phase"],
-                      registry=REGISTRY)
-BYTES_LOADED = Gauge(_name("model_load_size_bytes"), "Bytes of artifact loaded at startup.", registry=REGISTRY)
-READY = Gauge(_name("ready"), "1 when the server is ready to serve, 0 while starting or draining.",
-              registry=REGISTRY)
+STARTUP_PHASE = Gauge(
+    _name("startup_phase_seconds"), "Duration of each startup phase.", ["phase"], registry=REGISTRY
+)
+BYTES_LOADED = Gauge(
+    _name("model_load_size_bytes"), "Bytes of artifact loaded at startup.", registry=REGISTRY
+)
+READY = Gauge(
+    _name("ready"), "1 when the server is ready to serve, 0 while starting or draining.", registry=REGISTRY
+)
 ARTIFACT = Info(_name("artifact"), "The artifact this server serves.", registry=REGISTRY)
 
 

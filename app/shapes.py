@@ -51,10 +51,13 @@ class ShapeGrid:
         for name in ("context_buckets", "token_buckets", "batch_buckets"):
             buckets = getattr(self, name)
             if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-                raise ConfigError(f"{name} must be a non-empty increasing list of positive sizes, got {list(buckets)}")
+                raise ConfigError(
+                    f"{name} must be a non-empty increasing list of positive sizes, got {list(buckets)}"
+                )
         if self.context_buckets[-1] > self.max_positions:
             raise ConfigError(
-                f"largest context bucket {self.context_buckets[-1]} exceeds max_positions {self.max_positions}"
+                f"largest context bucket {self.context_buckets[-1]} exceeds "
+                f"max_positions {self.max_positions}"
             )
         if self.token_buckets[-1] != self.max_positions:
             raise ConfigError(
@@ -86,7 +89,9 @@ class ShapeGrid:
         return pick_bucket(self.batch_buckets, num_rows)
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
-        return prompt_tokens <= self.max_prompt_tokens and prompt_tokens + max_new_tokens <= self.max_positions
+        return (
+            prompt_tokens <= self.max_prompt_tokens and prompt_tokens + max_new_tokens <= self.max_positions
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -86,7 +86,12 @@ class BackendSpec:
     grid: ShapeGrid
 
     def to_dict(self) -> dict[str, object]:
-        return {"backend": self.backend, "tp_degree": self.tp_degree, "dtype": self.dtype, **self.grid.to_dict()}
+        return {
+            "backend": self.backend,
+            "tp_degree": self.tp_degree,
+            "dtype": self.dtype,
+            **self.grid.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> BackendSpec:
