@@ -1,8 +1,10 @@
 """Every Prometheus metric the server exports, in one module.
 
-Names follow vLLM's (`vllm:time_to_first_token_seconds` is ours `inf2serve:time_to_first_token_seconds`)
-so existing dashboards port by swapping the prefix; padding metrics follow vllm-neuron's. Code records
-through the `record_*` helpers here, never through prometheus_client directly.
+Names follow vLLM's (`vllm:time_to_first_token_seconds` is ours `inf2serve_time_to_first_token_seconds`)
+so existing dashboards port by swapping the prefix; padding metrics follow vllm-neuron's. The prefix ends
+in `_`, not vLLM's `:`, because Prometheus reserves colons for recording rules and `promtool check
+metrics` rejects them. Code records through the `record_*` helpers here, never through prometheus_client
+directly.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
-PREFIX = "inf2serve:"
+PREFIX = "inf2serve_"
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -172,3 +174,80 @@ ARTIFACT = Info(_name("artifact"), "The artifact this server serves.", registry=
 def render() -> bytes:
     """The text exposition of every metric, for `/metrics`."""
     return generate_latest(REGISTRY)
+
+
+# Helpers for the HTTP layer and startup (app/api/).
+def record_http_response(route: str, status: int) -> None:
+    HTTP_RESPONSES.labels(route, str(status)).inc()
+
+
+def record_request_failure(error_type: str) -> None:
+    REQUEST_FAILURE.labels(error_type).inc()
+
+
+def record_startup_phase(phase: str, seconds: float) -> None:
+    STARTUP_PHASE.labels(phase).set(seconds)
+
+
+def record_artifact(artifact_id: str, model_name: str, backend: str, bytes_loaded: int) -> None:
+    ARTIFACT.info({"artifact_id": artifact_id, "model_name": model_name, "backend": backend})
+    BYTES_LOADED.set(bytes_loaded)
+
+
+def record_ready(ready: bool) -> None:
+    READY.set(1 if ready else 0)
+
+
+# Helpers for the engine (app/engine/): the output thread calls these, never the step loop.
+def record_step_call(
+    phase: str, bucket: str, seconds: float, padded_rows: int, tokens: int, padded_tokens: int
+) -> None:
+    """One backend call: its time, and useful vs padded work (see app/engine/padding.py)."""
+    STEP_TIME.labels(phase, bucket).observe(seconds)
+    PADDED_ROWS.labels(phase, bucket).inc(padded_rows)
+    BATCHED_TOKENS.labels(phase, bucket).inc(tokens)
+    PADDED_TOKENS.labels(phase, bucket).inc(padded_tokens)
+
+
+def record_decode_stall(seconds: float) -> None:
+    DECODE_STALL.observe(seconds)
+
+
+def record_engine_state(num_running: int, num_waiting: int, num_slots: int) -> None:
+    RUNNING.set(num_running)
+    WAITING.set(num_waiting)
+    SLOT_USAGE.set(num_running / num_slots)
+
+
+def record_engine_busy(ratio: float) -> None:
+    ENGINE_BUSY.set(ratio)
+
+
+def record_first_token(queue_s: float, time_to_first_token_s: float) -> None:
+    QUEUE_TIME.observe(queue_s)
+    TTFT.observe(time_to_first_token_s)
+
+
+def record_prompt_tokens(num_tokens: int) -> None:
+    PROMPT_TOKENS.inc(num_tokens)
+
+
+def record_inter_token(seconds: float) -> None:
+    INTER_TOKEN.observe(seconds)
+
+
+def record_generated_tokens(num_tokens: int) -> None:
+    GENERATION_TOKENS.inc(num_tokens)
+
+
+def record_request_finished(
+    reason: str, error_type: str | None, num_prompt_tokens: int, num_generated_tokens: int, e2e_s: float
+) -> None:
+    """A request's end: success by finish reason (stop, length, abort), or failure by error type."""
+    if error_type is None:
+        REQUEST_SUCCESS.labels(reason).inc()
+    else:
+        REQUEST_FAILURE.labels(error_type).inc()
+    E2E.observe(e2e_s)
+    REQUEST_PROMPT_TOKENS.observe(num_prompt_tokens)
+    REQUEST_GENERATION_TOKENS.observe(num_generated_tokens)

@@ -1,0 +1,79 @@
+"""The app factory: `create_app(settings)` builds the FastAPI app; its lifespan starts the runtime in
+the background (the listener is up at once, so `/health` answers and `/ready`/`/ping` say 503 until the
+artifact is loaded, warmed and checked) and releases it on shutdown, after in-flight requests finish.
+
+A startup failure is logged with its phase and reported through `on_fatal` (the server then exits
+non-zero); without one (tests) the app stays up with `/health` at 503 and the error in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app import __version__, metrics
+from app.api import routes
+from app.api.errors import install_error_handlers
+from app.api.middleware import RequestContextMiddleware
+from app.api.serving import Serving
+from app.api.startup import build_runtime
+from app.api.state import Runtime, ServerState
+from app.errors import Inf2ServeError
+from app.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+RuntimeBuilder = Callable[[ServerSettings], Awaitable[Runtime]]
+
+
+def create_app(
+    settings: ServerSettings,
+    build_runtime: RuntimeBuilder | None = None,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
+    state = ServerState()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.create_task(_start(app, settings, build_runtime, on_fatal))
+        try:
+            yield
+        finally:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            metrics.record_ready(False)
+            if state.runtime is not None:
+                await asyncio.to_thread(state.runtime.close)
+
+    app = FastAPI(title="inf2serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.server = state
+    app.state.serving = None
+    app.include_router(routes.inference)
+    app.include_router(routes.probes)
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, state=state)
+    return app
+
+
+async def _start(
+    app: FastAPI, settings: ServerSettings, build: RuntimeBuilder | None, on_fatal: Callable[[], None] | None
+) -> None:
+    state: ServerState = app.state.server
+    try:
+        runtime = await (build or build_runtime)(settings)
+    except Exception as error:
+        state.startup_error = error.message if isinstance(error, Inf2ServeError) else repr(error)
+        log.exception("startup failed", extra={"error": state.startup_error})
+        if on_fatal is not None:
+            on_fatal()
+        return
+    state.artifact_id = runtime.artifact_id
+    app.state.serving = Serving(runtime, settings)
+    state.runtime = runtime
+    metrics.record_ready(not state.draining)
+    log.info("ready", extra={"artifact_id": runtime.artifact_id, "model": runtime.model_name})

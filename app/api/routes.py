@@ -1,0 +1,160 @@
+"""The routes: thin functions that read the body, check it, and hand it to the API it belongs to.
+
+`inference` (OpenAI and SageMaker's `/invocations`) requires an API key when keys are configured;
+`probes` (`/health`, `/ready`, `/ping`, `/metrics`) never do and never touch the engine loop, so they
+answer at once under any load.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from app import metrics
+from app.api import openai, tgi
+from app.api.errors import from_validation_error
+from app.api.logs import REQUEST_ID
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, ModelCard, ModelList
+from app.api.serving import Serving
+from app.api.state import ServerState
+from app.errors import AuthenticationError, InvalidRequestError, NotReadyError, PayloadTooLargeError
+from app.settings import ServerSettings
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def require_api_key(request: Request) -> None:
+    keys: tuple[str, ...] = request.app.state.settings.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    matched = False
+    for key in keys:  # every key compared, in constant time, so timing reveals nothing
+        matched |= hmac.compare_digest(token.strip().encode(), key.encode())
+    if scheme.lower() != "bearer" or not matched:
+        raise AuthenticationError("missing or invalid API key (send Authorization: Bearer <key>)")
+
+
+def get_serving(request: Request) -> Serving:
+    serving: Serving | None = request.app.state.serving
+    if serving is None:
+        state: ServerState = request.app.state.server
+        raise NotReadyError(f"the server is {state.status}: not ready to serve")
+    return serving
+
+
+ServingDep = Annotated[Serving, Depends(get_serving)]
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, refused with 413 past `max_body_bytes` (before reading all of it)."""
+    settings: ServerSettings = request.app.state.settings
+    limit = settings.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the body has {declared} bytes; max_body_bytes is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"the body is over max_body_bytes ({limit} bytes)")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError as error:
+        raise InvalidRequestError(f"the body is not valid JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return body
+
+
+def parse(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def request_id() -> str:
+    return REQUEST_ID.get() or ""
+
+
+inference = APIRouter(dependencies=[Depends(require_api_key)])
+probes = APIRouter()
+
+
+@inference.post("/v1/completions")
+async def completions(request: Request, serving: ServingDep) -> Response:
+    """OpenAI text completions; `stream: true` for server-sent events."""
+    body = parse(CompletionRequest, await read_json(request))
+    return await openai.create_completion(serving, body, request, request_id())
+
+
+@inference.post("/v1/chat/completions")
+async def chat_completions(request: Request, serving: ServingDep) -> Response:
+    """OpenAI chat completions through the model's chat template; `stream: true` for events."""
+    body = parse(ChatCompletionRequest, await read_json(request))
+    return await openai.create_chat_completion(serving, body, request, request_id())
+
+
+@inference.get("/v1/models")
+async def models(serving: ServingDep) -> ModelList:
+    """The one model this server serves."""
+    card = ModelCard(
+        id=serving.model_name,
+        created=serving.created,
+        max_model_len=serving.limits.max_positions,
+        artifact_id=serving.artifact_id,
+    )
+    return ModelList(data=[card])
+
+
+@inference.post("/invocations")
+async def invocations(request: Request, serving: ServingDep) -> Response:
+    """SageMaker: an OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's `inputs` body."""
+    body = await read_json(request)
+    if "messages" in body:
+        chat = parse(ChatCompletionRequest, body)
+        return await openai.create_chat_completion(serving, chat, request, request_id())
+    if "prompt" in body:
+        completion = parse(CompletionRequest, body)
+        return await openai.create_completion(serving, completion, request, request_id())
+    if "inputs" in body:
+        return await tgi.generate(serving, parse(GenerateRequest, body), request, request_id())
+    raise InvalidRequestError("the body needs messages (chat), prompt (completion) or inputs (generate)")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@probes.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process is starting or its engine loop is alive."""
+    state = _state(request)
+    return JSONResponse({"status": state.status}, status_code=200 if state.alive else 503)
+
+
+@probes.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 once every bucket is warm and the golden prompts pass; 503 while draining."""
+    state = _state(request)
+    return JSONResponse({"status": state.status}, status_code=200 if state.ready else 503)
+
+
+@probes.get("/ping")
+async def ping(request: Request) -> Response:
+    """SageMaker's health check: readiness, with an empty body."""
+    return Response(status_code=200 if _state(request).ready else 503)
+
+
+@probes.get("/metrics")
+async def prometheus_metrics() -> Response:
+    """Prometheus text exposition of every metric."""
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

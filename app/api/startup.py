@@ -1,0 +1,109 @@
+"""Startup: from an artifact URI to a ready `Runtime`, one timed, logged phase at a time.
+
+Phases (each exported as `inf2serve_startup_phase_seconds{phase}`): `resolve`, `download`, `verify`
+(the loader's own, which also checks the manifest against the running stack), `backend` (load onto the
+device), `warmup` (every compiled bucket once), `golden` (the artifact's golden prompts replayed through
+the backend; the recorded tokens are required), `engine` (tokenizer and engine loop). Only after the
+last one does the server report ready. The blocking phases run in a worker thread, so `/health` and
+`/ping` answer throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from app import metrics
+from app.api.state import Runtime
+from app.artifacts.golden import Golden, replay
+from app.artifacts.loader import LocalArtifact, load_artifact
+from app.artifacts.manifest import GOLDEN_NAME
+from app.backends import backend_class
+from app.backends.base import Backend
+from app.engine.engine import LLMEngine
+from app.errors import ArtifactError
+from app.settings import ServerSettings
+from app.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def record_phase(name: str, seconds: float) -> None:
+    metrics.record_startup_phase(name, seconds)
+    log.info("startup phase done", extra={"phase": name, "seconds": round(seconds, 3)})
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    log.info("startup phase started", extra={"phase": name})
+    started = time.perf_counter()
+    yield
+    record_phase(name, time.perf_counter() - started)
+
+
+def check_golden(backend: Backend, artifact: LocalArtifact) -> None:
+    """Replay the golden prompts; any greedy token off the recorded one (beyond a near tie) fails."""
+    if not any(entry.path == GOLDEN_NAME for entry in artifact.manifest.files):
+        log.warning("the artifact has no golden prompts: nothing to replay")
+        return
+    report = replay(backend, Golden.load(artifact.root / GOLDEN_NAME))
+    if not report.passed:
+        raise ArtifactError(
+            f"artifact {artifact.manifest.artifact_id} does not reproduce its golden tokens on this "
+            f"server: {'; '.join(report.failures)}"
+        )
+    log.info(
+        "golden prompts reproduced", extra={"tokens": report.tokens_compared, "near_ties": report.near_ties}
+    )
+
+
+def load_backend(settings: ServerSettings) -> tuple[LocalArtifact, Backend]:
+    """Blocking: the artifact, its backend on the device, warmed up and checked against golden.json."""
+    artifact = load_artifact(settings.artifact, settings.cache_dir)
+    for name, seconds in artifact.timings.items():
+        record_phase(name, seconds)
+    spec = artifact.manifest.spec
+    with phase("backend"):
+        backend = backend_class(spec.backend).load(artifact.root, spec, device=settings.device)
+    try:
+        with phase("warmup"):
+            backend.warmup()
+        if settings.verify_golden:
+            with phase("golden"):
+                check_golden(backend, artifact)
+    except BaseException:
+        backend.close()
+        raise
+    return artifact, backend
+
+
+async def build_runtime(settings: ServerSettings) -> Runtime:
+    artifact, backend = await asyncio.to_thread(load_backend, settings)
+    manifest = artifact.manifest
+    try:
+        with phase("engine"):
+            tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
+            engine = LLMEngine(backend, tokenizer, settings.engine_config())
+            engine.start()
+    except BaseException:
+        backend.close()
+        raise
+    metrics.record_artifact(
+        manifest.artifact_id, manifest.model_name, manifest.spec.backend, artifact.bytes_loaded
+    )
+
+    def close() -> None:
+        engine.stop(timeout=10.0)
+        backend.close()
+
+    return Runtime(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=settings.served_model_name or manifest.model_name,
+        artifact_id=manifest.artifact_id,
+        grid=manifest.spec.grid,
+        close=close,
+    )

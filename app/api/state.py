@@ -1,0 +1,56 @@
+"""What the HTTP layer shares between its routes: the loaded `Runtime` and the server's lifecycle.
+
+The lifecycle moves starting -> ready -> draining (SIGTERM), or starting -> failed. `draining` is a
+plain attribute so that a signal handler can set it without taking a lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from app.engine.types import EngineClient
+from app.shapes import ShapeGrid
+
+if TYPE_CHECKING:
+    from app.tokenizer import Tokenizer
+
+
+@dataclass
+class Runtime:
+    """What startup builds (engine, tokenizer, artifact facts) and shutdown releases (`close`)."""
+
+    engine: EngineClient
+    tokenizer: Tokenizer
+    model_name: str
+    artifact_id: str
+    grid: ShapeGrid
+    close: Callable[[], None]
+
+
+class ServerState:
+    def __init__(self) -> None:
+        self.runtime: Runtime | None = None
+        self.artifact_id = ""
+        self.startup_error: str | None = None
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return self.runtime is not None and not self.draining
+
+    @property
+    def status(self) -> str:
+        if self.startup_error is not None:
+            return "failed"
+        if self.draining:
+            return "draining"
+        return "starting" if self.runtime is None else "ready"
+
+    @property
+    def alive(self) -> bool:
+        """Starting, or serving with a live engine loop."""
+        if self.startup_error is not None:
+            return False
+        return self.runtime is None or self.runtime.engine.is_alive

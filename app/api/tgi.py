@@ -1,0 +1,110 @@
+"""The `{"inputs", "parameters", "stream"}` body that TGI and LMI containers take on SageMaker.
+
+As TGI answers it: a JSON array `[{"generated_text", "details"?}]`, or with `stream` server-sent events,
+one per token (`{"index", "token": {"id", "text", "logprob", "special"}, "generated_text", "details"}`),
+the last carrying the whole `generated_text` and `details`. Sampling follows TGI: greedy unless
+`do_sample` or a sampling parameter (`temperature` != 1, `top_k`, `top_p` < 1) is set.
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from app.api import streaming
+from app.api.protocol import (
+    GenerateDetails,
+    GenerateParameters,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamEvent,
+    GenerateToken,
+)
+from app.api.serving import ChoiceOutput, Job, Sampling, Serving, fan_out, refuse_unsupported
+from app.engine.types import FinishReason, RequestOutput
+
+
+def wants_sampling(params: GenerateParameters) -> bool:
+    warpers = (
+        (params.temperature is not None and params.temperature not in (0.0, 1.0))
+        or bool(params.top_k)
+        or (params.top_p is not None and params.top_p < 1.0)
+    )
+    return bool(params.do_sample) or warpers
+
+
+def sampling(params: GenerateParameters) -> Sampling:
+    sample = wants_sampling(params) and params.temperature != 0.0
+    return Sampling(
+        temperature=(params.temperature or 1.0) if sample else 0.0,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k or 0,
+        num_top_logprobs=0,
+        stop_strings=tuple(params.stop),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+class GenerateRenderer:
+    def __init__(self, serving: Serving, job: Job, params: GenerateParameters, prompt_text: str) -> None:
+        self.eos_token_ids = frozenset(serving.tokenizer.eos_token_ids)
+        self.job = job
+        self.details_wanted = params.details
+        self.prefix = prompt_text if params.return_full_text else ""
+        self.sampled = wants_sampling(params)
+
+    def finish_reason(self, output: ChoiceOutput) -> str:
+        """TGI's names: length, eos_token or stop_sequence."""
+        if output.finish_reason == FinishReason.STOP:
+            last = output.token_ids[-1] if output.token_ids else None
+            return "eos_token" if last in self.eos_token_ids else "stop_sequence"
+        return str(output.finish_reason)
+
+    def details(self, output: ChoiceOutput) -> GenerateDetails:
+        return GenerateDetails(
+            finish_reason=self.finish_reason(output),
+            generated_tokens=output.num_generated_tokens,
+            seed=output.seed if self.sampled else None,
+        )
+
+    def delta(self, index: int, out: RequestOutput) -> bytes:
+        tokens: list[GenerateToken | None] = [
+            GenerateToken(id=s.token_id, text="", logprob=s.logprob, special=s.token_id in self.eos_token_ids)
+            for s in out.samples
+        ] or [None]
+        if tokens[-1] is not None:
+            tokens[-1].text = out.text
+        events = [GenerateStreamEvent(index=index, token=token) for token in tokens]
+        if out.finished:
+            output = self.job.choices[index]
+            events[-1].generated_text = self.prefix + output.text
+            events[-1].details = self.details(output)
+        return b"".join(streaming.sse(event.model_dump_json()) for event in events)
+
+    def end(self, job: Job) -> bytes:
+        return b""
+
+    def body(self, job: Job) -> bytes:
+        output = job.choices[0]
+        details = self.details(output) if self.details_wanted else None
+        return (
+            b"["
+            + GenerateResponse(generated_text=self.prefix + output.text, details=details)
+            .model_dump_json()
+            .encode()
+            + b"]"
+        )
+
+
+async def generate(serving: Serving, body: GenerateRequest, request: Request, request_id: str) -> Response:
+    params = body.parameters
+    refuse_unsupported(params)
+    serving.limits.check_stop(params.stop, "parameters.stop")
+    prompt = serving.encode(body.inputs)
+    max_tokens = [
+        serving.limits.max_tokens(params.max_new_tokens, len(prompt), "parameters.max_new_tokens", None)
+    ]
+    requests = fan_out([prompt], 1, params.seed, sampling(params), max_tokens)
+    job = serving.start(request_id, requests)
+    renderer = GenerateRenderer(serving, job, params, body.inputs)
+    return await streaming.respond(request, job, renderer, body.stream)

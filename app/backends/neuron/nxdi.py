@@ -1,0 +1,229 @@
+"""`neuron-nxdi`: the backend contract on NxD Inference's `NeuronLlamaForCausalLM`.
+
+Compiled for continuous batching (`is_continuous_batching`, context batch 1, token-generation batch =
+`num_slots`), the grid's context and token buckets, on-device sampling with per-row `[n, 3]` parameters
+(top_k, top_p, temperature) with the logits alongside the ids (`output_logits`: logprobs, which the
+validation gate and the startup golden replay need), and weights presharded per rank. Kernel options
+(`*_kernel_enabled`, the argmax kernel) stay off: NxD Inference dropped NKI kernels on Inf2 after 2.28.
+
+Step mapping (`NeuronBaseForCausalLM.forward`): a slot is `seq_ids`, positions are `position_ids`, and
+the library routes on them (a batch whose smallest position is 0 is context encoding). Prefill runs one
+sequence per call, unpadded (the library pads to its own context bucket); decode runs every slot (see
+`steps.py`). Outputs: `.tokens` int32 [n] and `.logits` fp32 [n, 1, V >= vocab], whose tensor-parallel
+padding columns are cut.
+
+Artifact layout: `compiled/` holds `neuron_config.json` and `model.pt`, `weights/` the library's
+`tp{rank}_sharded_checkpoint.safetensors`. The library reads all three from one directory, so loading
+goes through a private directory of symlinks; nothing is compiled at load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.backends.base import (
+    Backend,
+    BackendSpec,
+    DecodeBatch,
+    ModelInfo,
+    PrefillBatch,
+    SampledToken,
+    SamplingParams,
+)
+from app.backends.neuron.runtime import apply_placement, import_library, visible_cores
+from app.backends.neuron.steps import (
+    check_grid,
+    check_prefill,
+    decode_rows,
+    device_tokens,
+    global_topk,
+    sampling_row,
+)
+from app.backends.torch.checkpoint import read_eos_token_ids, read_llama_config
+from app.errors import ArtifactError
+
+MODELING = "neuronx_distributed_inference.models.llama.modeling_llama"
+SAMPLING = "neuronx_distributed_inference.modules.generation.sampling"
+CONFIG_FILE = "neuron_config.json"
+COMPILED_FILES = (CONFIG_FILE, "model.pt")
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Every NKI-kernel switch of NeuronConfig (Neuron 2.29 source): off on Inf2.
+KERNEL_FLAGS = (
+    "attn_kernel_enabled",
+    "strided_context_parallel_kernel_enabled",
+    "qkv_kernel_enabled",
+    "qkv_nki_kernel_enabled",
+    "mlp_kernel_enabled",
+    "mlp_tkg_nki_kernel_enabled",
+    "quantized_mlp_kernel_enabled",
+    "out_proj_kernel_enabled",
+    "attn_tkg_nki_kernel_enabled",
+    "attn_tkg_builtin_kernel_enabled",
+    "attn_block_tkg_nki_kernel_enabled",
+    "attn_block_cte_nki_kernel_enabled",
+    "rmsnorm_quantize_kernel_enabled",
+    "moe_fused_nki_kernel_enabled",
+    "router_topk_nki_kernel_enabled",
+    "expert_mlp_nki_kernel_enabled",
+    "shared_mlp_nki_kernel_enabled",
+    "eagle_rolling_buffer_kernel_enabled",
+)
+
+
+def neuron_config_kwargs(spec: BackendSpec, vocab_size: int) -> dict[str, Any]:
+    """NxD Inference `NeuronConfig` keys for `spec` (used by the compile step; the compiled directory's
+    `neuron_config.json` is what loading reads)."""
+    grid = spec.grid
+    return {
+        "tp_degree": spec.tp_degree,
+        "batch_size": grid.num_slots,
+        "ctx_batch_size": 1,
+        "tkg_batch_size": grid.num_slots,
+        "max_batch_size": grid.num_slots,
+        "is_continuous_batching": True,
+        "seq_len": grid.max_positions,
+        "max_context_length": grid.context_buckets[-1],
+        "torch_dtype": TORCH_DTYPE_NAMES[spec.dtype],
+        "padding_side": "right",
+        "enable_bucketing": True,
+        "context_encoding_buckets": list(grid.context_buckets),
+        "token_generation_buckets": list(grid.token_buckets),
+        "save_sharded_checkpoint": True,
+        "logical_nc_config": 1,
+        "disable_argmax_kernel": True,
+        **dict.fromkeys(KERNEL_FLAGS, False),
+        "on_device_sampling_config": {
+            "do_sample": True,
+            "dynamic": True,
+            "deterministic": False,
+            "global_topk": global_topk(vocab_size),
+            "top_k_kernel_enabled": False,
+        },
+        "output_logits": True,
+    }
+
+
+def read_compiled_config(artifact_dir: Path) -> dict[str, Any]:
+    """The `neuron_config` section of the compiled model's `neuron_config.json`."""
+    path = artifact_dir / "compiled" / CONFIG_FILE
+    try:
+        return dict(json.loads(path.read_text())["neuron_config"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ArtifactError(f"{path} is not an NxD Inference compiled config: {error}") from error
+
+
+def check_compiled(config: dict[str, Any], spec: BackendSpec) -> None:
+    """The compiled graphs must be the ones the manifest describes."""
+    grid = spec.grid
+    expected = {
+        "tp_degree": spec.tp_degree,
+        "tkg_batch_size": grid.num_slots,
+        "seq_len": grid.max_positions,
+        "context_encoding_buckets": list(grid.context_buckets),
+        "token_generation_buckets": list(grid.token_buckets),
+        "is_continuous_batching": True,
+        "output_logits": True,
+    }
+    wrong = {key: config.get(key) for key, value in expected.items() if config.get(key) != value}
+    if config.get("on_device_sampling_config") is None:
+        wrong["on_device_sampling_config"] = None
+    if wrong:
+        raise ArtifactError(
+            f"compiled/{CONFIG_FILE} does not match the manifest: {wrong}, expected {expected}"
+        )
+
+
+def link_compiled_view(artifact_dir: Path, view: Path) -> None:
+    """Lay the artifact out as NxD Inference reads it: one directory with the config, `model.pt` and
+    `weights/`."""
+    for name in COMPILED_FILES:
+        os.symlink((artifact_dir / "compiled" / name).resolve(), view / name)
+    os.symlink((artifact_dir / "weights").resolve(), view / "weights", target_is_directory=True)
+
+
+class NxdiBackend(Backend):
+    name = "neuron-nxdi"
+    # On-device sampling draws from the device's generator: seeds are honoured on greedy rows only.
+    honours_seed = False
+
+    def __init__(
+        self,
+        neuron_model: Any,
+        prepare_sampling_params: Any,
+        spec: BackendSpec,
+        info: ModelInfo,
+        view: tempfile.TemporaryDirectory[str],
+    ) -> None:
+        self.spec = spec
+        self.model = info
+        self._neuron = neuron_model
+        self._prepare_sampling_params = prepare_sampling_params
+        self._max_top_k = global_topk(info.vocab_size)
+        self._view = view
+
+    @classmethod
+    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> NxdiBackend:
+        check_grid(spec)
+        config = read_compiled_config(artifact_dir)
+        check_compiled(config, spec)
+        llama = read_llama_config(artifact_dir / "model")
+        info = ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
+        apply_placement(visible_cores(device), spec.tp_degree)
+        modeling, sampling = import_library(MODELING, cls.name), import_library(SAMPLING, cls.name)
+        view = tempfile.TemporaryDirectory(prefix="inf2serve-nxdi-")
+        link_compiled_view(artifact_dir, Path(view.name))
+        neuron_model = modeling.NeuronLlamaForCausalLM(view.name)
+        neuron_model.load(view.name)
+        return cls(neuron_model, sampling.prepare_sampling_params, spec, info, view)
+
+    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
+        tokens: list[SampledToken] = []
+        for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
+            check_prefill(slot, prompt, batch.context_bucket, self.spec.grid.num_slots)
+            output = self._step([prompt], [slot], [list(range(len(prompt)))], [params])
+            tokens += self._tokens(output, [params])
+        return tokens
+
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
+        grid = self.spec.grid
+        rows = decode_rows(batch, grid.num_slots, grid.max_positions)
+        input_ids = [[token] for token in rows.tokens]
+        positions = [[position] for position in rows.positions]
+        output = self._step(input_ids, range(grid.num_slots), positions, rows.sampling)
+        per_slot = self._tokens(output, rows.sampling)
+        return rows.in_batch_order(per_slot)
+
+    def close(self) -> None:
+        """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""
+        self._neuron = None
+        self._view.cleanup()
+
+    def _step(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        positions: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams],
+    ) -> Any:
+        return self._neuron(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            seq_ids=torch.tensor(list(slots), dtype=torch.int64),
+            position_ids=torch.tensor(positions, dtype=torch.int64),
+            sampling_params=self._sampling_params(sampling),
+        )
+
+    def _sampling_params(self, sampling: Sequence[SamplingParams]) -> torch.Tensor:
+        top_k, top_p, temperature = zip(*(sampling_row(p, self._max_top_k) for p in sampling), strict=True)
+        return self._prepare_sampling_params(
+            len(sampling), top_k=list(top_k), top_p=list(top_p), temperature=list(temperature)
+        )
+
+    def _tokens(self, output: Any, params: Sequence[SamplingParams]) -> list[SampledToken]:
+        return device_tokens(output.tokens, output.logits[:, -1, : self.model.vocab_size], params)

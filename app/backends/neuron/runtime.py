@@ -1,0 +1,120 @@
+"""What a Neuron backend needs from its host: the library (imported on demand, with one clear error when
+it is missing), the versions of the Neuron stack (recorded in the manifest at compile time, compared at
+load: the pin table `app/artifacts/manifest.py` checks), and the NeuronCores this process may use.
+
+Core placement: the Neuron runtime reads `NEURON_RT_VISIBLE_CORES` (an index or an inclusive range such
+as `0-1`) or `NEURON_RT_NUM_CORES` once, when the first model is loaded in the process, so placement is
+applied to the environment just before loading. A tp-N artifact gets exactly N cores (whether a compiled
+tp-N model tolerates more visible cores is unconfirmed); comma lists are refused for the same reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from types import ModuleType
+
+from app.errors import ConfigError
+
+NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
+
+# The runtime is an OS package (libnrt), not a wheel: `runtime_version` probes it.
+RUNTIME_PACKAGE = "aws-neuronx-runtime-lib"
+# The stack an artifact records and the server must match exactly, per backend: the compiler that built
+# the NEFFs, the PyTorch bridge, the library that traced and runs the graphs, and the runtime that loads
+# them (the manifest's pin table: component -> version parts compared, None for all).
+NEURON_PINNED_VERSIONS: dict[str, dict[str, int | None]] = {
+    "neuron-nxdi": dict.fromkeys(
+        (
+            "neuronx-cc",
+            "torch-neuronx",
+            "neuronx-distributed",
+            "neuronx-distributed-inference",
+            RUNTIME_PACKAGE,
+        )
+    ),
+    "neuron-tnx": dict.fromkeys(("neuronx-cc", "torch-neuronx", "transformers-neuronx", RUNTIME_PACKAGE)),
+}
+
+_CORE_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def import_library(module: str, backend: str) -> ModuleType:
+    """Import a Neuron module, or fail with the one error that says how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"backend {backend} needs {module!r}, which cannot be imported ({exc}). Install the Neuron "
+            f"extra on a Neuron host: pip install '.[{backend}]' --extra-index-url {NEURON_PIP_REPOSITORY} "
+            "(never from PyPI, where these names are placeholders); see README, 'Neuron stack'"
+        ) from exc
+
+
+def runtime_version() -> str | None:
+    """The installed Neuron runtime package's version (Debian or RPM), or None where there is none."""
+    queries = (
+        ("dpkg-query", "-W", "-f=${Version}", RUNTIME_PACKAGE),
+        ("rpm", "-q", "--qf", "%{VERSION}", RUNTIME_PACKAGE),
+    )
+    for query in queries:
+        if shutil.which(query[0]) is None:
+            continue
+        result = subprocess.run(query, capture_output=True, text=True, timeout=10, check=False)
+        if result.returncode == 0 and result.stdout.strip():
+            return result.stdout.strip()
+    return None
+
+
+def visible_cores(device: str) -> str | None:
+    """The core range a backend `device` setting names: `neuron:0-1` pins cores 0 and 1; `neuron` (or the
+    settings default `cpu`) leaves placement to the environment."""
+    if device in ("neuron", "cpu"):
+        return None
+    prefix, _, cores = device.partition(":")
+    if prefix != "neuron" or not cores:
+        raise ConfigError(
+            f"device {device!r} is not a Neuron placement: use 'neuron' or 'neuron:<first>-<last>'"
+        )
+    core_count(cores)
+    return cores
+
+
+def core_count(cores: str) -> int:
+    """How many cores a `NEURON_RT_VISIBLE_CORES` value names ("3" is one, "0-7" is eight)."""
+    match = _CORE_RANGE.match(cores.strip())
+    if match is None:
+        raise ConfigError(
+            f"NeuronCore placement {cores!r} must be one index or an inclusive range such as '0-1' "
+            "(comma lists are not documented for NEURON_RT_VISIBLE_CORES)"
+        )
+    first, last = int(match[1]), int(match[2] or match[1])
+    if last < first:
+        raise ConfigError(f"NeuronCore range {cores!r} ends before it starts")
+    return last - first + 1
+
+
+def placement_env(visible_cores: str | None, tp_degree: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The runtime variables that place a tp-`tp_degree` model: the configured range, else a range the
+    operator already exported (a device plugin may), else `NEURON_RT_NUM_CORES` so that the runtime
+    picks free cores (which lets several replicas share a host)."""
+    cores = visible_cores or environ.get("NEURON_RT_VISIBLE_CORES")
+    if cores is None:
+        return {"NEURON_RT_NUM_CORES": str(tp_degree)}
+    if core_count(cores) != tp_degree:
+        raise ConfigError(
+            f"NEURON_RT_VISIBLE_CORES={cores} names {core_count(cores)} cores but the artifact is "
+            f"compiled for tp_degree {tp_degree}: give it exactly {tp_degree}"
+        )
+    return {"NEURON_RT_VISIBLE_CORES": cores.strip()}
+
+
+def apply_placement(visible_cores: str | None, tp_degree: int) -> dict[str, str]:
+    """Export the placement before the runtime starts; returns what was set."""
+    env = placement_env(visible_cores, tp_degree, os.environ)
+    os.environ.update(env)
+    return env

@@ -1,0 +1,126 @@
+"""Step plumbing shared by both Neuron libraries, with no Neuron import: per-row sampling parameters,
+the decode batch laid out on every compiled slot, and library outputs turned into `SampledToken`s.
+
+Decode always runs on all `num_slots` rows in slot order (row i is slot i, so `seq_ids`/`start_ids`
+is `arange(num_slots)` and no library-side reordering happens). Live slots carry their token and
+position; free slots are padded with token 0 at the smallest live position. That position is never 0
+(NxDI routes a batch holding a position-0 row to context encoding) and never raises the token bucket
+the library picks from the largest position. A padded row writes junk into its own (free) slot only,
+which is why every live slot must be in every decode call: a live slot left out would be overwritten.
+
+Tokens come either from the device's sampler (`device_tokens`: NxD Inference; it draws from the device's
+generator, so a request's seed is honoured on greedy rows only) or from logits drawn on the host by the
+portable backend's seeded sampler (`host_tokens`: transformers-neuronx; seeds honoured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from app.backends.base import GREEDY, BackendSpec, DecodeBatch, SampledToken, SamplingParams
+from app.backends.torch.sampling import SampleOutput, SamplingTensors, sample, sampled_tokens
+from app.errors import ConfigError, GenerationError, InvalidRequestError
+
+# The device sampler first keeps the `global_topk` most likely tokens; top-k beyond it cannot be honoured.
+DEFAULT_GLOBAL_TOPK = 256
+
+
+def check_grid(spec: BackendSpec) -> None:
+    """Neuron decode graphs are compiled for the full batch only: every call carries every slot."""
+    grid = spec.grid
+    if grid.batch_buckets != (grid.num_slots,):
+        raise ConfigError(
+            f"{spec.backend} compiles one decode batch of num_slots={grid.num_slots} rows; "
+            f"batch_buckets must be [{grid.num_slots}], got {list(grid.batch_buckets)}"
+        )
+
+
+def global_topk(vocab_size: int) -> int:
+    return min(DEFAULT_GLOBAL_TOPK, vocab_size)
+
+
+def sampling_row(params: SamplingParams, max_top_k: int) -> tuple[int, float, float]:
+    """(top_k, top_p, temperature) for the device sampler. Greedy is top_k 1; "no top-k filter" is the
+    whole candidate set the device keeps (`max_top_k`)."""
+    if params.is_greedy:
+        return (1, 1.0, 1.0)
+    if params.top_k > max_top_k:
+        raise InvalidRequestError(
+            f"top_k is {params.top_k}; this artifact samples on the device among at most {max_top_k} "
+            "candidates (global_topk)",
+            param="top_k",
+        )
+    return (params.top_k or max_top_k, params.top_p, params.temperature)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A decode batch laid out on all compiled slots: index i is slot i."""
+
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    sampling: tuple[SamplingParams, ...]
+    slots: tuple[int, ...]  # the batch's slots, in its order: where each output row is read back
+
+    def in_batch_order(self, per_slot: Sequence[SampledToken]) -> list[SampledToken]:
+        return [per_slot[slot] for slot in self.slots]
+
+
+def decode_rows(batch: DecodeBatch, num_slots: int, max_positions: int) -> DecodeRows:
+    """Lay `batch` out on every slot; see the module docstring for the padding rule."""
+    _check_decode(batch, num_slots, max_positions)
+    pad_position = min(batch.positions)
+    tokens, positions = [0] * num_slots, [pad_position] * num_slots
+    sampling = [GREEDY] * num_slots
+    for slot, token, position, params in zip(
+        batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True
+    ):
+        tokens[slot], positions[slot], sampling[slot] = token, position, params
+    return DecodeRows(tuple(tokens), tuple(positions), tuple(sampling), batch.slots)
+
+
+def _check_decode(batch: DecodeBatch, num_slots: int, max_positions: int) -> None:
+    sizes = {len(batch.slots), len(batch.last_tokens), len(batch.positions), len(batch.sampling)}
+    if len(sizes) != 1 or not batch.slots:
+        raise GenerationError(f"a decode batch needs one token, position and sampling per slot, got {sizes}")
+    if len(set(batch.slots)) != len(batch.slots) or not all(0 <= s < num_slots for s in batch.slots):
+        raise GenerationError(f"decode slots {batch.slots} must be distinct and in [0, {num_slots})")
+    if not all(1 <= p < max_positions for p in batch.positions):
+        raise GenerationError(
+            f"decode positions {batch.positions} must be in [1, {max_positions}) (a prompt fills position 0)"
+        )
+
+
+def check_prefill(slot: int, prompt: Sequence[int], context_bucket: int, num_slots: int) -> None:
+    if not 0 <= slot < num_slots:
+        raise GenerationError(f"prefill slot {slot} is outside [0, {num_slots})")
+    if not 1 <= len(prompt) <= context_bucket:
+        raise GenerationError(
+            f"a prompt of {len(prompt)} tokens does not fit context bucket {context_bucket}"
+        )
+
+
+def device_tokens(
+    ids: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[SampledToken]:
+    """Tokens the device sampled (`ids` [n]), with their logprobs and top alternatives read from the
+    logits [n, vocab] returned alongside them."""
+    token_ids = ids.reshape(-1)[: len(params)].to(torch.int64)
+    all_logprobs = torch.log_softmax(logits[: len(params)].float(), dim=-1)
+    chosen = all_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    return sampled_tokens(SampleOutput(token_ids, chosen, all_logprobs), params)
+
+
+def host_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generated_positions: Sequence[int]
+) -> list[SampledToken]:
+    """Tokens drawn on the host from fp32 `logits` [n, vocab] by the portable seeded sampler;
+    `generated_positions[i]` is the position of the token row i generates."""
+    rows = len(params)
+    tensors = SamplingTensors.build(params, generated_positions, rows, logits.shape[-1], logits.device)
+    random = not all(p.is_greedy for p in params)
+    filtered = any(p.top_k or p.top_p < 1.0 for p in params)
+    return sampled_tokens(sample(logits[:rows].float(), tensors, random=random, filtered=filtered), params)

@@ -1,0 +1,140 @@
+"""`neuron-tnx`: the backend contract on transformers-neuronx's `LlamaForSampling` (Neuron SDK up to 2.25;
+the library reached end of support in 2.26).
+
+Compiled for continuous batching (`ContinuousBatchingConfig` with `num_slots` shared caches, which forces
+right padding), the grid's token buckets (`n_positions`) and context buckets (`context_length_estimate`),
+and presharded weights (`save(..., sharded_weights=True)`, which needs `on_device_embedding`).
+
+Step mapping (`LlamaForSampling.forward(input_ids, cache_ids=, start_ids=)`): a slot is `start_ids`,
+positions are `cache_ids`. Prefill runs one sequence per call, right-padded to its context bucket with
+pad positions 0 (the library reads the last token from `cache_ids.max()`; padding also keeps a one-token
+prompt on the context-encoding path, which needs more than one token). Decode runs every slot (see
+`steps.py`).
+
+Sampling: the library's on-device generation returns token ids only, never logits, so it could not give
+logprobs, and the validation gate and the startup golden replay need them. This backend therefore
+compiles without it: the step returns fp32 logits [n, vocab] and tokens are drawn on the host by the
+portable seeded sampler (so seeds are honoured), instead of per-slot parameters written with
+`update_generation_config`.
+
+Artifact layout: `compiled/` holds the NEFFs (`<hlo hash>.neff`), `weights/` the presharded safetensors
+and the library's `config.json`. Loading rebuilds the model with the same arguments, so the HLO hashes
+match the saved NEFFs and nothing is compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from app.backends.base import (
+    Backend,
+    BackendSpec,
+    DecodeBatch,
+    ModelInfo,
+    PrefillBatch,
+    SampledToken,
+)
+from app.backends.neuron.runtime import apply_placement, import_library, visible_cores
+from app.backends.neuron.steps import check_grid, check_prefill, decode_rows, host_tokens
+from app.backends.torch.checkpoint import read_eos_token_ids, read_llama_config
+from app.errors import ArtifactError, ConfigError
+
+LIBRARY = "transformers_neuronx"
+AMP = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
+
+
+def check_context_buckets(spec: BackendSpec) -> None:
+    """A one-token context-encoding graph would be routed to token generation by the library."""
+    if spec.grid.context_buckets[0] < 2:
+        raise ConfigError(
+            f"{spec.backend} needs context buckets of at least 2 tokens, "
+            f"got {list(spec.grid.context_buckets)}"
+        )
+
+
+def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
+    """`LlamaForSampling.from_pretrained` keyword arguments for `spec`: the compile step and loading use
+    the same ones, which is what makes the saved NEFFs match."""
+    grid = spec.grid
+    neuron_config = library.NeuronConfig(
+        continuous_batching=library.ContinuousBatchingConfig(batch_size_for_shared_caches=grid.num_slots),
+        attention_layout="BSH",
+        collectives_layout="BSH",
+        fuse_qkv=True,
+        on_device_embedding=True,
+    )
+    return {
+        "batch_size": grid.num_slots,
+        "tp_degree": spec.tp_degree,
+        "amp": AMP[spec.dtype],
+        "n_positions": list(grid.token_buckets),
+        "context_length_estimate": list(grid.context_buckets),
+        "neuron_config": neuron_config,
+    }
+
+
+class TnxBackend(Backend):
+    name = "neuron-tnx"
+    honours_seed = True
+
+    def __init__(self, neuron_model: Any, spec: BackendSpec, info: ModelInfo) -> None:
+        self.spec = spec
+        self.model = info
+        self._neuron = neuron_model
+
+    @classmethod
+    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> TnxBackend:
+        check_grid(spec)
+        check_context_buckets(spec)
+        llama = read_llama_config(artifact_dir / "model")
+        info = ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
+        apply_placement(visible_cores(device), spec.tp_degree)
+        library = import_library(LIBRARY, cls.name)
+        kwargs = model_kwargs(library, spec)
+        neuron_model = library.LlamaForSampling.from_pretrained(str(artifact_dir / "weights"), **kwargs)
+        neuron_model.load(str(artifact_dir / "compiled"))
+        try:
+            neuron_model.to_neuron()
+        except FileNotFoundError as error:  # the library found no NEFF for one of the graphs it traced
+            raise ArtifactError(
+                f"{artifact_dir / 'compiled'} holds no compiled graph for this spec ({error}); recompile"
+            ) from error
+        return cls(neuron_model, spec, info)
+
+    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
+        tokens: list[SampledToken] = []
+        width = batch.context_bucket
+        for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
+            check_prefill(slot, prompt, width, self.spec.grid.num_slots)
+            padding = [0] * (width - len(prompt))
+            logits = self._step([[*prompt, *padding]], [[*range(len(prompt)), *padding]], [slot])
+            tokens += host_tokens(logits, [params], [len(prompt)])
+        return tokens
+
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
+        grid = self.spec.grid
+        rows = decode_rows(batch, grid.num_slots, grid.max_positions)
+        input_ids = [[token] for token in rows.tokens]
+        positions = [[position] for position in rows.positions]
+        logits = self._step(input_ids, positions, range(grid.num_slots))
+        per_slot = host_tokens(logits, rows.sampling, [p + 1 for p in rows.positions])
+        return rows.in_batch_order(per_slot)
+
+    def close(self) -> None:
+        """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""
+        self._neuron = None
+
+    def _step(
+        self, input_ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], slots: Sequence[int]
+    ) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of each row's last real token, rows in the order given."""
+        return self._neuron(
+            torch.tensor(input_ids, dtype=torch.int64),
+            cache_ids=torch.tensor(positions, dtype=torch.int64),
+            start_ids=torch.tensor(list(slots), dtype=torch.int64),
+        )

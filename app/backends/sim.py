@@ -1,0 +1,308 @@
+"""`sim`: a virtual device with the backend contract, for tests, benchmarks and demos without hardware.
+
+Tokens are deterministic: each is a hash of (seed, position, previous token), so the same seed gives the
+same tokens whatever shares the batch, and different prompts give different continuations. A token is
+EOS with probability `eos_probability` (geometric output lengths), otherwise a non-EOS id of the vocab.
+
+Time is charged on the padded shape, as the hardware does: a decode call costs
+`T(B, L) = a + b*B + c*B*L` for batch bucket B and token bucket L, a prefill call costs `T_pre(C)` per
+sequence for context bucket C (piecewise linear between calibration points). A call returns at its
+absolute deadline `start + T`: it sleeps to just short of it and spins the rest (`spin_s`), so sleep
+overshoot is not reported as host overhead between steps. Presets come from published inf2 numbers
+(research/perf-anchors.md sections 2 and 3).
+
+The sim also checks what it is given, as a strict device would: shapes from the grid, distinct slots, and
+that each decode continues its slot exactly where the slot's sequence ended (which catches a slot used
+by two requests). With `record_timeline`, every call is logged as a `StepRecord` for benchmarks.
+
+Serving a `sim` artifact (`SimBackend.load`): vocab size and EOS ids come from `model/config.json` and
+`model/generation_config.json` when present (defaults: 32000, (2,)). The cost model and EOS probability
+come from `sim.json` at the artifact root when present, e.g. `{"cost_model": "llama3.1-8b-tp8",
+"eos_probability": 0.01}` (a preset name or the `CostModel` fields), else the `zero` preset. The
+environment variable INF2SERVE_SIM_COST_MODEL (a preset name) overrides the file's cost model, so one
+artifact can be served as different devices.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from app.backends.base import Backend, BackendSpec, DecodeBatch, ModelInfo, PrefillBatch, SampledToken
+from app.errors import ConfigError
+
+COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"
+DEFAULT_VOCAB_SIZE = 32000
+DEFAULT_EOS_IDS = (2,)
+DEFAULT_SPIN_S = 0.0002
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Seconds per call on the padded shape."""
+
+    decode_fixed_s: float = 0.0  # a
+    decode_per_row_s: float = 0.0  # b, per padded row
+    decode_per_row_token_s: float = 0.0  # c, per padded row per attended position
+    prefill_points: tuple[tuple[int, float], ...] = ()  # (context bucket, seconds per sequence), sorted
+
+    def decode_s(self, batch_bucket: int, token_bucket: int) -> float:
+        return (
+            self.decode_fixed_s
+            + self.decode_per_row_s * batch_bucket
+            + self.decode_per_row_token_s * batch_bucket * token_bucket
+        )
+
+    def prefill_s(self, context_bucket: int, num_sequences: int) -> float:
+        return num_sequences * _piecewise_linear(self.prefill_points, context_bucket)
+
+    @classmethod
+    def preset(cls, name: str) -> CostModel:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown sim cost model {name!r}; choose one of {', '.join(PRESETS)}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_value(cls, value: str | dict[str, object]) -> CostModel:
+        """A preset name, or the fields as a dict (as `to_dict` writes them)."""
+        if isinstance(value, str):
+            return cls.preset(value)
+        fields = dict(value)
+        points = fields.pop("prefill_points", ())
+        try:
+            return cls(
+                prefill_points=tuple((int(c), float(s)) for c, s in points),  # type: ignore[attr-defined]
+                **{k: float(v) for k, v in fields.items()},  # type: ignore[arg-type]
+            )
+        except TypeError as exc:
+            raise ConfigError(f"bad sim cost model {value}: {exc}") from exc
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _piecewise_linear(points: tuple[tuple[int, float], ...], x: int) -> float:
+    """Interpolate between points; extrapolate with the nearest segment (a single point: a constant)."""
+    if not points:
+        return 0.0
+    if len(points) == 1:
+        return points[0][1]
+    index = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[index - 1], points[index]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+PRESETS: dict[str, CostModel] = {
+    "zero": CostModel(),
+    # Llama-3.1-8B, TP8 (4 chips), batch 32 on inf2.48xlarge (optimum-neuron vLLM): ~24.5 ms per padded
+    # step at a 2048 KV bucket = 19.0 ms fixed + 0.08 ms/row + 44 ns/row/position; prefill ~322 ms TTFT at
+    # ~1500 prompt tokens (bucket 2048).
+    "llama3.1-8b-tp8": CostModel(
+        decode_fixed_s=0.019,
+        decode_per_row_s=0.00008,
+        decode_per_row_token_s=4.4e-8,
+        prefill_points=((128, 0.0375), (2048, 0.300)),
+    ),
+    # Llama-2-70B, TP24 on inf2.48xlarge, batch 1 (Neuron reference table): TPOT 32.9 ms at 256 positions,
+    # 34.9 ms at 4096; TTFT 76.6 / 277 / 810 ms at 128 / 1024 / 2048 prompt tokens.
+    "llama2-70b-tp24": CostModel(
+        decode_fixed_s=0.0324,
+        decode_per_row_s=0.0004,
+        decode_per_row_token_s=5.5e-7,
+        prefill_points=((128, 0.0766), (1024, 0.277), (2048, 0.810)),
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One call on the virtual device: `end` is the nominal end (start + cost), `returned` the real one."""
+
+    batch: PrefillBatch | DecodeBatch
+    start: float
+    end: float
+    returned: float
+
+
+def sim_hash(seed: int, position: int, previous_token: int) -> int:
+    """A 64-bit mix (splitmix64 finalizer) of what determines a sampled token."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xC2B2AE3D27D4EB4F + previous_token + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(eq=False)
+class SimBackend(Backend):
+    name: ClassVar[str] = "sim"
+    spec: BackendSpec
+    model: ModelInfo
+    cost_model: CostModel = field(default_factory=CostModel)
+    eos_probability: float = 0.0
+    spin_s: float = DEFAULT_SPIN_S
+    record_timeline: bool = False
+    timeline: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=1_000_000))
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ConfigError(f"eos_probability must be within [0, 1], got {self.eos_probability}")
+        eos = set(self.model.eos_token_ids)
+        self._plain_ids = [i for i in range(self.model.vocab_size) if i not in eos]
+        if not self._plain_ids or not eos:
+            raise ConfigError(
+                f"the sim needs EOS ids and other ids within the vocab of {self.model.vocab_size}"
+            )
+        self._kv_len = [0] * self.spec.grid.num_slots  # tokens written per slot
+        self._check_positions = True
+
+    def warmup(self) -> None:
+        """Every compiled shape once, on made-up positions; afterwards the slots hold nothing."""
+        self._check_positions = False
+        try:
+            super().warmup()
+        finally:
+            self._check_positions = True
+            self._kv_len = [0] * self.spec.grid.num_slots
+
+    @classmethod
+    def create(
+        cls,
+        spec: BackendSpec,
+        cost_model: CostModel | None = None,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+        eos_ids: tuple[int, ...] = DEFAULT_EOS_IDS,
+        eos_probability: float = 0.0,
+        spin_s: float = DEFAULT_SPIN_S,
+        record_timeline: bool = False,
+    ) -> SimBackend:
+        return cls(
+            spec,
+            ModelInfo(vocab_size, tuple(eos_ids)),
+            cost_model or CostModel(),
+            eos_probability,
+            spin_s,
+            record_timeline,
+        )
+
+    @classmethod
+    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> SimBackend:
+        artifact_dir = Path(artifact_dir)
+        options = _read_json(artifact_dir / "sim.json")
+        cost_value = os.environ.get(COST_MODEL_ENV) or options.get("cost_model", "zero")
+        return cls.create(
+            spec,
+            CostModel.from_value(cost_value),  # type: ignore[arg-type]
+            *_model_info(artifact_dir / "model"),
+            eos_probability=float(options.get("eos_probability", 0.0)),  # type: ignore[arg-type]
+        )
+
+    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
+        start = time.perf_counter()
+        self._check_prefill(batch)
+        tokens = [
+            self.sample_token(params.seed, len(prompt), prompt[-1], params.num_top_logprobs)
+            for prompt, params in zip(batch.prompts, batch.sampling, strict=True)
+        ]
+        for slot, prompt in zip(batch.slots, batch.prompts, strict=True):
+            self._kv_len[slot] = len(prompt)
+        self._finish(batch, start, self.cost_model.prefill_s(batch.context_bucket, len(batch.slots)))
+        return tokens
+
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
+        start = time.perf_counter()
+        self._check_decode(batch)
+        tokens = [
+            self.sample_token(params.seed, position + 1, last, params.num_top_logprobs)
+            for last, position, params in zip(batch.last_tokens, batch.positions, batch.sampling, strict=True)
+        ]
+        for slot, position in zip(batch.slots, batch.positions, strict=True):
+            self._kv_len[slot] = position + 1
+        self._finish(batch, start, self.cost_model.decode_s(batch.batch_bucket, batch.token_bucket))
+        return tokens
+
+    def sample_token(
+        self, seed: int, position: int, previous_token: int, num_top_logprobs: int = 0
+    ) -> SampledToken:
+        """The token this device generates at `position` after `previous_token`: a pure function."""
+        h = sim_hash(seed, position, previous_token)
+        if (h >> 11) * (1.0 / (1 << 53)) < self.eos_probability:
+            token = self.model.eos_token_ids[0]
+        else:
+            token = self._plain_ids[h % len(self._plain_ids)]
+        logprob = -((h >> 20) & 0xFFFF) / 16384.0
+        vocab = self.model.vocab_size
+        top = tuple(((token + i) % vocab, logprob - i) for i in range(min(num_top_logprobs, vocab)))
+        return SampledToken(token, logprob, top)
+
+    def _finish(self, batch: PrefillBatch | DecodeBatch, start: float, cost_s: float) -> None:
+        deadline = start + cost_s
+        remaining = deadline - time.perf_counter()
+        if remaining > self.spin_s:
+            time.sleep(remaining - self.spin_s)
+        while time.perf_counter() < deadline:
+            pass
+        if self.record_timeline:
+            self.timeline.append(StepRecord(batch, start, deadline, time.perf_counter()))
+
+    def _check_prefill(self, batch: PrefillBatch) -> None:
+        grid = self.spec.grid
+        _require(
+            batch.context_bucket in grid.context_buckets,
+            f"context bucket {batch.context_bucket} not compiled",
+        )
+        self._check_slots(batch.slots)
+        for prompt in batch.prompts:
+            _require(
+                0 < len(prompt) <= batch.context_bucket,
+                f"prompt of {len(prompt)} tokens in bucket {batch.context_bucket}",
+            )
+            self._check_ids(prompt)
+
+    def _check_decode(self, batch: DecodeBatch) -> None:
+        grid = self.spec.grid
+        _require(batch.batch_bucket in grid.batch_buckets, f"batch bucket {batch.batch_bucket} not compiled")
+        _require(batch.token_bucket in grid.token_buckets, f"token bucket {batch.token_bucket} not compiled")
+        _require(
+            len(batch.slots) <= batch.batch_bucket,
+            f"{len(batch.slots)} rows in batch bucket {batch.batch_bucket}",
+        )
+        self._check_slots(batch.slots)
+        self._check_ids(batch.last_tokens)
+        for slot, position in zip(batch.slots, batch.positions, strict=True):
+            _require(
+                position == self._kv_len[slot] or not self._check_positions,
+                f"slot {slot} holds {self._kv_len[slot]} tokens but decode writes position {position}",
+            )
+            _require(
+                position < batch.token_bucket, f"position {position} beyond token bucket {batch.token_bucket}"
+            )
+
+    def _check_slots(self, slots: tuple[int, ...]) -> None:
+        _require(len(set(slots)) == len(slots), f"a slot appears twice in {slots}")
+        _require(all(0 <= s < self.spec.grid.num_slots for s in slots), f"slots {slots} outside the grid")
+
+    def _check_ids(self, token_ids: tuple[int, ...]) -> None:
+        _require(min(token_ids) >= 0 and max(token_ids) < self.model.vocab_size, "token id outside the vocab")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"sim device: {message}")
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _model_info(model_dir: Path) -> tuple[int, tuple[int, ...]]:
+    config = _read_json(model_dir / "config.json")
+    eos = _read_json(model_dir / "generation_config.json").get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = DEFAULT_EOS_IDS if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)  # type: ignore[arg-type]
+    return int(config.get("vocab_size", DEFAULT_VOCAB_SIZE)), eos_ids  # type: ignore[arg-type]

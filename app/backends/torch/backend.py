@@ -1,0 +1,228 @@
+"""`TorchBackend`: the portable backend (CPU here, CUDA where present) with Inferentia's static-shape
+discipline. It validates each batch against the grid, pads it to the grid's shapes, runs the forward
+pass on every rank and samples on rank 0; only token ids and logprobs come back to the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from app.backends.base import (
+    DTYPES,
+    Backend,
+    BackendSpec,
+    DecodeBatch,
+    ModelInfo,
+    PrefillBatch,
+    SampledToken,
+    SamplingParams,
+)
+from app.backends.torch.checkpoint import LlamaSpec, read_eos_token_ids, read_llama_config
+from app.backends.torch.cuda_graphs import DecodeGraphs
+from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
+from app.backends.torch.parallel import TorchDistributedGroup, WorkerPool, rank_device
+from app.backends.torch.sampling import SampleOutput, SamplingTensors, sample, sampled_tokens
+from app.errors import ConfigError, GenerationError
+
+
+class TorchBackend(Backend):
+    """A Llama on torch over slots; tensor parallel across processes when `spec.tp_degree > 1`."""
+
+    name = "torch"
+
+    def __init__(
+        self, spec: BackendSpec, model: ModelInfo, runner: LlamaRunner, workers: WorkerPool | None
+    ) -> None:
+        self.spec = spec
+        self.model = model
+        self.runner = runner
+        self.workers = workers
+        self.graphs: DecodeGraphs | None = None
+        self.closed = False
+
+    @classmethod
+    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> TorchBackend:
+        torch_device = _resolve_device(device, spec.tp_degree)
+        llama = check_backend_spec(artifact_dir / "model", spec)
+        model = ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
+        if spec.tp_degree == 1:
+            return cls(
+                spec,
+                model,
+                LlamaRunner.from_artifact(artifact_dir, spec, torch_device, 0, SingleRank()),
+                None,
+            )
+        workers = WorkerPool.start(artifact_dir, spec, torch_device)
+        try:
+            group = TorchDistributedGroup(spec.tp_degree)
+            runner = LlamaRunner.from_artifact(artifact_dir, spec, rank_device(torch_device, 0), 0, group)
+            workers.wait_loaded()
+            group.join(workers.store, 0, rank_device(torch_device, 0))
+        except BaseException:
+            workers.close()
+            raise
+        return cls(spec, model, runner, workers)
+
+    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
+        logits = self._forward(self._prefill_step(batch))
+        return self._sample(logits, batch.sampling, [len(prompt) for prompt in batch.prompts])
+
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
+        step = self._decode_step(batch)
+        next_positions = [position + 1 for position in batch.positions]
+        if self.graphs is None:
+            return self._sample(self._forward(step), batch.sampling, next_positions)
+        self._check_open()
+        tensors = SamplingTensors.build(
+            batch.sampling, next_positions, len(step.tokens), self.model.vocab_size, self.runner.device
+        )
+        return sampled_tokens(self.graphs.replay(step, tensors), batch.sampling)
+
+    def prefill_logits(self, batch: PrefillBatch) -> torch.Tensor:
+        """Run a prefill step and return its fp32 logits [prompts, vocab] instead of sampling
+        (parity checks against a reference model)."""
+        return self._forward(self._prefill_step(batch))[: len(batch.slots)]
+
+    def decode_logits(self, batch: DecodeBatch) -> torch.Tensor:
+        """Run a decode step (eagerly) and return its fp32 logits [rows, vocab] instead of sampling."""
+        return self._forward(self._decode_step(batch))[: len(batch.slots)]
+
+    def warmup(self) -> None:
+        """On a single CUDA device, capture every decode shape as a CUDA graph; then run every shape."""
+        if self.runner.device.type == "cuda" and self.workers is None and self.graphs is None:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs.capture(self.runner, self.spec.grid)
+        super().warmup()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.graphs = None
+        if self.workers is not None:
+            self.workers.close()
+
+    def _forward(self, step: PrefillStep | DecodeStep) -> torch.Tensor:
+        self._check_open()
+        with torch.inference_mode():
+            if self.workers is None:
+                return self.runner.run(step)
+            self.workers.send(step)
+            try:
+                return self.runner.run(step)
+            except RuntimeError as error:  # a collective failed: a peer rank died or timed out
+                raise GenerationError(f"tensor-parallel step failed: {error}") from error
+
+    def _sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    ) -> list[SampledToken]:
+        tensors = SamplingTensors.build(
+            params, positions, logits.shape[0], self.model.vocab_size, logits.device
+        )
+        with torch.inference_mode():
+            output: SampleOutput = sample(
+                logits,
+                tensors,
+                random=any(not p.is_greedy for p in params),
+                filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            )
+            return sampled_tokens(output, params)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GenerationError("the torch backend is closed")
+
+    def _prefill_step(self, batch: PrefillBatch) -> PrefillStep:
+        grid, bucket = self.spec.grid, batch.context_bucket
+        count = _check_rows(batch.slots, batch.prompts, batch.sampling)
+        _check_in(bucket, grid.context_buckets, "context bucket")
+        for prompt in batch.prompts:
+            if not 1 <= len(prompt) <= bucket:
+                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit context bucket {bucket}")
+            self._check_tokens(prompt)
+        self._check_slots(batch.slots)
+        padding = grid.batch_bucket(count) - count
+        return PrefillStep(
+            tokens=tuple(prompt + (0,) * (bucket - len(prompt)) for prompt in batch.prompts)
+            + ((0,) * bucket,) * padding,
+            last_index=tuple(len(prompt) - 1 for prompt in batch.prompts) + (0,) * padding,
+            slots=batch.slots + (self.runner.scratch_slot,) * padding,
+        )
+
+    def _decode_step(self, batch: DecodeBatch) -> DecodeStep:
+        grid, rows, span = self.spec.grid, batch.batch_bucket, batch.token_bucket
+        count = _check_rows(batch.slots, batch.last_tokens, batch.positions, batch.sampling)
+        _check_in(rows, grid.batch_buckets, "batch bucket")
+        _check_in(span, grid.token_buckets, "token bucket")
+        if count > rows:
+            raise ValueError(f"{count} sequences do not fit batch bucket {rows}")
+        if not all(0 <= position < span for position in batch.positions):
+            raise ValueError(f"positions {list(batch.positions)} must lie in [0, token bucket {span})")
+        self._check_tokens(batch.last_tokens)
+        self._check_slots(batch.slots)
+        padding = rows - count
+        return DecodeStep(
+            tokens=batch.last_tokens + (0,) * padding,
+            positions=batch.positions + (0,) * padding,
+            slots=batch.slots + (self.runner.scratch_slot,) * padding,
+            span=span,
+        )
+
+    def _check_slots(self, slots: tuple[int, ...]) -> None:
+        if len(set(slots)) != len(slots) or not all(0 <= slot < self.spec.grid.num_slots for slot in slots):
+            raise ValueError(f"slots {list(slots)} must be distinct and in [0, {self.spec.grid.num_slots})")
+
+    def _check_tokens(self, tokens: tuple[int, ...]) -> None:
+        if tokens and not (min(tokens) >= 0 and max(tokens) < self.model.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {self.model.vocab_size}), got {min(tokens)}..{max(tokens)}"
+            )
+
+
+def check_backend_spec(model_dir: Path, spec: BackendSpec) -> LlamaSpec:
+    """The model's config, after checking that `spec` can run it; ConfigError names what cannot."""
+    if spec.backend != TorchBackend.name:
+        raise ConfigError(f"backend spec is for {spec.backend!r}, not {TorchBackend.name!r}")
+    if spec.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
+    llama = read_llama_config(model_dir)
+    llama.check_tp_degree(spec.tp_degree)
+    if spec.grid.max_positions > llama.max_position_embeddings:
+        raise ConfigError(
+            f"max_positions {spec.grid.max_positions} exceeds the model's max_position_embeddings "
+            f"{llama.max_position_embeddings}"
+        )
+    return llama
+
+
+def _resolve_device(device: str, tp_degree: int) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ConfigError(f"unknown device {device!r}: {error}") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} requested but CUDA is not available")
+        if torch.cuda.device_count() < tp_degree:
+            raise ConfigError(
+                f"tp_degree {tp_degree} needs {tp_degree} CUDA devices, {torch.cuda.device_count()} found"
+            )
+    elif resolved.type != "cpu":
+        raise ConfigError(f"device {device!r} is not supported by the torch backend: use 'cpu' or 'cuda'")
+    return resolved
+
+
+def _check_rows(*columns: Sequence[object]) -> int:
+    count = len(columns[0])
+    if count == 0 or any(len(column) != count for column in columns):
+        raise ValueError(
+            f"a batch needs one entry per sequence in every field, got lengths {[len(c) for c in columns]}"
+        )
+    return count
+
+
+def _check_in(size: int, buckets: tuple[int, ...], what: str) -> None:
+    if size not in buckets:
+        raise ValueError(f"{what} {size} is not in the compiled grid {list(buckets)}")

@@ -1,0 +1,306 @@
+"""The Llama forward pass of one tensor-parallel rank over fixed shapes, with a slot KV cache.
+
+Shapes are those of Inferentia's static graphs: prefill runs [rows, context_bucket] token blocks and
+decode runs [batch_bucket] tokens attending over [token_bucket] cached positions. The cache holds one
+row per slot plus one scratch row (`scratch_slot`) that padded rows write to, so padding never touches
+a live sequence. Every function here is shape-stable, so CUDA graphs can capture the decode path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from app.backends.base import BackendSpec
+from app.backends.torch.checkpoint import (
+    RANK_FILE_FORMAT,
+    TORCH_DTYPES,
+    LlamaSpec,
+    RopeScaling,
+    rank_file_metadata,
+    rank_file_name,
+    read_llama_config,
+)
+from app.errors import ArtifactError
+
+
+class Collectives(Protocol):
+    """The tensor-parallel communication a rank needs (identity for a single rank)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class SingleRank:
+    """Collectives of a tp=1 model: nothing to exchange."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStep:
+    """Prompts padded to [rows, context_bucket]; `last_index` is each row's last real token."""
+
+    tokens: tuple[tuple[int, ...], ...]
+    last_index: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """One token per row at `positions`, attending over the first `span` cached positions."""
+
+    tokens: tuple[int, ...]
+    positions: tuple[int, ...]
+    slots: tuple[int, ...]
+    span: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RankWeights:
+    """One rank's slices, in the fused layout `write_rank_shards` writes."""
+
+    embed: torch.Tensor
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+    @classmethod
+    def load(
+        cls, path: Path, spec: LlamaSpec, rank: int, tp_degree: int, dtype: str, device: torch.device
+    ) -> RankWeights:
+        tensors = _read_rank_file(path, spec, rank, tp_degree, dtype, device)
+        layers = tuple(
+            LayerWeights(
+                input_norm=tensors[f"layers.{i}.input_layernorm"],
+                qkv=tensors[f"layers.{i}.qkv_proj"],
+                o=tensors[f"layers.{i}.o_proj"],
+                post_norm=tensors[f"layers.{i}.post_attention_layernorm"],
+                gate_up=tensors[f"layers.{i}.gate_up_proj"],
+                down=tensors[f"layers.{i}.down_proj"],
+            )
+            for i in range(spec.num_layers)
+        )
+        embed = tensors["embed_tokens"]
+        return cls(embed, layers, tensors["norm"], tensors.get("lm_head", embed))
+
+
+def _read_rank_file(
+    path: Path, spec: LlamaSpec, rank: int, tp_degree: int, dtype: str, device: torch.device
+) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise ArtifactError(f"rank weights file {path} does not exist")
+    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        metadata = handle.metadata() or {}
+        expected = rank_file_metadata(rank, tp_degree, dtype)
+        if metadata != expected:
+            raise ArtifactError(
+                f"{path} was written for {metadata or 'an unknown layout'}, expected {expected}"
+            )
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    for name, shape in spec.rank_tensor_shapes(tp_degree).items():
+        if name not in tensors or tuple(tensors[name].shape) != shape:
+            found = list(tensors[name].shape) if name in tensors else "nothing"
+            raise ArtifactError(
+                f"{path}: tensor {name} is {found}, expected {list(shape)} ({RANK_FILE_FORMAT})"
+            )
+    return tensors
+
+
+def inverse_frequencies(spec: LlamaSpec) -> torch.Tensor:
+    """RoPE inverse frequencies, with `linear` or `llama3` scaling, exactly as transformers computes them."""
+    exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta**exponents)
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    return _llama3_frequencies(inv_freq, scaling)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of the last dim (transformers' `rotate_half` layout); cos/sin hold one half."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaRunner:
+    """One rank's weights, RoPE tables and KV cache, and the two fixed-shape forward passes."""
+
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        weights: RankWeights,
+        *,
+        num_slots: int,
+        max_positions: int,
+        tp_degree: int,
+        rank: int,
+        dtype: str,
+        device: torch.device,
+        collectives: Collectives,
+    ) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.device = device
+        self.collectives = collectives
+        self.scratch_slot = num_slots
+        self.num_heads = spec.num_heads // tp_degree
+        self.num_kv_heads = spec.num_kv_heads // tp_degree
+        self.vocab_start = rank * (spec.vocab_size // tp_degree)
+        self.tp_degree = tp_degree
+        torch_dtype = TORCH_DTYPES[dtype]
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inverse_frequencies(spec)[None, :]
+        self.cos = freqs.cos().to(device=device, dtype=torch_dtype)
+        self.sin = freqs.sin().to(device=device, dtype=torch_dtype)
+        cache_shape = (num_slots + 1, self.num_kv_heads, max_positions, spec.head_dim)
+        self.k_cache = [torch.zeros(cache_shape, dtype=torch_dtype, device=device) for _ in weights.layers]
+        self.v_cache = [torch.zeros(cache_shape, dtype=torch_dtype, device=device) for _ in weights.layers]
+
+    @classmethod
+    def from_artifact(
+        cls, artifact_dir: Path, spec: BackendSpec, device: torch.device, rank: int, collectives: Collectives
+    ) -> LlamaRunner:
+        """Rank `rank` of an artifact: `model/config.json` and its own `weights/rank-<rank>.safetensors`."""
+        llama = read_llama_config(artifact_dir / "model")
+        path = artifact_dir / "weights" / rank_file_name(rank)
+        weights = RankWeights.load(path, llama, rank, spec.tp_degree, spec.dtype, device)
+        return cls(
+            llama,
+            weights,
+            num_slots=spec.grid.num_slots,
+            max_positions=spec.grid.max_positions,
+            tp_degree=spec.tp_degree,
+            rank=rank,
+            dtype=spec.dtype,
+            device=device,
+            collectives=collectives,
+        )
+
+    def run(self, step: PrefillStep | DecodeStep) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [rows, vocab] for a step given as host values."""
+        ints = {"dtype": torch.int64, "device": self.device}
+        slots = torch.tensor(step.slots, **ints)
+        if isinstance(step, PrefillStep):
+            return self.prefill_logits(
+                torch.tensor(step.tokens, **ints), torch.tensor(step.last_index, **ints), slots
+            )
+        tokens, positions = torch.tensor(step.tokens, **ints), torch.tensor(step.positions, **ints)
+        return self.decode_logits(tokens, positions, slots, step.span)
+
+    def prefill_logits(
+        self, tokens: torch.Tensor, last_index: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Context encoding of `tokens` [rows, length] into `slots`; logits at each row's `last_index`."""
+        rows, length = tokens.shape
+        x = self._embed(tokens)
+        cos, sin = self.cos[:length, None, :], self.sin[:length, None, :]
+        for layer, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache, strict=True):
+            q, k, v = self._qkv(layer, x, cos, sin)  # [rows, length, heads, head_dim]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            k_cache[:, :, :length].index_copy_(0, slots, k)
+            v_cache[:, :, :length].index_copy_(0, slots, v)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(rows, length, -1))
+        last = x[torch.arange(rows, device=self.device), last_index]
+        return self._logits(last)
+
+    def decode_logits(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int
+    ) -> torch.Tensor:
+        """One step: `tokens` [rows] at `positions` [rows], attending over cache positions < `span`."""
+        rows = tokens.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        x = self._embed(tokens)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        # The query heads sharing a KV head attend as one group of queries: no KV repeat needed.
+        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        for layer, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache, strict=True):
+            q, k, v = self._qkv(layer, x, cos, sin)  # [rows, heads, head_dim]
+            k_cache[slots, :, positions] = k
+            v_cache[slots, :, positions] = v
+            keys = k_cache[:, :, :span].index_select(0, slots)
+            values = v_cache[:, :, :span].index_select(0, slots)
+            queries = q.view(rows, self.num_kv_heads, group, self.spec.head_dim)
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)
+            x = self._finish_layer(layer, x, attn.reshape(rows, -1))
+        return self._logits(x)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        embed = self.weights.embed
+        if self.tp_degree == 1:
+            return F.embedding(tokens, embed)
+        local = tokens - self.vocab_start
+        owned = (local >= 0) & (local < embed.shape[0])
+        x = F.embedding(local.clamp(0, embed.shape[0] - 1), embed) * owned.unsqueeze(-1).to(embed.dtype)
+        self.collectives.all_reduce(x)
+        return x
+
+    def _qkv(
+        self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused q/k/v projection with RoPE applied to q and k in one pass; heads on dim -2."""
+        h = rms_norm(x, layer.input_norm, self.spec.rms_norm_eps)
+        qkv = F.linear(h, layer.qkv).unflatten(-1, (-1, self.spec.head_dim))
+        rotated = self.num_heads + self.num_kv_heads
+        qk = apply_rope(qkv[..., :rotated, :], cos, sin)
+        return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., rotated:, :]
+
+    def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Attention output projection and the SwiGLU MLP, each followed by its residual add."""
+        out = F.linear(attn, layer.o)
+        self.collectives.all_reduce(out)
+        x = x + out
+        gate, up = F.linear(rms_norm(x, layer.post_norm, self.spec.rms_norm_eps), layer.gate_up).chunk(
+            2, dim=-1
+        )
+        out = F.linear(F.silu(gate) * up, layer.down)
+        self.collectives.all_reduce(out)
+        return x + out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
+        return self.collectives.all_gather(F.linear(h, self.weights.lm_head)).float()

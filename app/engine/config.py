@@ -1,0 +1,34 @@
+"""The engine's scheduling limits. The shape grid (slots, buckets, positions) comes from the artifact; these
+come from the server's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_waiting: int = 256
+    """Bound of the waiting queue; `generate` raises OverloadedError beyond it."""
+    max_prefills_per_step: int = 4
+    """New sequences admitted per step: bounds how long prefills stall the running decodes."""
+    max_prefill_tokens_per_step: int | None = None
+    """Padded prompt tokens admitted per step (None: unbounded). The queue head is always admitted."""
+    max_queue_wait_s: float | None = 60.0
+    """A request still waiting for a slot after this long fails (DeadlineExceededError)."""
+    request_timeout_s: float | None = None
+    """Deadline of a request that brings none (`GenerationParams.deadline`); None: no deadline."""
+    static_batching: bool = False
+    """Run-to-completion batches (admit only into an empty engine): the baseline for benchmarks."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_prefills_per_step", "max_prefill_tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        for name in ("max_queue_wait_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive (or None for no limit), got {value}")

@@ -1,0 +1,312 @@
+"""`LLMEngine`: the continuous-batching engine behind the HTTP layer (`EngineClient`).
+
+Three threads meet here. The caller's (the uvicorn event loop) runs `generate` and `abort`, which only
+validate, admit into an inbox and return at once. The engine thread runs the step loop, schedule ->
+execute -> update, calling the backend inline so that nothing but the scheduler sits between two device
+steps. The output thread (`app/engine/output.py`) detokenizes, matches stop strings, records metrics
+and hands each request's deltas to the event loop that asked for them, while the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from app.backends.base import Backend, DecodeBatch, PrefillBatch, SampledToken
+from app.engine.config import EngineConfig
+from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
+from app.engine.output import CallTiming, OutputProcessor, OutputState, RequestStream, StepReport
+from app.engine.request import Request
+from app.engine.scheduler import BatchPlan, Scheduler
+from app.engine.stops import StopStringMatcher, stop_token_ids
+from app.engine.types import FinishReason, GenerationParams
+from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
+
+if TYPE_CHECKING:
+    from app.tokenizer import Tokenizer
+
+__all__ = ["EngineConfig", "LLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+EWMA_WEIGHT = 0.1
+DEFAULT_STEP_S = 0.05  # retry-after estimates before any step was measured
+DEFAULT_REQUEST_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    """One backend call: its tokens, or the exception it raised."""
+
+    batch: PrefillBatch | DecodeBatch
+    samples: Sequence[SampledToken]
+    error: Exception | None
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.grid = backend.spec.grid
+        self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
+        self._decode_rules = DecodeRules.of(tokenizer)
+        self._scheduler = Scheduler(self.grid, self.config)
+        self._output = OutputProcessor(stop_request=self._text_stops_append, forget=self._forget)
+        self._lock = threading.Lock()  # guards admission: _live, _inbox, the waiting count
+        self._live: dict[str, Request] = {}  # admitted, final delta not yet published
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._text_stops: deque[Request] = deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._step_s = 0.0  # EWMA of a step's device time
+        self._request_tokens = float(DEFAULT_REQUEST_TOKENS)  # EWMA of tokens per finished request
+
+    # --- the caller's side (any thread; generate on the event loop that will read the outputs) ---
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine was already started")
+        self._output.start()
+        self._thread = threading.Thread(target=self._run, name="inf2serve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is unfinished (each gets a final delta with NotReadyError) and join the threads."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams
+    ) -> RequestStream:
+        """Admit a request at once (or raise InvalidRequestError / OverloadedError / NotReadyError) and return
+        its deltas as an async iterator bound to the running event loop."""
+        loop = asyncio.get_running_loop()
+        prompt = tuple(prompt_token_ids)
+        self._validate(prompt, params)
+        stream = RequestStream(request_id, loop, self.abort)
+        output = OutputState(
+            stream,
+            IncrementalDetokenizer(self._decode_rules, self._decode_rules.continues_text(prompt)),
+            StopStringMatcher.of(params.stop_strings),
+        )
+        with self._lock:
+            self._check_admission(request_id)
+            now = time.monotonic()
+            deadline = params.deadline
+            if deadline is None and self.config.request_timeout_s is not None:
+                deadline = now + self.config.request_timeout_s
+            request = Request(
+                request_id, prompt, params, now, stop_token_ids(params, self._eos_token_ids), deadline, output
+            )
+            self._live[request_id] = request
+            self._inbox.append(request)
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client gone); its slot is free at the next step. Unknown ids are ignored."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    @property
+    def is_alive(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._stopping and self._failure is None
+
+    @property
+    def num_running(self) -> int:
+        return self._scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._scheduler.num_waiting + len(self._inbox)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Admitted requests whose final delta has not been handed out yet (drain waits for 0)."""
+        return len(self._live)
+
+    @property
+    def step_time_estimate_s(self) -> float:
+        """Recent device time of one engine step (0.0 before the first step)."""
+        return self._step_s
+
+    def retry_after_s(self) -> float:
+        """When a slot is likely to free up for a request queued now: the queue ahead drains
+        `num_slots` requests per request lifetime (measured tokens per request x step time)."""
+        step_s = self._step_s or DEFAULT_STEP_S
+        return step_s * self._request_tokens * (self.num_waiting / self.grid.num_slots + 1)
+
+    def _validate(self, prompt: tuple[int, ...], params: GenerationParams) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt has no tokens", param="prompt")
+        if params.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
+            )
+        vocab = self.backend.model.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+            )
+        n, limit = len(prompt), self.grid.max_prompt_tokens
+        if n > limit:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, more than the largest compiled context bucket ({limit})",
+                param="prompt",
+            )
+        if not self.grid.fits(n, params.max_tokens):
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
+                f"tokens, more than the {self.grid.max_positions} positions the model was compiled for",
+                param="max_tokens",
+            )
+
+    def _check_admission(self, request_id: str) -> None:
+        """Under the lock."""
+        if self._thread is None or self._stopping or self._failure is not None:
+            raise NotReadyError("the engine is not running")
+        if request_id in self._live:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        waiting = self._scheduler.num_waiting + len(self._inbox)
+        limit = self.config.max_waiting
+        if waiting >= limit:
+            raise OverloadedError(
+                f"the waiting queue is full ({waiting} requests, limit max_waiting={limit})",
+                retry_after_s=self.retry_after_s(),
+            )
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                finished = self._take_inbox()
+                plan = self._scheduler.schedule(time.monotonic())
+                if plan.has_work:
+                    outcomes = self._execute(plan)
+                    self._update(plan, outcomes, finished)
+                else:
+                    self._report(_final_records([*finished, *plan.expired]), (), time.monotonic())
+                    self._wake.wait(IDLE_WAIT_S)
+        except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
+            logger.exception("the engine loop failed")
+            self._failure = exc
+        finally:
+            self._shut_down()
+
+    def _take_inbox(self) -> list[Request]:
+        """Admit new requests; apply aborts and stop-string stops. Returns the requests it finished."""
+        if self._inbox:
+            with self._lock:
+                while self._inbox:
+                    self._scheduler.add(self._inbox.popleft())
+        finished: list[Request] = []
+        now = time.monotonic()
+        while self._aborts:
+            request = self._live.get(self._aborts.popleft())
+            if request is not None and not request.is_finished:
+                self._scheduler.finish(request, FinishReason.ABORT, now)
+                finished.append(request)
+        while self._text_stops:
+            request = self._text_stops.popleft()
+            if not request.is_finished:
+                self._scheduler.finish(request, FinishReason.STOP, now)
+        return finished
+
+    def _execute(self, plan: BatchPlan) -> list[CallOutcome]:
+        """Run the plan on the backend: prefills first, then the decode."""
+        outcomes = [self._call(self.backend.prefill, group.batch) for group in plan.prefills]
+        if plan.decode is not None:
+            outcomes.append(self._call(self.backend.decode, plan.decode.batch))
+        return outcomes
+
+    @staticmethod
+    def _call(
+        run: Callable[[PrefillBatch], list[SampledToken]] | Callable[[DecodeBatch], list[SampledToken]],
+        batch: PrefillBatch | DecodeBatch,
+    ) -> CallOutcome:
+        start = time.perf_counter()
+        try:
+            samples = run(batch)  # type: ignore[arg-type]
+            error = None
+            if len(samples) != len(batch.slots):
+                error = RuntimeError(
+                    f"the backend returned {len(samples)} tokens for {len(batch.slots)} sequences"
+                )
+        except Exception as exc:
+            logger.exception("a %s call failed", type(batch).__name__)
+            samples, error = (), exc
+        return CallOutcome(batch, samples, error, time.perf_counter() - start)
+
+    def _update(self, plan: BatchPlan, outcomes: list[CallOutcome], finished: list[Request]) -> None:
+        """Hand every request its token (or its call's error), then the step to the output thread."""
+        now = time.monotonic()
+        groups = [*plan.prefills, plan.decode] if plan.decode is not None else plan.prefills
+        records = _final_records([*finished, *plan.expired])
+        for group, outcome in zip(groups, outcomes, strict=True):
+            if outcome.error is None:
+                self._scheduler.apply(group.requests, outcome.samples, now)
+            else:
+                error = GenerationError(f"the device step failed: {outcome.error}")
+                self._scheduler.fail(group.requests, error, now)
+            records.extend((r, r.num_output_tokens, r.is_finished) for r in group.requests)
+        step_s = sum(o.seconds for o in outcomes)
+        self._step_s += (step_s - self._step_s) * (EWMA_WEIGHT if self._step_s else 1.0)
+        self._report(records, tuple(CallTiming(o.batch, o.seconds) for o in outcomes), now)
+
+    def _report(
+        self, records: list[tuple[Request, int, bool]], calls: tuple[CallTiming, ...], now: float
+    ) -> None:
+        if records or calls:
+            scheduler = self._scheduler
+            report = StepReport(
+                now, records, calls, scheduler.num_running, scheduler.num_waiting, self.grid.num_slots
+            )
+            self._output.submit(report)
+
+    def _text_stops_append(self, request: Request) -> None:
+        """From the output thread: a stop string ended `request`; free its slot at the next step."""
+        self._text_stops.append(request)
+        self._wake.set()
+
+    def _forget(self, request: Request) -> None:
+        """From the output thread: the request's final delta is out."""
+        with self._lock:
+            self._live.pop(request.request_id, None)
+        self._request_tokens += EWMA_WEIGHT * (request.num_output_tokens - self._request_tokens)
+
+    def _shut_down(self) -> None:
+        self._stopping = True
+        with self._lock:
+            while self._inbox:
+                self._scheduler.add(self._inbox.popleft())
+        error: Inf2ServeError = (
+            NotReadyError("the server stopped before this request finished")
+            if self._failure is None
+            else GenerationError(f"the engine failed: {self._failure}")
+        )
+        reason = FinishReason.ABORT if self._failure is None else FinishReason.ERROR
+        now = time.monotonic()
+        self._report(_final_records(self._scheduler.finish_all(reason, now, error)), (), now)
+        self._output.close()
+
+
+def _final_records(requests: list[Request]) -> list[tuple[Request, int, bool]]:
+    return [(r, r.num_output_tokens, True) for r in requests]

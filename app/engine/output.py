@@ -1,0 +1,301 @@
+"""The output side of the engine, on its own thread so that the step loop never waits for it: turns each
+step's new tokens into `RequestOutput` deltas (incremental detokenization, stop strings), hands them to
+each request's asyncio queue on the loop that called `generate`, and records the request and step
+metrics.
+
+Every delta goes out in order and exactly once: the engine hands over (request, token count, finished)
+snapshots in step order, and this thread alone tracks what each request has published. A stop string is
+found here, after the engine may already have run the next step: the request is finished at once (its
+final delta goes out) and the engine is told to free its slot, dropping the token that step produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app import metrics
+from app.backends.base import DecodeBatch, PrefillBatch
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.padding import batch_usage
+from app.engine.request import Request
+from app.engine.stops import StopStringMatcher
+from app.engine.types import FinishReason, RequestOutput, RequestTimings
+from app.errors import GenerationError, Inf2ServeError
+
+logger = logging.getLogger(__name__)
+
+BUSY_WINDOW_S = 1.0
+
+
+class RequestStream:
+    """The async iterator `generate` returns: one request's deltas, ending with a finished one. Closing it
+    early (`aclose`, or dropping it unfinished) aborts the request."""
+
+    __slots__ = ("_abort", "_done", "_queue", "loop", "request_id")
+
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
+    ) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._abort = abort
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        self._done = output.finished
+        return output
+
+    async def aclose(self) -> None:
+        self.abandon()
+
+    def put(self, output: RequestOutput) -> None:
+        """Called on `loop`."""
+        self._queue.put_nowait(output)
+
+    def abandon(self) -> None:
+        """Nobody will read on: abort the request unless its final delta was read."""
+        if not self._done:
+            self._done = True
+            self._abort(self.request_id)
+
+    def __del__(self) -> None:
+        self.abandon()
+
+
+class OutputState:
+    """The output thread's part of a request: its channel and what it has published so far."""
+
+    __slots__ = (
+        "detokenizer",
+        "done",
+        "last_token_time",
+        "num_published",
+        "num_text",
+        "stop_matcher",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        detokenizer: IncrementalDetokenizer,
+        stop_matcher: StopStringMatcher | None,
+    ) -> None:
+        self.stream = stream
+        self.detokenizer = detokenizer
+        self.stop_matcher = stop_matcher
+        self.num_published = 0  # output tokens already in a delta
+        self.num_text = 0  # output tokens already fed to the detokenizer
+        self.last_token_time = 0.0
+        self.done = False
+
+
+@dataclass(frozen=True, slots=True)
+class CallTiming:
+    """One backend call of a step, for the step metrics."""
+
+    batch: PrefillBatch | DecodeBatch
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one engine step hands the output thread."""
+
+    time: float  # time.monotonic() when the step's tokens arrived
+    records: list[tuple[Request, int, bool]]  # (request, output tokens so far, finished)
+    calls: tuple[CallTiming, ...] = ()
+    num_running: int = 0
+    num_waiting: int = 0
+    num_slots: int = 1
+
+
+class OutputProcessor:
+    def __init__(self, stop_request: Callable[[Request], None], forget: Callable[[Request], None]) -> None:
+        self._stop_request = stop_request  # ask the engine to free a slot (stop string found)
+        self._forget = forget  # the request's final delta is out
+        self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
+        self._busy_s = 0.0
+        self._busy_since = time.perf_counter()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, report: StepReport) -> None:
+        self._reports.put(report)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Publish what was submitted, then stop the thread."""
+        self._reports.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (report := self._reports.get()) is not None:
+            self.process(report)
+
+    def process(self, report: StepReport) -> None:
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for request, num_tokens, finished in report.records:
+            state = request.output
+            if state is None or state.done:
+                continue
+            try:
+                output = self._delta(request, state, num_tokens, finished, report.time)
+            except Exception:
+                logger.exception("building the output of %s failed", request.request_id)
+                output = self._internal_error(request, state)
+            deliveries.setdefault(state.stream.loop, []).append((state.stream, output))
+        for loop, items in deliveries.items():
+            self._deliver(loop, items)
+        self._record_step(report)
+
+    def _delta(
+        self, request: Request, state: OutputState, num_tokens: int, finished: bool, now: float
+    ) -> RequestOutput:
+        reason = request.finish_reason if finished else None
+        error = request.error if finished else None
+        text = self._new_text(request, state, num_tokens, finished, reason)
+        if state.stop_matcher is not None:
+            text, hit = state.stop_matcher.push(text)
+            if hit and not finished:
+                self._stop_request(request)
+            if hit:
+                finished, reason, error = True, FinishReason.STOP, None
+            elif finished:
+                text += state.stop_matcher.flush()
+        start = state.num_published
+        state.num_published = num_tokens
+        self._record_tokens(request, state, start, num_tokens, now)
+        if finished:
+            state.done = True
+            self._forget(request)
+            self._record_finished(request, reason, error, num_tokens, now)
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=tuple(request.output_token_ids[start:num_tokens]),
+            text=text,
+            samples=tuple(request.samples[start:num_tokens]),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generated_tokens=num_tokens,
+            finished=finished,
+            finish_reason=reason,
+            error=error,
+            timings=_timings(request, (request.finish_time or now) if finished else None),
+        )
+
+    @staticmethod
+    def _new_text(
+        request: Request, state: OutputState, num_tokens: int, finished: bool, reason: FinishReason | None
+    ) -> str:
+        text_end = num_tokens
+        if (
+            reason is FinishReason.STOP
+            and num_tokens
+            and request.output_token_ids[num_tokens - 1] in request.stop_token_ids
+        ):
+            text_end -= 1  # a stop token (EOS or a stop id) is counted, never shown
+        text = state.detokenizer.push(request.output_token_ids[state.num_text : text_end])
+        state.num_text = text_end
+        return text + state.detokenizer.flush() if finished else text
+
+    def _internal_error(self, request: Request, state: OutputState) -> RequestOutput:
+        state.done = True
+        self._stop_request(request)
+        self._forget(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=(),
+            text="",
+            samples=(),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generated_tokens=state.num_published,
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            error=GenerationError("the server failed to build this request's output"),
+        )
+
+    def _deliver(
+        self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, RequestOutput]]
+    ) -> None:
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's event loop is closed: nobody will read these
+            for stream, output in items:
+                if not output.finished:
+                    stream.abandon()
+
+    def _record_tokens(self, request: Request, state: OutputState, start: int, end: int, now: float) -> None:
+        if end == start:
+            return
+        if start == 0:
+            queue_s = (request.scheduled_time or now) - request.arrival_time
+            metrics.record_first_token(queue_s, (request.first_token_time or now) - request.arrival_time)
+            metrics.record_prompt_tokens(request.num_prompt_tokens)
+        else:
+            metrics.record_inter_token(now - state.last_token_time)
+        metrics.record_generated_tokens(end - start)
+        state.last_token_time = now
+
+    @staticmethod
+    def _record_finished(
+        request: Request,
+        reason: FinishReason | None,
+        error: Inf2ServeError | None,
+        num_tokens: int,
+        now: float,
+    ) -> None:
+        metrics.record_request_finished(
+            reason=str(reason),
+            error_type=None if error is None else error.error_type,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generated_tokens=num_tokens,
+            e2e_s=now - request.arrival_time,
+        )
+
+    def _record_step(self, report: StepReport) -> None:
+        stall = 0.0
+        for call in report.calls:
+            usage = batch_usage(call.batch)
+            metrics.record_step_call(
+                usage.phase, usage.bucket, call.seconds, usage.padded_rows, usage.tokens, usage.padded_tokens
+            )
+            if usage.phase == "prefill":
+                stall += call.seconds
+            self._busy_s += call.seconds
+        if stall and isinstance(report.calls[-1].batch, DecodeBatch):
+            metrics.record_decode_stall(stall)
+        metrics.record_engine_state(report.num_running, report.num_waiting, report.num_slots)
+        elapsed = time.perf_counter() - self._busy_since
+        if elapsed >= BUSY_WINDOW_S:
+            metrics.record_engine_busy(min(1.0, self._busy_s / elapsed))
+            self._busy_s, self._busy_since = 0.0, time.perf_counter()
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.put(output)
+
+
+def _timings(request: Request, finish_time: float | None) -> RequestTimings:
+    arrival = request.arrival_time
+    return RequestTimings(
+        queue_s=None if request.scheduled_time is None else request.scheduled_time - arrival,
+        time_to_first_token_s=None
+        if request.first_token_time is None
+        else request.first_token_time - arrival,
+        total_s=None if finish_time is None else finish_time - arrival,
+    )

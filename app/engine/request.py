@@ -1,0 +1,139 @@
+"""One generation request inside the engine and its state machine:
+
+    WAITING -> PREFILLING -> DECODING -> FINISHED(reason)
+    (any state but FINISHED) -> FINISHED(abort, error: cancelled, deadline passed, device step failed)
+
+The engine thread owns the token-side fields (state, slot, output ids, timestamps) and changes them only
+through the scheduler; the output thread owns `output` (the request's one output channel plus its
+detokenizer and stop-string matcher) and reads token-side fields only up to counts the engine handed it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from app.backends.base import SampledToken
+from app.engine.types import FinishReason, GenerationParams
+from app.errors import Inf2ServeError
+
+if TYPE_CHECKING:
+    from app.engine.output import OutputState
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+_NEXT_STATES: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED}),
+    RequestState.DECODING: frozenset({RequestState.FINISHED}),
+    RequestState.FINISHED: frozenset(),
+}
+
+
+class InvalidTransitionError(RuntimeError):
+    """An engine bug: a request was moved along an edge its state machine does not have."""
+
+
+class Request:
+    __slots__ = (
+        "arrival_time",
+        "deadline",
+        "error",
+        "finish_reason",
+        "finish_time",
+        "first_token_time",
+        "last_token_id",
+        "num_tokens",
+        "output",
+        "output_token_ids",
+        "params",
+        "prompt_token_ids",
+        "request_id",
+        "samples",
+        "scheduled_time",
+        "slot",
+        "state",
+        "stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        params: GenerationParams,
+        arrival_time: float,
+        stop_token_ids: frozenset[int] = frozenset(),
+        deadline: float | None = None,
+        output: OutputState | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_time = arrival_time
+        self.stop_token_ids = stop_token_ids
+        self.deadline = deadline
+        self.output = output
+        self.state = RequestState.WAITING
+        self.slot = -1
+        self.output_token_ids: list[int] = []
+        self.samples: list[SampledToken] = []
+        self.num_tokens = len(prompt_token_ids)  # prompt + generated
+        self.last_token_id = prompt_token_ids[-1] if prompt_token_ids else -1
+        self.finish_reason: FinishReason | None = None
+        self.error: Inf2ServeError | None = None
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.state.value}, slot={self.slot})"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def position(self) -> int:
+        """Position of the last token, where a decode step writes its KV entry."""
+        return self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def start_prefill(self, slot: int, now: float) -> None:
+        self._move(RequestState.PREFILLING)
+        self.slot = slot
+        self.scheduled_time = now
+
+    def append_token(self, sample: SampledToken, now: float) -> None:
+        if self.state is RequestState.PREFILLING:
+            self._move(RequestState.DECODING)
+            self.first_token_time = now
+        elif self.state is not RequestState.DECODING:
+            raise InvalidTransitionError(f"{self!r} received a token")
+        self.output_token_ids.append(sample.token_id)
+        self.samples.append(sample)
+        self.last_token_id = sample.token_id
+        self.num_tokens += 1
+
+    def finish(self, reason: FinishReason, now: float, error: Inf2ServeError | None = None) -> None:
+        self._move(RequestState.FINISHED)
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = now
+
+    def _move(self, state: RequestState) -> None:
+        if state not in _NEXT_STATES[self.state]:
+            raise InvalidTransitionError(f"{self!r} cannot move to {state.value}")
+        self.state = state

@@ -1,0 +1,235 @@
+"""The scheduler: each step, which running slots decode and which waiting requests enter free slots. It
+decides and keeps the books (queue, slots, request states) and returns a typed `BatchPlan`; it never
+calls a backend.
+
+One step's policy:
+1. Expire: requests past their deadline, or waiting longer than `max_queue_wait_s`, fail.
+2. Decode: every request holding a slot decodes one token, in one batch padded to the batch bucket of
+   its size and the token bucket of its longest sequence.
+3. Admit: the head of the FIFO queue takes free slots, up to `max_prefills_per_step` sequences and
+   `max_prefill_tokens_per_step` padded prompt tokens. The head is always admitted when a slot is free
+   and nobody overtakes it, so nothing starves. Admitted prompts go out as one prefill call per context
+   bucket.
+The engine runs the prefills first, then the decode, in one engine step: a new sequence gets its first
+token from its prefill and decodes from the next step on, and running decodes wait for at most the
+bounded prefills. With `static_batching` (the run-to-completion baseline) admission waits until every
+slot is free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.backends.base import DecodeBatch, PrefillBatch, SampledToken
+from app.engine.config import EngineConfig
+from app.engine.request import Request, RequestState
+from app.engine.stops import token_stop_reason
+from app.engine.types import FinishReason
+from app.errors import DeadlineExceededError, Inf2ServeError
+from app.shapes import ShapeGrid
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillGroup:
+    requests: tuple[Request, ...]
+    batch: PrefillBatch
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    requests: tuple[Request, ...]
+    batch: DecodeBatch
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """One engine step: prefills (one per context bucket), then one decode of every running slot."""
+
+    prefills: tuple[PrefillGroup, ...]
+    decode: DecodeGroup | None
+    expired: tuple[Request, ...]  # finished by this schedule (deadline, queue wait)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prefills) or self.decode is not None
+
+
+class Scheduler:
+    def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
+        self.grid = grid
+        self.config = config
+        self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
+        self._num_waiting = 0
+        self._running: list[Request] = []  # holding a slot; finished entries are dropped each step
+        self._slot_owner: list[Request | None] = [None] * grid.num_slots
+        self._free_slots = list(range(grid.num_slots - 1, -1, -1))  # pop() hands out the lowest
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._sequence = itertools.count()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.grid.num_slots - len(self._free_slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def add(self, request: Request) -> None:
+        self._waiting.append(request)
+        self._num_waiting += 1
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))
+
+    def schedule(self, now: float) -> BatchPlan:
+        expired = self._expire(now)
+        decode = self._decode_group()
+        prefills = self._admit(now)
+        return BatchPlan(prefills, decode, expired)
+
+    def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
+        """Hand each request the token a backend call produced for it, and apply token-level stops."""
+        max_positions = self.grid.max_positions
+        for request, sample in zip(requests, samples, strict=True):
+            if request.is_finished:  # aborted or stopped (stop string) while the call ran
+                continue
+            request.append_token(sample, now)
+            reason = token_stop_reason(request, max_positions)
+            if reason is not None:
+                self.finish(request, reason, now)
+
+    def fail(self, requests: Sequence[Request], error: Inf2ServeError, now: float) -> None:
+        for request in requests:
+            if not request.is_finished:
+                self.finish(request, FinishReason.ERROR, now, error)
+
+    def finish(
+        self, request: Request, reason: FinishReason, now: float, error: Inf2ServeError | None = None
+    ) -> None:
+        """End a request in any state; its slot is free for the next schedule."""
+        state = request.state
+        request.finish(reason, now, error)
+        if state is RequestState.WAITING:
+            self._num_waiting -= 1
+        elif self._slot_owner[request.slot] is request:
+            self._slot_owner[request.slot] = None
+            self._free_slots.append(request.slot)
+
+    def finish_all(self, reason: FinishReason, now: float, error: Inf2ServeError) -> list[Request]:
+        """End every unfinished request (engine shutdown); returns them."""
+        unfinished = [r for r in (*self._waiting, *self._running) if not r.is_finished]
+        for request in unfinished:
+            self.finish(request, reason, now, error)
+        return unfinished
+
+    def _expire(self, now: float) -> tuple[Request, ...]:
+        expired = self._expire_deadlines(now)
+        expired.extend(self._expire_queue_waits(now))
+        return tuple(expired)
+
+    def _expire_deadlines(self, now: float) -> list[Request]:
+        expired: list[Request] = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            request = heapq.heappop(deadlines)[2]
+            if not request.is_finished:
+                error = DeadlineExceededError(
+                    f"the request's deadline passed after {request.num_output_tokens} generated tokens"
+                )
+                self.finish(request, FinishReason.ERROR, now, error)
+                expired.append(request)
+        if len(deadlines) > 2 * (self._num_waiting + self.num_running) + 64:  # drop finished entries
+            self._deadlines = [entry for entry in deadlines if not entry[2].is_finished]
+            heapq.heapify(self._deadlines)
+        return expired
+
+    def _expire_queue_waits(self, now: float) -> list[Request]:
+        """The queue is in arrival order, so only its head can have waited too long."""
+        expired: list[Request] = []
+        max_wait = self.config.max_queue_wait_s
+        waiting = self._waiting
+        while waiting and (
+            waiting[0].is_finished or (max_wait is not None and now - waiting[0].arrival_time >= max_wait)
+        ):
+            request = waiting.popleft()
+            if not request.is_finished:
+                waited = now - request.arrival_time
+                error = DeadlineExceededError(
+                    f"waited {waited:.1f} s for a free slot (limit max_queue_wait_s={max_wait})"
+                )
+                self.finish(request, FinishReason.ERROR, now, error)
+                expired.append(request)
+        return expired
+
+    def _decode_group(self) -> DecodeGroup | None:
+        running = self._running = [r for r in self._running if not r.is_finished]
+        if not running:
+            return None
+        slots, last_tokens, positions, sampling = [], [], [], []
+        for request in running:
+            slots.append(request.slot)
+            last_tokens.append(request.last_token_id)
+            positions.append(request.num_tokens - 1)
+            sampling.append(request.params.sampling)
+        batch = DecodeBatch(
+            tuple(slots),
+            tuple(last_tokens),
+            tuple(positions),
+            tuple(sampling),
+            batch_bucket=self.grid.batch_bucket(len(running)),
+            token_bucket=self.grid.token_bucket(max(positions) + 1),
+        )
+        return DecodeGroup(tuple(running), batch)
+
+    def _admission_limit(self) -> tuple[int, int | None]:
+        """(sequences, padded prompt tokens) that may enter this step."""
+        if self.config.static_batching:
+            return (0 if self._running else len(self._free_slots)), None
+        limit = min(len(self._free_slots), self.config.max_prefills_per_step)
+        return limit, self.config.max_prefill_tokens_per_step
+
+    def _admit(self, now: float) -> tuple[PrefillGroup, ...]:
+        max_sequences, max_tokens = self._admission_limit()
+        by_bucket: dict[int, list[Request]] = {}
+        admitted = tokens = 0
+        waiting = self._waiting
+        while waiting and admitted < max_sequences:
+            head = waiting[0]
+            if head.is_finished:
+                waiting.popleft()
+                continue
+            bucket = self.grid.context_bucket(head.num_prompt_tokens)
+            if admitted and max_tokens is not None and tokens + bucket > max_tokens:
+                break
+            waiting.popleft()
+            self._num_waiting -= 1
+            self._assign_slot(head, now)
+            by_bucket.setdefault(bucket, []).append(head)
+            admitted += 1
+            tokens += bucket
+        return tuple(self._prefill_group(bucket, requests) for bucket, requests in by_bucket.items())
+
+    def _assign_slot(self, request: Request, now: float) -> None:
+        slot = self._free_slots.pop()
+        if self._slot_owner[slot] is not None:
+            raise RuntimeError(f"slot {slot} handed to {request!r} is held by {self._slot_owner[slot]!r}")
+        self._slot_owner[slot] = request
+        request.start_prefill(slot, now)
+        self._running.append(request)
+
+    @staticmethod
+    def _prefill_group(bucket: int, requests: list[Request]) -> PrefillGroup:
+        batch = PrefillBatch(
+            slots=tuple(r.slot for r in requests),
+            prompts=tuple(r.prompt_token_ids for r in requests),
+            sampling=tuple(r.params.sampling for r in requests),
+            context_bucket=bucket,
+        )
+        return PrefillGroup(tuple(requests), batch)

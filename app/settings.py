@@ -1,0 +1,95 @@
+"""Server settings: every knob of `inf2serve serve`, from flags or the environment (prefix `INF2SERVE_`).
+
+Read once at startup and passed down; nothing else in `app/` reads `os.environ`. Defaults follow the
+SageMaker container contract (listen on 0.0.0.0:8080, or `SAGEMAKER_BIND_TO_PORT`; the artifact in
+`/opt/ml/model`), so a bare `serve` needs no configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from app.engine.config import EngineConfig
+
+SAGEMAKER_MODEL_DIR = "/opt/ml/model"
+SAGEMAKER_MAX_PAYLOAD_BYTES = 6_291_456  # InvokeEndpoint's request body limit
+_ENGINE = {field.name: field.default for field in fields(EngineConfig)}
+
+
+class ServerSettings(BaseSettings):
+    """Flags win over `INF2SERVE_*` variables, which win over the defaults below."""
+
+    model_config = SettingsConfigDict(env_prefix="INF2SERVE_", populate_by_name=True, extra="forbid")
+
+    # What to serve, and on what.
+    artifact: str = Field(SAGEMAKER_MODEL_DIR, description="Artifact URI: a local directory or s3://...")
+    cache_dir: Path | None = Field(None, description="Where S3 artifacts are downloaded (loader default).")
+    device: str = Field("cpu", description="Device the backend runs on (cpu, cuda, neuron).")
+    served_model_name: str | None = Field(None, description="Model name for the API (manifest's if unset).")
+    verify_golden: bool = Field(True, description="Replay the artifact's golden prompts before ready.")
+
+    # Where to listen and how to stop.
+    host: str = "0.0.0.0"
+    port: int = Field(
+        8080, ge=1, le=65535, validation_alias=AliasChoices("INF2SERVE_PORT", "SAGEMAKER_BIND_TO_PORT")
+    )
+    keep_alive_s: float = Field(
+        75.0, gt=0, description="Idle keep-alive; above ALB's default 60 s idle timeout."
+    )
+    drain_s: float = Field(
+        10.0, ge=0, description="After SIGTERM: seconds of not-ready while still serving new requests."
+    )
+    shutdown_timeout_s: float = Field(
+        15.0, gt=0, description="After the drain window: how long in-flight requests may take to finish."
+    )
+    log_level: str = "info"
+
+    # Access control.
+    api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="Accepted bearer tokens, comma-separated. Empty: no authentication."
+    )
+    api_keys_file: Path | None = Field(None, description="A file with one accepted bearer token per line.")
+
+    # Request limits (a request over one gets 400 naming it, 413 for the body).
+    max_body_bytes: int = Field(SAGEMAKER_MAX_PAYLOAD_BYTES, ge=1024)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Default: the largest context bucket.")
+    max_output_tokens: int | None = Field(None, ge=1, description="Cap on max_tokens; default max positions.")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a completion that sets none.")
+    max_n: int = Field(8, ge=1)
+    max_stop_strings: int = Field(4, ge=0)
+    max_stop_string_chars: int = Field(256, ge=1)
+    max_logprobs: int = Field(20, ge=0, description="Largest logprobs / top_logprobs a request may ask.")
+
+    # Engine (defaults are EngineConfig's).
+    max_waiting: int = Field(_ENGINE["max_waiting"], ge=1, description="Queue bound; beyond it, 429.")
+    max_prefills_per_step: int = Field(_ENGINE["max_prefills_per_step"], ge=1)
+    max_queue_wait_s: float | None = Field(
+        _ENGINE["max_queue_wait_s"], gt=0, description="A request waiting longer for a slot fails."
+    )
+    request_timeout_s: float | None = Field(
+        _ENGINE["request_timeout_s"], gt=0, description="Deadline of one request, queue included."
+    )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            **{name: getattr(self, name) for name in _ENGINE if name in type(self).model_fields}
+        )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _read_keys_file(self) -> ServerSettings:
+        if self.api_keys_file is not None:
+            lines = self.api_keys_file.read_text().splitlines()
+            self.api_keys = (*self.api_keys, *(line.strip() for line in lines if line.strip()))
+        return self

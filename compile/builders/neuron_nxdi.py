@@ -1,0 +1,72 @@
+"""The `neuron-nxdi` build step: trace and compile a Llama checkpoint with NxD Inference (tensor parallel,
+continuous batching, the grid's buckets, on-device sampling; see `app/backends/neuron/nxdi.py` for the
+configuration and why) and lay the library's output out as an artifact: `compiled/neuron_config.json`,
+`compiled/model.pt` (every NEFF), `weights/tp{rank}_sharded_checkpoint.safetensors`.
+
+Needs the `neuron-nxdi` extra (AWS's Neuron repository) and neuronx-cc; run it on an inf2/trn1 host,
+where the validation gate that follows can load the result.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from app.backends.base import BackendSpec
+from app.backends.neuron.nxdi import COMPILED_FILES, MODELING, neuron_config_kwargs
+from app.backends.neuron.runtime import import_library
+from app.backends.neuron.steps import check_grid
+from app.backends.torch.checkpoint import check_checkpoint
+from app.errors import ConfigError
+
+BACKEND = "neuron-nxdi"
+CONFIG = "neuronx_distributed_inference.models.config"
+HF_ADAPTER = "neuronx_distributed_inference.utils.hf_adapter"
+# Tensor-parallel degrees NxD Inference supports on Inf2 (its feature guide).
+INF2_TP_DEGREES = (1, 2, 4, 8, 24)
+
+
+def check(checkpoint_dir: Path, spec: BackendSpec) -> None:
+    check_checkpoint(checkpoint_dir)
+    check_grid(spec)
+    if spec.tp_degree not in INF2_TP_DEGREES:
+        raise ConfigError(
+            f"tp_degree {spec.tp_degree} is not one Inf2 supports: choose one of {list(INF2_TP_DEGREES)}"
+        )
+
+
+def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec) -> None:
+    config_module, modeling = import_library(CONFIG, BACKEND), import_library(MODELING, BACKEND)
+    hf_adapter = import_library(HF_ADAPTER, BACKEND)
+    vocab_size = check_checkpoint(checkpoint_dir).vocab_size
+    neuron_config = config_module.NeuronConfig(**neuron_config_kwargs(spec, vocab_size))
+    config = modeling.LlamaInferenceConfig(
+        neuron_config, load_config=hf_adapter.load_pretrained_config(str(checkpoint_dir))
+    )
+    model = modeling.NeuronLlamaForCausalLM(str(checkpoint_dir), config)
+    with tempfile.TemporaryDirectory(prefix="inf2serve-nxdi-") as scratch, compiler_workdir(Path(scratch)):
+        output = Path(scratch) / "compiled"
+        model.compile(str(output))
+        (staging_dir / "compiled").mkdir(parents=True, exist_ok=True)
+        for name in COMPILED_FILES:
+            shutil.move(output / name, staging_dir / "compiled" / name)
+        shutil.move(output / "weights", staging_dir / "weights")
+
+
+@contextmanager
+def compiler_workdir(scratch: Path) -> Iterator[None]:
+    """Keep the compiler's per-bucket work files (`BASE_COMPILE_WORK_DIR`) out of the artifact and out
+    of the shared default `/tmp/nxd_model/`."""
+    previous = os.environ.get("BASE_COMPILE_WORK_DIR")
+    os.environ["BASE_COMPILE_WORK_DIR"] = str(scratch / "work") + "/"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["BASE_COMPILE_WORK_DIR"]
+        else:
+            os.environ["BASE_COMPILE_WORK_DIR"] = previous

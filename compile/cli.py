@@ -1,0 +1,164 @@
+"""`inf2serve compile` and `inf2serve artifacts list|show|verify|promote`.
+
+Results go to stdout (for `compile`, the last line is the published URI); progress and errors go to
+stderr; any failure is one message and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app.artifacts.loader import ALIASES_DIR, load_artifact, read_manifest, resolve, verify_files
+from app.artifacts.manifest import MANIFEST_NAME, Manifest
+from app.artifacts.storage import open_store
+from app.errors import Inf2ServeError
+from compile.publish import promote
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def reports_errors(command: str) -> Callable[[Callable[[argparse.Namespace], None]], Handler]:
+    """Run a command; an inf2serve error becomes one line on stderr and exit status 1."""
+
+    def decorate(run: Callable[[argparse.Namespace], None]) -> Handler:
+        @functools.wraps(run)
+        def handler(args: argparse.Namespace) -> int:
+            try:
+                run(args)
+            except Inf2ServeError as error:
+                print(f"inf2serve {command}: error: {error.message}", file=sys.stderr)
+                return 1
+            except KeyboardInterrupt:
+                print(f"inf2serve {command}: interrupted; nothing was published", file=sys.stderr)
+                return 130
+            return 0
+
+        return handler
+
+    return decorate
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+
+
+def register_compile(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "compile",
+        help="compile a checkpoint into a validated artifact and publish it",
+        description="Compile a Hugging Face Llama checkpoint into a validated, content-addressed artifact.",
+    )
+    parser.add_argument("--model", required=True, help="checkpoint dir, s3:// prefix or random:<preset>")
+    parser.add_argument("--output", required=True, help="artifact root: a directory or s3://bucket/prefix")
+    parser.add_argument("--backend", default="torch", help="backend to compile for (default: torch)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
+    parser.add_argument("--batch-size", type=int, default=8, help="compiled batch: number of slots")
+    parser.add_argument("--max-positions", type=int, help="sequence capacity (default: from the config)")
+    parser.add_argument("--context-buckets", type=int_list, help="prefill lengths, e.g. 128,256,512")
+    parser.add_argument("--token-buckets", type=int_list, help="decode KV lengths, ending at max positions")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--name", help="model name in the artifact key (default: the source's name)")
+    parser.set_defaults(handler=run_compile)
+
+
+@reports_errors("compile")
+def run_compile(args: argparse.Namespace) -> None:
+    from transformers.utils import logging
+
+    from compile.pipeline import CompileOptions, compile_artifact
+
+    logging.disable_progress_bar()  # our own progress goes to stderr; keep transformers' quiet
+    logging.set_verbosity_error()
+    options = CompileOptions(
+        model=args.model,
+        output=args.output,
+        backend=args.backend,
+        tp_degree=args.tp,
+        batch_size=args.batch_size,
+        max_positions=args.max_positions,
+        context_buckets=args.context_buckets,
+        token_buckets=args.token_buckets,
+        dtype=args.dtype,
+        name=args.name,
+    )
+    print(compile_artifact(options).uri, flush=True)
+
+
+def register_artifacts(subparsers: Any) -> None:
+    parser = subparsers.add_parser("artifacts", help="list, show, verify and promote published artifacts")
+    commands = parser.add_subparsers(dest="artifacts_command", required=True, metavar="ACTION")
+    listing = commands.add_parser("list", help="list the artifacts and aliases under a root")
+    listing.add_argument("root", help="artifact root: a directory or s3://bucket/prefix")
+    listing.set_defaults(handler=run_list)
+    for name, run, text in (
+        ("show", run_show, "print an artifact's manifest"),
+        ("verify", run_verify, "re-read every file and check it against the manifest"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("uri", help="artifact URI or alias URI")
+        command.set_defaults(handler=run)
+    pulling = commands.add_parser("pull", help="download and verify into the local cache; print its path")
+    pulling.add_argument("uri", help="artifact URI or alias URI")
+    pulling.add_argument("--cache-dir", type=Path, help="cache directory (default: the loader's)")
+    pulling.set_defaults(handler=run_pull)
+    promoting = commands.add_parser("promote", help="point an alias at an artifact")
+    promoting.add_argument("uri", help="artifact URI or alias URI")
+    promoting.add_argument("--alias", required=True, help="alias name, e.g. stable")
+    promoting.set_defaults(handler=run_promote)
+
+
+@reports_errors("artifacts list")
+def run_list(args: argparse.Namespace) -> None:
+    root = open_store(args.root)
+    for key in root.list_keys():
+        parts = key.split("/")
+        if len(parts) >= 2 and parts[-1] == MANIFEST_NAME:
+            artifact = root.child(*parts[:-1])
+            print(describe(artifact.uri, Manifest.loads(root.read(key))))
+        elif len(parts) >= 3 and parts[-2] == ALIASES_DIR:
+            target = json.loads(root.read(key)).get("artifact_id", "?")
+            print(f"{root.uri_of(key)}  alias -> {target}")
+
+
+def describe(uri: str, manifest: Manifest) -> str:
+    spec, grid = manifest.spec, manifest.spec.grid
+    verdict = "validated" if manifest.validation.passed else "NOT validated"
+    random = "  RANDOM WEIGHTS" if manifest.random_weights else ""
+    return (
+        f"{uri}  {manifest.artifact_id}  {spec.backend} tp{spec.tp_degree} {spec.dtype} "
+        f"slots={grid.num_slots} positions={grid.max_positions}  {manifest.created_at}  {verdict}{random}"
+    )
+
+
+@reports_errors("artifacts show")
+def run_show(args: argparse.Namespace) -> None:
+    print(read_manifest(resolve(args.uri)).dumps(), end="")
+
+
+@reports_errors("artifacts verify")
+def run_verify(args: argparse.Namespace) -> None:
+    store = resolve(args.uri)
+    manifest = read_manifest(store)
+    verify_files(store, manifest)
+    print(f"verified {len(manifest.files)} files, {manifest.total_bytes} bytes: {store.uri}")
+
+
+@reports_errors("artifacts pull")
+def run_pull(args: argparse.Namespace) -> None:
+    artifact = load_artifact(args.uri, args.cache_dir)
+    print(artifact.root)
+
+
+@reports_errors("artifacts promote")
+def run_promote(args: argparse.Namespace) -> None:
+    store = resolve(args.uri)
+    print(promote(store, read_manifest(store), args.alias))

@@ -1,0 +1,217 @@
+"""The compile step: checkpoint -> checked inputs -> staged artifact -> validation gate -> publish.
+
+Everything that can be rejected is rejected before any work starts. The artifact's key is its content
+address (`app.artifacts.manifest.config_hash`): when the key already holds this artifact, nothing is
+rebuilt. Staging happens in a temporary directory that is removed whatever happens, and the manifest is
+published last, so an interrupted or failed compile leaves no manifest behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from app.artifacts.manifest import (
+    GOLDEN_NAME,
+    HASH_PREFIX_LENGTH,
+    SCHEMA_VERSION,
+    FileEntry,
+    Manifest,
+    config_hash,
+    stack_versions,
+)
+from app.artifacts.storage import S3_SCHEME, LocalStore, download_file, hash_object, open_store
+from app.backends.base import DTYPES, BackendSpec
+from app.backends.torch.checkpoint import LlamaSpec, check_checkpoint
+from app.errors import ArtifactError, ConfigError
+from app.shapes import ShapeGrid, powers_of_two
+from compile.builders import builder_for
+from compile.golden import record_golden, validate
+from compile.publish import check_name, publish, published
+from compile.random_checkpoint import is_random_source, preset_from_source, write_random_llama
+
+MAX_POSITIONS_CAP = 4096
+# Checkpoint files copied into the artifact's model/ directory, where present.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOptions:
+    model: str
+    output: str
+    backend: str = "torch"
+    tp_degree: int = 1
+    batch_size: int = 8
+    max_positions: int | None = None
+    context_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
+    dtype: str = "fp32"
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompileResult:
+    uri: str
+    manifest: Manifest
+    newly_published: bool
+
+
+def log(message: str) -> None:
+    print(f"compile: {message}", file=sys.stderr, flush=True)
+
+
+def compile_artifact(options: CompileOptions) -> CompileResult:
+    started = time.perf_counter()
+    if options.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
+    builder = builder_for(options.backend)
+    with tempfile.TemporaryDirectory(prefix="inf2serve-compile-") as scratch:
+        checkpoint = fetch_checkpoint(options.model, Path(scratch) / "checkpoint")
+        llama = check_checkpoint(checkpoint)
+        spec = BackendSpec(options.backend, options.tp_degree, options.dtype, build_grid(options, llama))
+        builder.check(checkpoint, spec)
+        name = check_name("model name", options.name or default_name(options.model))
+        source_sha256 = checkpoint_sha256(checkpoint)
+        versions = stack_versions(options.backend)
+        digest = config_hash(source_sha256, spec, versions)
+        dest = open_store(options.output).child(name, digest[:HASH_PREFIX_LENGTH])
+        existing = published(dest)
+        if existing is not None:
+            if existing.config_hash != digest:
+                raise ArtifactError(f"{dest.uri} holds a different artifact (config hash prefix collision)")
+            log(f"already published: {dest.uri}")
+            return CompileResult(dest.uri, existing, False)
+
+        staging = Path(scratch) / "artifact"
+        log(f"staging {name} ({spec.backend}, tp {spec.tp_degree}, {spec.dtype}) from {options.model}")
+        stage_model_files(checkpoint, staging / "model")
+        builder.build(checkpoint, staging, spec)
+        log("recording the reference outputs (transformers, fp32, CPU)")
+        golden = record_golden(checkpoint, spec.grid)
+        (staging / GOLDEN_NAME).write_text(golden.dumps())
+        log(f"validating {len(golden.prompts)} prompts through the {spec.backend} backend")
+        report = validate(staging, spec, golden)
+        if not report.passed:
+            raise ArtifactError(
+                f"validation failed, nothing published: {report.greedy_mismatches} greedy mismatch(es), "
+                f"max top-{golden.num_top_logprobs} logprob error {report.max_logprob_error:.3g} "
+                f"(tolerance {report.tolerance:g} for {spec.dtype}): {'; '.join(report.failures)}"
+            )
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION,
+            model_name=name,
+            source=options.model,
+            source_sha256=source_sha256,
+            random_weights=is_random_source(options.model),
+            config_hash=digest,
+            spec=spec,
+            versions=versions,
+            files=staged_files(staging),
+            validation=report,
+            compile_seconds=round(time.perf_counter() - started, 3),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            notes=notes_for(options.model),
+        )
+        newly = publish(staging, manifest, dest)
+        log(("published " if newly else "already published: ") + dest.uri)
+        return CompileResult(dest.uri, manifest, newly)
+
+
+def build_grid(options: CompileOptions, llama: LlamaSpec) -> ShapeGrid:
+    """The shape grid: `max_positions` from the config (capped) unless given; default buckets are
+    powers of two up to it (see `ShapeGrid.default`)."""
+    limit = llama.max_position_embeddings
+    max_positions = options.max_positions or min(limit, MAX_POSITIONS_CAP)
+    if max_positions > limit:
+        raise ConfigError(
+            f"max_positions {max_positions} exceeds the model's max_position_embeddings {limit}"
+        )
+    if options.batch_size < 1:
+        raise ConfigError(f"batch size must be at least 1, got {options.batch_size}")
+    default = ShapeGrid.default(options.batch_size, max_positions)
+    return ShapeGrid(
+        num_slots=options.batch_size,
+        max_positions=max_positions,
+        context_buckets=options.context_buckets or default.context_buckets,
+        token_buckets=options.token_buckets or default.token_buckets,
+        batch_buckets=batch_buckets(options.backend, options.batch_size),
+    )
+
+
+def batch_buckets(backend: str, batch_size: int) -> tuple[int, ...]:
+    """Neuron decode graphs carry every slot in every call (see `ShapeGrid`): one batch bucket."""
+    return (batch_size,) if backend.startswith("neuron-") else powers_of_two(1, batch_size)
+
+
+def default_name(source: str) -> str:
+    if is_random_source(source):
+        return f"random-{preset_from_source(source)}"
+    return Path(source.rstrip("/").removeprefix(S3_SCHEME)).name
+
+
+def notes_for(source: str) -> dict[str, str]:
+    if is_random_source(source):
+        return {"weights": f"randomly initialised ({source}): the model's output is noise"}
+    return {}
+
+
+def fetch_checkpoint(source: str, scratch: Path) -> Path:
+    """A local directory holding the checkpoint: the source itself, a download of an S3 prefix, or a
+    freshly generated random model."""
+    if is_random_source(source):
+        log(f"generating a random Llama ({source}): its weights are random")
+        return write_random_llama(scratch, preset_from_source(source))
+    store = open_store(source)
+    if isinstance(store, LocalStore):
+        if not (store.root / "config.json").is_file():
+            raise ConfigError(f"{source} is not a checkpoint directory: it has no config.json")
+        return store.root
+    keys = [key for key in store.list_keys() if "/" not in key]
+    if "config.json" not in keys:
+        raise ConfigError(f"{source} is not a checkpoint: it has no config.json")
+    log(f"downloading {len(keys)} checkpoint files from {source}")
+    for key in keys:
+        download_file(store, key, scratch / key, resume=False)
+    return scratch
+
+
+def checkpoint_files(checkpoint: Path) -> list[Path]:
+    weights = {path for pattern in WEIGHT_PATTERNS for path in checkpoint.glob(pattern)}
+    model = {checkpoint / name for name in MODEL_FILES if (checkpoint / name).is_file()}
+    return sorted(weights | model)
+
+
+def checkpoint_sha256(checkpoint: Path) -> str:
+    """One checksum over every checkpoint file the artifact is built from (names and contents)."""
+    source = LocalStore(checkpoint)
+    entries = [hash_object(source, path.name) for path in checkpoint_files(checkpoint)]
+    listing = [[entry.path, entry.sha256] for entry in entries]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def stage_model_files(checkpoint: Path, model_dir: Path) -> None:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        if (checkpoint / name).is_file():
+            shutil.copyfile(checkpoint / name, model_dir / name)
+
+
+def staged_files(staging: Path) -> tuple[FileEntry, ...]:
+    store = LocalStore(staging)
+    return tuple(hash_object(store, key) for key in store.list_keys())

@@ -1,0 +1,159 @@
+"""Move a SageMaker endpoint to a new artifact through the deployment guardrails (the boto3 twin of
+`template.yaml` beside this module).
+
+A release is a new Model (the artifact's S3 prefix mounted uncompressed into /opt/ml/model) and a new,
+immutable EndpointConfig; an existing endpoint is updated blue/green with a canary step and rolls back on
+its own when any of the given CloudWatch alarms fires during the bake. A new endpoint is created directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+from app.errors import ConfigError
+from app.settings import SAGEMAKER_MODEL_DIR
+
+VARIANT = "AllTraffic"
+INFERENCE_AMI = "al2-ami-sagemaker-inference-neuron-2"
+SIGKILL_AFTER_S = 30  # SageMaker's SIGTERM-to-SIGKILL window
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    endpoint: str
+    image: str
+    artifact: str
+    role_arn: str
+    alarms: tuple[str, ...]
+    instance_type: str = "ml.inf2.xlarge"
+    instance_count: int = 2
+    canary_instances: int = 1
+    bake_s: int = 600
+    termination_wait_s: int = 300
+    max_execution_s: int = 7200
+    startup_timeout_s: int = 1800
+    download_timeout_s: int = 1800
+    drain_s: int = 10
+    shutdown_timeout_s: int = 15
+
+    def check(self) -> None:
+        if not self.artifact.startswith("s3://"):
+            raise ConfigError(f"the artifact must be on S3 for SageMaker to mount it, got {self.artifact}")
+        if not self.instance_type.startswith("ml.inf2."):
+            raise ConfigError(f"--instance-type must be an ml.inf2 type, got {self.instance_type}")
+        if self.canary_instances * 2 > self.instance_count:
+            count, canary = self.instance_count, self.canary_instances
+            raise ConfigError(f"the canary ({canary} instances) may be at most half of the {count} instances")
+        if self.drain_s + self.shutdown_timeout_s >= SIGKILL_AFTER_S:
+            raise ConfigError(
+                f"drain + shutdown timeout must stay under SageMaker's {SIGKILL_AFTER_S} s SIGKILL"
+            )
+        if (
+            not 600 <= self.max_execution_s <= 28800
+            or self.max_execution_s <= self.bake_s + self.termination_wait_s
+        ):
+            raise ConfigError(
+                "max execution time must be 600-28800 s and exceed the bake plus termination wait"
+            )
+
+    def name(self, now: datetime) -> str:
+        """Model and endpoint-config name: endpoint, digest of what is deployed, UTC time (<= 63 chars)."""
+        digest = hashlib.sha256(f"{self.image}\n{self.artifact}".encode()).hexdigest()[:8]
+        return f"{self.endpoint[:39]}-{digest}-{now:%Y%m%d%H%M%S}"
+
+
+def model_request(release: Release, name: str) -> dict[str, Any]:
+    return {
+        "ModelName": name,
+        "ExecutionRoleArn": release.role_arn,
+        "PrimaryContainer": {
+            "Image": release.image,
+            "ModelDataSource": {
+                "S3DataSource": {
+                    # An S3Prefix URI must end in '/': each key below it becomes a file in /opt/ml/model.
+                    "S3Uri": release.artifact.rstrip("/") + "/",
+                    "S3DataType": "S3Prefix",
+                    "CompressionType": "None",
+                }
+            },
+            "Environment": {
+                "INF2SERVE_ARTIFACT": SAGEMAKER_MODEL_DIR,
+                "INF2SERVE_DEVICE": "neuron",
+                "INF2SERVE_DRAIN_S": str(release.drain_s),
+                "INF2SERVE_SHUTDOWN_TIMEOUT_S": str(release.shutdown_timeout_s),
+            },
+        },
+    }
+
+
+def endpoint_config_request(release: Release, name: str) -> dict[str, Any]:
+    variant = {
+        "VariantName": VARIANT,
+        "ModelName": name,
+        "InstanceType": release.instance_type,
+        "InitialInstanceCount": release.instance_count,
+        "InitialVariantWeight": 1.0,
+        "ContainerStartupHealthCheckTimeoutInSeconds": release.startup_timeout_s,
+        "ModelDataDownloadTimeoutInSeconds": release.download_timeout_s,
+        "InferenceAmiVersion": INFERENCE_AMI,
+    }
+    return {"EndpointConfigName": name, "ProductionVariants": [variant]}
+
+
+def deployment_config(release: Release) -> dict[str, Any]:
+    return {
+        "BlueGreenUpdatePolicy": {
+            "TrafficRoutingConfiguration": {
+                "Type": "CANARY",
+                "CanarySize": {"Type": "INSTANCE_COUNT", "Value": release.canary_instances},
+                "WaitIntervalInSeconds": release.bake_s,
+            },
+            "TerminationWaitInSeconds": release.termination_wait_s,
+            "MaximumExecutionTimeoutInSeconds": release.max_execution_s,
+        },
+        "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": alarm} for alarm in release.alarms]},
+    }
+
+
+def endpoint_exists(client: Any, endpoint: str) -> bool:
+    try:
+        client.describe_endpoint(EndpointName=endpoint)
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "ValidationException":
+            return False
+        raise
+    return True
+
+
+def start(client: Any, release: Release, now: datetime | None = None) -> str:
+    """Create the model and endpoint config, then create or guarded-update the endpoint; returns the name
+    of the new endpoint config (what the endpoint runs once the deployment succeeds)."""
+    release.check()
+    name = release.name(now or datetime.now(UTC))
+    client.create_model(**model_request(release, name))
+    client.create_endpoint_config(**endpoint_config_request(release, name))
+    if not endpoint_exists(client, release.endpoint):
+        client.create_endpoint(EndpointName=release.endpoint, EndpointConfigName=name)
+        return name
+    if not release.alarms:
+        raise ConfigError("updating a live endpoint needs at least one --alarm for auto-rollback")
+    client.update_endpoint(
+        EndpointName=release.endpoint,
+        EndpointConfigName=name,
+        DeploymentConfig=deployment_config(release),
+        RetainDeploymentConfig=False,
+    )
+    return name
+
+
+def outcome(client: Any, endpoint: str, config_name: str) -> str:
+    """After the endpoint settles: 'deployed', 'rolled back' (serving the old config) or its failure."""
+    described = client.describe_endpoint(EndpointName=endpoint)
+    if described["EndpointStatus"] != "InService":
+        return f"failed: {described['EndpointStatus']}: {described.get('FailureReason', 'no reason given')}"
+    return "deployed" if described["EndpointConfigName"] == config_name else "rolled back"

@@ -1,0 +1,111 @@
+"""A deterministic stand-in engine and tokenizer, so the HTTP layer is tested without a model.
+
+Tokenizer: one token per byte (id = byte + 3), BOS 1, EOS 2. Engine: the k-th generated token of a
+request is the letter `"abcdefghijklmnopqrstuvwxyz"[(seed * greedy_off + prompt length + k) % 26]`, one
+delta per token, `step_s` apart; stop strings and max_tokens end it as the real engine does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import string
+from collections.abc import AsyncIterator
+
+from app.api.state import Runtime
+from app.backends.base import SampledToken
+from app.engine.types import FinishReason, GenerationParams, RequestOutput, RequestTimings
+from app.shapes import ShapeGrid
+
+BOS, EOS, OFFSET = 1, 2, 3
+GRID = ShapeGrid(4, 256, (64, 128), (128, 256), (1, 2, 4))
+
+
+class FakeTokenizer:
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS] + [b + OFFSET for b in text.encode()]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+
+def expected_text(prompt_len: int, max_tokens: int, seed: int = 0, greedy: bool = True) -> str:
+    start = prompt_len + (0 if greedy else seed)
+    return "".join(string.ascii_lowercase[(start + k) % 26] for k in range(max_tokens))
+
+
+class FakeEngine:
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.fail_with: Exception | None = None  # raised by `generate` (admission errors, bugs)
+        self.requests: dict[str, GenerationParams] = {}
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.is_alive = True
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[RequestOutput]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.requests[request_id] = params
+        return self._run(request_id, prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def _run(
+        self, request_id: str, prompt: list[int], params: GenerationParams
+    ) -> AsyncIterator[RequestOutput]:
+        greedy = params.sampling.temperature == 0
+        letters = expected_text(len(prompt), params.max_tokens, params.sampling.seed, greedy)
+        text, done = "", False
+        try:
+            for k, letter in enumerate(letters):
+                await asyncio.sleep(self.step_s)
+                token = ord(letter) + OFFSET
+                text += letter
+                reason = None
+                stop = next((s for s in params.stop_strings if s in text), None)
+                delta = letter
+                if stop is not None:  # the fake holds nothing back: use one-letter stop strings
+                    delta = text[len(text) - 1 : text.index(stop)]
+                    reason = FinishReason.STOP
+                elif k + 1 == params.max_tokens:
+                    reason = FinishReason.LENGTH
+                top = tuple((token + i, -0.5 - i) for i in range(params.sampling.num_top_logprobs))
+                done = reason is not None
+                yield RequestOutput(
+                    request_id=request_id,
+                    token_ids=(token,),
+                    text=delta,
+                    samples=(SampledToken(token, -0.5, top),),
+                    num_prompt_tokens=len(prompt),
+                    num_generated_tokens=k + 1,
+                    finished=done,
+                    finish_reason=reason,
+                    timings=RequestTimings(
+                        0.001, 0.002 + self.step_s, 0.003 + (k + 1) * self.step_s if done else None
+                    ),
+                )
+                if done:
+                    self.finished.append(request_id)
+                    return
+        finally:
+            if not done:
+                self.aborted.append(request_id)
+
+
+def fake_runtime(engine: FakeEngine | None = None) -> Runtime:
+    return Runtime(
+        engine=engine or FakeEngine(),
+        tokenizer=FakeTokenizer(),  # type: ignore[arg-type]
+        model_name="fake-model",
+        artifact_id="fake-model/0123456789ab",
+        grid=GRID,
+        close=lambda: None,
+    )

@@ -1,0 +1,134 @@
+"""SageMaker's `/ping` and `/invocations` (OpenAI and TGI-style bodies) on the fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.api.app import create_app
+from app.api.serving import ChoiceOutput
+from app.api.tgi import GenerateRenderer
+from app.engine.types import FinishReason
+from app.errors import ArtifactError
+from app.settings import ServerSettings
+
+from .fakes import EOS, expected_text
+
+
+def invoke(client, body):
+    return client.post("/invocations", json=body)
+
+
+def test_ping_is_200_with_empty_body_when_ready(client):
+    response = client.get("/ping")
+    assert response.status_code == 200 and response.content == b""
+
+
+def test_invocations_openai_bodies(client):
+    completion = invoke(client, {"prompt": "hello", "max_tokens": 2, "temperature": 0}).json()
+    assert completion["object"] == "text_completion"
+    assert completion["choices"][0]["text"] == expected_text(6, 2)
+    chat = invoke(client, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+    assert chat["object"] == "chat.completion"
+
+
+def test_invocations_generate_body_is_greedy_by_default(client, engine):
+    body = {"inputs": "hello", "parameters": {"max_new_tokens": 3, "details": True, "return_full_text": True}}
+    response = invoke(client, body)
+    assert response.status_code == 200
+    assert response.json() == [
+        {
+            "generated_text": "hello" + expected_text(6, 3),
+            "details": {"finish_reason": "length", "generated_tokens": 3, "seed": None},
+        }
+    ]
+    assert list(engine.requests.values())[-1].sampling.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("parameters", "temperature"),
+    [
+        ({"do_sample": True}, 1.0),
+        ({"temperature": 0.5}, 0.5),
+        ({"top_k": 4}, 1.0),
+        ({"temperature": 1.0}, 0.0),
+    ],
+)
+def test_generate_sampling_follows_tgi(client, engine, parameters, temperature):
+    assert (
+        invoke(client, {"inputs": "x", "parameters": {"max_new_tokens": 1, **parameters}}).status_code == 200
+    )
+    assert list(engine.requests.values())[-1].sampling.temperature == temperature
+
+
+def test_generate_seed_is_reported_when_sampling(client):
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 1, "do_sample": True, "seed": 7, "details": True}}
+    assert invoke(client, body).json()[0]["details"]["seed"] == 7
+
+
+def test_generate_stream_events(client):
+    body = {"inputs": "hello", "parameters": {"max_new_tokens": 3}, "stream": True}
+    response = invoke(client, body)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert [e["token"]["text"] for e in events] == list(expected_text(6, 3))
+    assert [e["generated_text"] for e in events] == [None, None, expected_text(6, 3)]
+    assert events[-1]["details"]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "param"),
+    [
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"watermark": True}, "watermark"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "parameters.stop"),
+        ({"max_new_tokens": 10_000}, "parameters.max_new_tokens"),
+        ({"typo": 1}, "parameters.typo"),
+    ],
+)
+def test_generate_refusals(client, parameters, param):
+    response = invoke(client, {"inputs": "x", "parameters": parameters})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_invocations_without_a_known_body(client):
+    response = invoke(client, {"text": "hello"})
+    assert response.status_code == 400
+    assert "inputs" in response.json()["error"]["message"]
+
+
+def test_eos_finish_is_named_like_tgi():
+    renderer = GenerateRenderer.__new__(GenerateRenderer)
+    renderer.eos_token_ids = frozenset({EOS})
+    eos = ChoiceOutput(0, 0, token_ids=[5, EOS], finish_reason=FinishReason.STOP)
+    stop = ChoiceOutput(0, 0, token_ids=[5, 6], finish_reason=FinishReason.STOP)
+    assert (renderer.finish_reason(eos), renderer.finish_reason(stop)) == ("eos_token", "stop_sequence")
+
+
+def test_ping_and_ready_are_503_until_the_runtime_is_built():
+    async def never_ready(_):
+        await asyncio.Event().wait()
+
+    with TestClient(create_app(ServerSettings(), build_runtime=never_ready)) as client:
+        assert client.get("/ping").status_code == 503
+        assert client.get("/ready").json() == {"status": "starting"}
+        assert client.get("/health").status_code == 200
+        response = client.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+
+
+def test_startup_failure_fails_health_and_calls_on_fatal():
+    fatal = threading.Event()
+
+    async def broken(_):
+        raise ArtifactError("manifest.json is missing")
+
+    with TestClient(create_app(ServerSettings(), build_runtime=broken, on_fatal=fatal.set)) as client:
+        assert fatal.wait(5)
+        assert client.get("/health").status_code == 503
+        assert client.get("/ready").json() == {"status": "failed"}

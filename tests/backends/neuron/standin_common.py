@@ -1,0 +1,186 @@
+"""Machinery shared by the two STAND-IN Neuron libraries (`standin_nxdi.py`, `standin_tnx.py`).
+
+A stand-in is NOT the Neuron library: it follows the library's documented call contract (the exact
+parameter names of `neuron-signatures.json`, the step routing, the output shapes) and computes real
+logits with the portable torch model (`app.backends.torch.model.LlamaRunner`) holding one KV-cache row
+per slot, which is what the device holds. It never compiles anything: its "NEFFs" are named, as the
+real ones are, by a hash of the graph they stand for, so loading with different arguments fails as it
+does on a device. Every forward call is recorded, so tests can assert what reached the library.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+import tempfile
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.backends.torch.checkpoint import (
+    LlamaSpec,
+    rank_file_metadata,
+    read_llama_config,
+    write_rank_shards,
+)
+from app.backends.torch.model import LlamaRunner, RankWeights, SingleRank
+
+CPU = torch.device("cpu")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The stand-in sampler's fixed generator seed: a device draws from its own generator, not the request's.
+DEVICE_SEED = 1234
+
+
+def make_modules(names_to_attributes: Mapping[str, Mapping[str, Any]]) -> dict[str, types.ModuleType]:
+    """Module objects for a stand-in package tree; parents get their children as attributes."""
+    modules = {}
+    for name, attributes in names_to_attributes.items():
+        module = types.ModuleType(name, f"STAND-IN for {name} (tests only; not the Neuron library)")
+        module.__dict__.update(attributes)
+        modules[name] = module
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        if parent in modules:
+            setattr(modules[parent], child, module)
+    return modules
+
+
+@contextmanager
+def installed(modules: Mapping[str, types.ModuleType]) -> Iterator[None]:
+    """Make `import <real name>` find the stand-in for the duration."""
+    saved = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def rank_tensors(checkpoint_dir: Path, tp_degree: int, dtype: str) -> list[dict[str, torch.Tensor]]:
+    """Real per-rank slices of a Hugging Face checkpoint (the portable backend's sharding)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = write_rank_shards(checkpoint_dir, Path(scratch), tp_degree, dtype)
+        return [load_file(str(path)) for path in paths]
+
+
+def merge_ranks(spec: LlamaSpec, ranks: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Undo the tensor-parallel split: the stand-in computes on one process."""
+    tp = len(ranks)
+    q, kv = spec.num_heads // tp * spec.head_dim, spec.num_kv_heads // tp * spec.head_dim
+    inter = spec.intermediate_size // tp
+    merged = {}
+    for name in ranks[0]:
+        parts = [rank[name] for rank in ranks]
+        if name.endswith("qkv_proj"):
+            pieces = [part.split([q, kv, kv]) for part in parts]
+            merged[name] = torch.cat([piece[i] for i in range(3) for piece in pieces])
+        elif name.endswith("gate_up_proj"):
+            pieces = [part.split([inter, inter]) for part in parts]
+            merged[name] = torch.cat([piece[i] for i in range(2) for piece in pieces])
+        elif name.endswith(("o_proj", "down_proj")):
+            merged[name] = torch.cat(parts, dim=1)
+        elif name in ("embed_tokens", "lm_head"):
+            merged[name] = torch.cat(parts)
+        else:
+            merged[name] = parts[0]
+    return merged
+
+
+def spec_from_hf_fields(fields: Mapping[str, Any]) -> LlamaSpec:
+    """A LlamaSpec from the Hugging Face fields a library copied into its own config file."""
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "config.json").write_text(json.dumps(dict(fields), default=str))
+        return read_llama_config(Path(scratch))
+
+
+class StandInDevice:
+    """The stand-in's NeuronCores: the portable model with a KV cache of one row per slot."""
+
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        ranks: Sequence[Mapping[str, torch.Tensor]],
+        dtype: str,
+        num_slots: int,
+        max_positions: int,
+    ) -> None:
+        merged = merge_ranks(spec, ranks)
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / "merged.safetensors"
+            tensors = {name: tensor.contiguous() for name, tensor in merged.items()}
+            save_file(tensors, str(path), metadata=rank_file_metadata(0, 1, dtype))
+            weights = RankWeights.load(path, spec, 0, 1, dtype, CPU)
+        self.num_slots = num_slots
+        self.runner = LlamaRunner(
+            spec,
+            weights,
+            num_slots=num_slots,
+            max_positions=max_positions,
+            tp_degree=1,
+            rank=0,
+            dtype=dtype,
+            device=CPU,
+            collectives=SingleRank(),
+        )
+
+    def context(self, tokens: Sequence[int], last_index: int, slot: int) -> torch.Tensor:
+        """Context encoding of one padded sequence into `slot`: fp32 logits [vocab] at `last_index`."""
+        ints = {"dtype": torch.int64}
+        logits = self.runner.prefill_logits(
+            torch.tensor([list(tokens)], **ints),
+            torch.tensor([last_index], **ints),
+            torch.tensor([slot], **ints),
+        )
+        return logits[0]
+
+    def generate(
+        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], span: int
+    ) -> torch.Tensor:
+        """One token-generation step over whole-batch rows: fp32 logits [rows, vocab]."""
+        ints = {"dtype": torch.int64}
+        return self.runner.decode_logits(
+            torch.tensor(list(tokens), **ints),
+            torch.tensor(list(positions), **ints),
+            torch.tensor(list(slots), **ints),
+            span,
+        )
+
+
+def graph_file_name(graph: Mapping[str, Any]) -> str:
+    """A stand-in NEFF's name: the first 20 hex digits of the hash of the graph it stands for."""
+    return hashlib.sha256(json.dumps(graph, sort_keys=True, default=str).encode()).hexdigest()[:20] + ".neff"
+
+
+def sample_rows(
+    logits: torch.Tensor, params: torch.Tensor, global_topk: int, generator: torch.Generator
+) -> torch.Tensor:
+    """The stand-in device sampler: per row (top_k, top_p, temperature), top_k 1 is argmax; otherwise a
+    draw from the device's own generator among the `global_topk` best candidates."""
+    tokens = []
+    for row, (top_k, top_p, temperature) in zip(logits, params.tolist(), strict=True):
+        if int(top_k) == 1 or temperature == 0:
+            tokens.append(int(row.argmax()))
+            continue
+        values, ids = row.topk(min(global_topk, row.shape[-1]))
+        keep = int(top_k) if int(top_k) > 0 else len(values)
+        probs = torch.softmax(values[:keep] / temperature, dim=-1)
+        inside = (probs.cumsum(-1) - probs) < top_p
+        probs = probs * inside
+        tokens.append(int(ids[torch.multinomial(probs / probs.sum(), 1, generator=generator)]))
+    return torch.tensor(tokens, dtype=torch.int32)
+
+
+def recorded(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot of a call's inputs (tensors cloned) for the tests to inspect."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in inputs.items()}

@@ -1,0 +1,516 @@
+"""A STAND-IN for NxD Inference (`neuronx_distributed_inference`, Neuron 2.28-2.31) for tests without
+Neuron hardware: NOT the library.
+
+It accepts exactly the parameter names of `neuron-signatures.json` (checked by `test_signatures.py`) and
+follows the documented behaviour an adapter relies on: `compile` writes `neuron_config.json`, `model.pt`
+and `weights/tp{rank}_sharded_checkpoint.safetensors`; the constructor with `config=None` reads
+`neuron_config.json`; `forward` routes on `position_ids.min() == 0`, runs context encoding one sequence
+at a time (context batch 1) into row `seq_ids[i]` of the KV cache, pads a short decode batch with the
+missing slots at the first row's position (writing into those slots, as the library does), and returns
+`.tokens` int32 [n] / `.logits` fp32 [n, 1, V] per the on-device-sampling mode. Logits are real: the
+portable torch model computes them (`standin_common.StandInDevice`).
+
+Stricter than the library on purpose: an unknown `NeuronConfig` / `OnDeviceSamplingConfig` key is an
+error here (the library only logs, or ignores it), so a misspelt key fails in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .standin_common import (
+    DEVICE_SEED,
+    DTYPE_NAMES,
+    StandInDevice,
+    make_modules,
+    rank_tensors,
+    recorded,
+    sample_rows,
+    spec_from_hf_fields,
+)
+
+CARD = Path(__file__).with_name("data") / "neuron-signatures.json"
+CONFIG_FILE = "neuron_config.json"
+COMPILED_MODEL_FILE_NAME = "model.pt"
+# Tensor-parallel padding the stand-in adds to the vocabulary of the on-device-sampling logits (the
+# library's lm_head pads to its shard size; the extra columns hold the dtype's minimum).
+VOCAB_PAD = 8
+NEURON_CONFIG = "neuronx_distributed_inference.models.config.NeuronConfig.__init__"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _card_keys(symbol: str) -> list[str]:
+    """The 138 NeuronConfig keys are data: read from the signature card, not retyped."""
+    params = json.loads(CARD.read_text())["nxdi"]["symbols"][symbol]["params"]
+    return [param["name"] for param in params]
+
+
+class _KwargsConfig:
+    """A config whose constructor reads keys out of **kwargs (the library's style)."""
+
+    KEYS: ClassVar[tuple[str, ...]]
+    DEFAULTS: ClassVar[dict[str, Any]]
+
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(self.KEYS))
+        if unknown:
+            raise TypeError(f"STAND-IN {type(self).__name__}: unknown keys {unknown}")
+        for key in self.KEYS:
+            setattr(self, key, kwargs.get(key, self.DEFAULTS.get(key)))
+
+
+class OnDeviceSamplingConfig(_KwargsConfig):
+    KEYS = (
+        "do_sample",
+        "top_k",
+        "top_p",
+        "temperature",
+        "dynamic",
+        "deterministic",
+        "global_topk",
+        "on_device_sampling_config",
+        "top_k_kernel_enabled",
+        "sampling_dp_degree",
+    )
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "do_sample": False,
+        "top_k": 1,
+        "top_p": 1.0,
+        "temperature": 1.0,
+        "dynamic": False,
+        "deterministic": False,
+        "global_topk": 256,
+        "on_device_sampling_config": True,
+        "top_k_kernel_enabled": False,  # inf2 maps to the TRN1 hardware family
+        "sampling_dp_degree": 1,
+    }
+
+
+class NeuronConfig(_KwargsConfig):
+    KEYS = tuple(_card_keys(NEURON_CONFIG))
+    DEFAULTS: ClassVar[dict[str, Any]] = {
+        "batch_size": 1,
+        "padding_side": "right",
+        "seq_len": 128,
+        "output_logits": False,
+        "is_continuous_batching": False,
+        "enable_bucketing": False,
+        "save_sharded_checkpoint": False,
+        "skip_sharding": False,
+        "skip_warmup": False,
+        "tp_degree": 1,
+        "allow_input_truncation": False,
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for derived in ("ctx_batch_size", "tkg_batch_size", "max_batch_size", "kv_cache_batch_size"):
+            if getattr(self, derived) is None:
+                setattr(self, derived, self.batch_size)
+        for derived in ("max_context_length", "max_length", "n_positions"):
+            if getattr(self, derived) is None:
+                setattr(self, derived, self.seq_len)
+        dtype = kwargs.get("torch_dtype", torch.bfloat16)
+        self.torch_dtype = TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if isinstance(self.on_device_sampling_config, dict):
+            self.on_device_sampling_config = OnDeviceSamplingConfig(**self.on_device_sampling_config)
+        self._check_buckets()
+
+    def _check_buckets(self) -> None:
+        for key, limit in (
+            ("context_encoding_buckets", "max_context_length"),
+            ("token_generation_buckets", "max_length"),
+        ):
+            buckets = getattr(self, key)
+            if buckets is not None:
+                buckets.sort()
+                if buckets[-1] > getattr(self, limit):
+                    raise ValueError(f"{key} {buckets} exceed {limit} {getattr(self, limit)}")
+
+    def context_buckets(self) -> list[int]:
+        if not self.enable_bucketing:
+            return [self.max_context_length]
+        return self.context_encoding_buckets or [self.max_context_length]
+
+    def token_buckets(self) -> list[int]:
+        if not self.enable_bucketing:
+            return [self.max_length]
+        return self.token_generation_buckets or [self.max_length]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {key: getattr(self, key) for key in self.KEYS}
+        data["torch_dtype"] = str(self.torch_dtype).removeprefix("torch.")
+        if isinstance(self.on_device_sampling_config, OnDeviceSamplingConfig):
+            data["on_device_sampling_config"] = vars(self.on_device_sampling_config)
+        return data
+
+
+class InferenceConfig:
+    def __init__(
+        self,
+        neuron_config: NeuronConfig,
+        fused_spec_config: Any = None,
+        load_config: Callable[[InferenceConfig], None] | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.neuron_config = neuron_config
+        self.fused_spec_config = fused_spec_config
+        if load_config is not None:
+            load_config(self)
+        self.metadata = metadata
+        self.__dict__.update(kwargs)
+        missing = [name for name in self.get_required_attributes() if not hasattr(self, name)]
+        if missing:
+            raise AssertionError(f"Config must define {missing}")
+
+    def get_required_attributes(self) -> list[str]:
+        return []
+
+    def save(self, model_path: str | os.PathLike[str]) -> None:
+        os.makedirs(model_path, exist_ok=True)
+        data = {key: value for key, value in vars(self).items() if key != "neuron_config"}
+        data["neuron_config"] = self.neuron_config.to_dict()
+        text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+        Path(model_path, CONFIG_FILE).write_text(text)
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike[str], **kwargs: Any) -> InferenceConfig:
+        data = {**json.loads(Path(model_path, CONFIG_FILE).read_text()), **kwargs}
+        neuron_config = NeuronConfig(**data.pop("neuron_config"))
+        return cls(neuron_config, **data)
+
+
+class LlamaInferenceConfig(InferenceConfig):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+    def get_required_attributes(self) -> list[str]:
+        return [
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "pad_token_id",
+            "vocab_size",
+            "max_position_embeddings",
+            "rope_theta",
+            "rms_norm_eps",
+            "hidden_act",
+        ]
+
+
+def load_pretrained_config(
+    model_path_or_name: str | os.PathLike[str] | None = None, hf_config: Any = None
+) -> Callable[[InferenceConfig], None]:
+    def load_config(self: InferenceConfig) -> None:
+        if (model_path_or_name is None) == (hf_config is None):
+            raise ValueError("pass exactly one of model_path_or_name and hf_config")
+        config = hf_config or AutoConfig.from_pretrained(model_path_or_name)
+        fields = config.to_dict()
+        fields.setdefault("pad_token_id", None)
+        fields.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+        for key in ("dtype", "torch_dtype"):
+            fields.pop(key, None)
+        self.__dict__.update(fields)
+
+    return load_config
+
+
+def prepare_sampling_params(
+    batch_size: int,
+    top_k: Any = [1],  # noqa: B006 (the library's defaults)
+    top_p: Any = [1.0],  # noqa: B006
+    temperature: Any = [1.0],  # noqa: B006
+) -> torch.Tensor:
+    columns = [
+        torch.as_tensor(value, dtype=torch.float32).reshape(-1) for value in (top_k, top_p, temperature)
+    ]
+    columns = [column.expand(batch_size) if len(column) == 1 else column for column in columns]
+    assert all(len(column) == batch_size for column in columns), "sampling params of unequal lengths"
+    return torch.stack(columns, dim=1)
+
+
+def validate_sampling_params(params: torch.Tensor, on_device_sampling_config: Any) -> None:
+    if params.dim() != 2 or params.shape[1] != 3:
+        raise ValueError(f"sampling params must be [batch, 3], got {list(params.shape)}")
+    global_topk = on_device_sampling_config.global_topk
+    for top_k, top_p, temperature in params.tolist():
+        if (top_k != -1 and not 0 <= top_k <= global_topk) or top_k != int(top_k):
+            raise ValueError(f"top_k {top_k} must be -1 or an integer in [0, {global_topk}]")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p {top_p} must be in (0, 1]")
+        if temperature < 0 or (temperature == 0 and top_k in (-1, 0)):
+            raise ValueError(f"temperature {temperature} is invalid with top_k {top_k}")
+
+
+class NeuronApplicationBase(torch.nn.Module):
+    def __init__(
+        self,
+        model_path: str,
+        config: InferenceConfig | None = None,
+        neuron_config: NeuronConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.model_path = model_path.rstrip("/") + "/"
+        self.config = config if config is not None else LlamaInferenceConfig.load(self.model_path)
+        if neuron_config is not None:
+            self.config.neuron_config = neuron_config
+        self.neuron_config = self.config.neuron_config
+        self.on_device_sampling = self.neuron_config.on_device_sampling_config is not None
+        self.is_compiled = os.path.isfile(self.model_path + COMPILED_MODEL_FILE_NAME)
+        self.device: StandInDevice | None = None
+
+    def compile(
+        self,
+        compiled_model_path: str,
+        debug: bool = False,
+        pre_shard_weights_hook: Callable[[Any], None] | None = None,
+        dry_run: bool = False,
+        disable_fail_fast: bool = False,
+    ) -> None:
+        path = compiled_model_path.rstrip("/") + "/"
+        self.config.save(path)
+        trace = {"stand_in": "NxD Inference model.pt", "neuron_config": self.neuron_config.to_dict()}
+        if dry_run:
+            return
+        Path(path, COMPILED_MODEL_FILE_NAME).write_text(json.dumps(trace, sort_keys=True, default=str))
+        self.shard_weights(path, debug, pre_shard_weights_hook)
+        self.is_compiled = True
+
+    def shard_weights(
+        self,
+        compiled_model_path: str,
+        debug: bool = False,
+        pre_shard_weights_hook: Callable[[Any], None] | None = None,
+    ) -> None:
+        if pre_shard_weights_hook is not None:
+            pre_shard_weights_hook(self)
+        if self.neuron_config.skip_sharding or not self.neuron_config.save_sharded_checkpoint:
+            return
+        weights = Path(compiled_model_path, "weights")
+        weights.mkdir(parents=True, exist_ok=True)
+        for rank, tensors in enumerate(self._hf_rank_tensors(self.model_path)):
+            save_file(tensors, str(weights / f"tp{rank}_sharded_checkpoint.safetensors"))
+
+    def load(
+        self,
+        compiled_model_path: str,
+        start_rank_id: int | None = None,
+        local_ranks_size: int | None = None,
+        skip_warmup: bool = False,
+    ) -> None:
+        path = compiled_model_path.rstrip("/") + "/"
+        if not os.path.isfile(path + COMPILED_MODEL_FILE_NAME):
+            raise FileNotFoundError(path + COMPILED_MODEL_FILE_NAME)
+        self.load_weights(path, start_rank_id, local_ranks_size)
+
+    def load_weights(
+        self, compiled_model_path: str, start_rank_id: int | None = None, local_ranks_size: int | None = None
+    ) -> None:
+        config = self.neuron_config
+        if config.save_sharded_checkpoint:
+            files = [
+                Path(compiled_model_path, "weights", f"tp{r}_sharded_checkpoint.safetensors")
+                for r in range(config.tp_degree)
+            ]
+            ranks = [load_file(str(file)) for file in files]
+        else:
+            source = getattr(self.config, "_name_or_path", None)
+            ranks = self._hf_rank_tensors(
+                source if source and os.path.exists(source) else compiled_model_path
+            )
+        hf_fields = {k: v for k, v in vars(self.config).items() if k not in ("neuron_config", "metadata")}
+        self.device = StandInDevice(
+            spec_from_hf_fields(hf_fields),
+            ranks,
+            DTYPE_NAMES[config.torch_dtype],
+            config.kv_cache_batch_size,
+            config.max_length,
+        )
+
+    def _hf_rank_tensors(self, checkpoint: str) -> list[dict[str, torch.Tensor]]:
+        return rank_tensors(
+            Path(checkpoint), self.neuron_config.tp_degree, DTYPE_NAMES[self.neuron_config.torch_dtype]
+        )
+
+
+class NeuronBaseForCausalLM(NeuronApplicationBase):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.neuron_config.chunked_prefill_config is not None:
+            raise NotImplementedError("Chunked Prefill is not available in NxD Inference for now")
+        self.kv_cache_populated = False
+        self.default_sampling_params = prepare_sampling_params(self.neuron_config.batch_size)
+        self.generator = torch.Generator().manual_seed(DEVICE_SEED)
+        self.calls: list[dict[str, Any]] = []  # what reached the library, for the tests
+        self.buckets_used: list[tuple[str, int]] = []
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor = None,
+        seq_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: list[torch.FloatTensor] | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        sampling_params: torch.FloatTensor | None = None,
+        prev_hidden: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        adapter_ids: torch.LongTensor | None = None,
+        medusa_args: Any = None,
+        return_dict: bool | None = None,
+        llava_args: list[Any] | None = [],  # noqa: B006 (as the library)
+        input_capture_hook: Callable[..., Any] | None = None,
+        tensor_capture_hook: Callable[..., Any] | None = None,
+        slot_mapping: torch.LongTensor | None = None,
+        block_table: torch.LongTensor | None = None,
+        full_context_lens: torch.LongTensor | None = None,
+        computed_context_lens: torch.LongTensor | None = None,
+        tf_args: list[torch.Tensor] | None = None,
+    ) -> CausalLMOutputWithPast:
+        if self.device is None:
+            raise RuntimeError("STAND-IN: forward before load()")
+        if position_ids is None or input_ids is None:
+            raise NotImplementedError("STAND-IN: the stand-in needs input_ids and position_ids")
+        rows = input_ids.shape[0]
+        seq_ids = torch.arange(rows) if seq_ids is None else seq_ids
+        sampling_params = self.default_sampling_params[:rows] if sampling_params is None else sampling_params
+        inputs = {"input_ids": input_ids, "seq_ids": seq_ids, "position_ids": position_ids}
+        call = recorded({**inputs, "attention_mask": attention_mask, "sampling_params": sampling_params})
+        self.calls.append(call)
+        if self.on_device_sampling:
+            validate_sampling_params(sampling_params, self.neuron_config.on_device_sampling_config)
+        if int(position_ids.min()) == 0:
+            logits = self._context_encoding(input_ids, seq_ids, position_ids)
+            self.kv_cache_populated = True
+        else:
+            logits = self._token_generation(input_ids, seq_ids, position_ids)
+        output = self._output(logits, sampling_params)
+        call.update(logits=logits, tokens=output.tokens)
+        return output
+
+    def reset(self) -> None:
+        self.kv_cache_populated = False
+
+    def _context_encoding(
+        self, input_ids: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """One execution per sequence (context batch 1), each into KV row `seq_ids[i]`."""
+        width = input_ids.shape[1]
+        buckets = self.neuron_config.context_buckets()
+        if width > buckets[-1] and not self.neuron_config.allow_input_truncation:
+            raise ValueError(f"input length {width} exceeds the largest context bucket {buckets[-1]}")
+        self.buckets_used.append(("context", _strict_bucket(buckets, width)))
+        logits = [
+            self.device.context(tokens.tolist(), int(positions.argmax()), int(slot))
+            for tokens, positions, slot in zip(input_ids, position_ids, seq_ids, strict=True)
+        ]
+        return torch.stack(logits)
+
+    def _token_generation(
+        self, input_ids: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The whole batch at once; a short batch is padded with the missing slots, sorted, repeating the
+        first row (which writes into those slots), and read back in the caller's order."""
+        batch = self.neuron_config.tkg_batch_size
+        rows = input_ids.shape[0]
+        if rows > batch:
+            raise ValueError(f"{rows} rows exceed the token-generation batch {batch}")
+        missing = [s for s in range(batch) if s not in set(seq_ids.tolist())]
+        slots = seq_ids.tolist() + missing
+        tokens = input_ids[:, -1].tolist() + [int(input_ids[0, -1])] * len(missing)
+        positions = position_ids[:, -1].tolist() + [int(position_ids[0, -1])] * len(missing)
+        span = _strict_bucket(self.neuron_config.token_buckets(), max(positions))
+        self.buckets_used.append(("token", span))
+        order = sorted(range(batch), key=lambda i: slots[i])
+        logits = self.device.generate(
+            [tokens[i] for i in order], [positions[i] for i in order], sorted(slots), span
+        )
+        back = torch.tensor([order.index(i) for i in range(rows)])
+        return logits[back]
+
+    def _output(self, logits: torch.Tensor, sampling_params: torch.Tensor) -> CausalLMOutputWithPast:
+        if not self.on_device_sampling:
+            output = CausalLMOutputWithPast(logits=logits[:, None, :], hidden_states=logits[:, None, :])
+            output.tokens = output.logits
+            return output
+        config = self.neuron_config.on_device_sampling_config
+        rows = sampling_params.clone()
+        rows[rows[:, 2] == 0, :2] = 1.0
+        if config.do_sample or config.dynamic:
+            tokens = sample_rows(logits, rows, config.global_topk, self.generator)
+        else:
+            tokens = logits.argmax(dim=-1).to(torch.int32)
+        if not self.neuron_config.output_logits:
+            output = CausalLMOutputWithPast(logits=None, hidden_states=tokens)
+            output.tokens = tokens
+            return output
+        padding = torch.full((logits.shape[0], VOCAB_PAD), torch.finfo(torch.float32).min)
+        output = CausalLMOutputWithPast(
+            logits=torch.cat([logits, padding], dim=-1)[:, None, :], hidden_states=[]
+        )
+        output.tokens = tokens
+        return output
+
+
+def _strict_bucket(buckets: list[int], length: int) -> int:
+    """The library's choice: the first bucket strictly larger than `length`; the largest also fits equal."""
+    for bucket in buckets:
+        if length < bucket:
+            return bucket
+    return buckets[-1]
+
+
+class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):
+    """No constructor of its own: (model_path, config=None, neuron_config=None) via the base classes."""
+
+
+MODULES = make_modules(
+    {
+        "neuronx_distributed_inference": {},
+        "neuronx_distributed_inference.models": {},
+        "neuronx_distributed_inference.models.config": {
+            "NeuronConfig": NeuronConfig,
+            "OnDeviceSamplingConfig": OnDeviceSamplingConfig,
+            "InferenceConfig": InferenceConfig,
+        },
+        "neuronx_distributed_inference.models.application_base": {
+            "NeuronApplicationBase": NeuronApplicationBase,
+            "COMPILED_MODEL_FILE_NAME": COMPILED_MODEL_FILE_NAME,
+        },
+        "neuronx_distributed_inference.models.model_base": {"NeuronBaseForCausalLM": NeuronBaseForCausalLM},
+        "neuronx_distributed_inference.models.llama": {},
+        "neuronx_distributed_inference.models.llama.modeling_llama": {
+            "NeuronLlamaForCausalLM": NeuronLlamaForCausalLM,
+            "LlamaInferenceConfig": LlamaInferenceConfig,
+        },
+        "neuronx_distributed_inference.modules": {},
+        "neuronx_distributed_inference.modules.generation": {},
+        "neuronx_distributed_inference.modules.generation.sampling": {
+            "prepare_sampling_params": prepare_sampling_params,
+            "validate_sampling_params": validate_sampling_params,
+        },
+        "neuronx_distributed_inference.utils": {},
+        "neuronx_distributed_inference.utils.hf_adapter": {"load_pretrained_config": load_pretrained_config},
+    }
+)
+# Symbols of the card the adapter never reaches, so the stand-in leaves them out (and says why).
+_ADAPTER = "neuronx_distributed_inference.utils.hf_adapter.HuggingFaceGenerationAdapter"
+NOT_STOOD_IN = {
+    f"{_ADAPTER}.__init__": "the HF generate() path",
+    f"{_ADAPTER}.generate": "the HF generate() path",
+    "neuronx_distributed.trace.model_builder.ModelBuilder.shard_checkpoint": "internal to compile()",
+}

@@ -1,0 +1,103 @@
+"""The on-device sampler: greedy, temperature, top-k, top-p, counter-based seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from app.backends.base import GREEDY, SamplingParams
+from app.backends.torch.sampling import SamplingTensors, row_keys, sample, sampled_tokens, uniform
+
+CPU = torch.device("cpu")
+VOCAB = 50
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    tensors = SamplingTensors.build(params, positions, len(params), logits.shape[-1], CPU)
+    filtered = any(p.top_k or p.top_p < 1.0 for p in params)
+    return sample(logits, tensors, random=True, filtered=filtered).tokens.tolist()
+
+
+def frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).float() / len(tokens)
+
+
+def lowbias32(x: int) -> int:
+    """Pure-Python reference of the hash the sampler computes with int64 tensor ops."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash_matches_the_pure_python_reference() -> None:
+    seeds, positions = [0, 1, 12345, 0xFFFFFFFF, 2**31 + 7], [0, 5, 99, 4095, 1]
+    keys = row_keys(torch.tensor(seeds), torch.tensor(positions)).tolist()
+    assert keys == [lowbias32(lowbias32(s) ^ p) for s, p in zip(seeds, positions, strict=True)]
+    values = uniform(torch.tensor(keys))
+    assert bool(((values > 0) & (values < 1)).all())
+
+
+def test_greedy_rows_take_the_argmax_with_its_log_softmax() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    tensors = SamplingTensors.build([GREEDY] * 3, [4, 4, 4], 3, VOCAB, CPU)
+    out = sample(logits, tensors, random=False, filtered=False)
+    assert out.tokens.tolist() == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, out.tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, expected)
+
+
+def test_samples_follow_the_tempered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = SamplingParams(temperature=0.7, seed=3)
+    tokens = [draw(logits, [params], [position])[0] for position in range(4000)]
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    assert (frequencies(tokens, 4) - expected).abs().max().item() < 0.03
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    top_k = [draw(logits, [SamplingParams(temperature=1.0, top_k=2, seed=1)], [p])[0] for p in range(500)]
+    top_p = [draw(logits, [SamplingParams(temperature=1.0, top_p=0.65, seed=1)], [p])[0] for p in range(500)]
+    assert set(top_k) == {0, 1}
+    assert set(top_p) == {0, 1}
+    assert abs(frequencies(top_k, 4)[0].item() - 0.4 / 0.7) < 0.06
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(2)]
+    params += [SamplingParams(temperature=1.5, top_p=1e-6, seed=i) for i in range(2)]
+    assert draw(logits, params, [7] * 4) == logits.argmax(-1).tolist()
+
+
+def test_a_seeded_token_depends_only_on_its_row_seed_and_position() -> None:
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+    mine = SamplingParams(temperature=1.0, seed=42)
+    alone = [draw(logits, [mine], [position])[0] for position in range(40)]
+    mates = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    others = [SamplingParams(temperature=0.5, top_k=3, seed=7), GREEDY]
+    batched = [
+        draw(torch.cat([mates[:1], logits, mates[1:]]), [others[0], mine, others[1]], [9, p, 3])[1]
+        for p in range(40)
+    ]
+    reseeded = [
+        draw(logits, [SamplingParams(temperature=1.0, seed=43)], [position])[0] for position in range(40)
+    ]
+    assert batched == alone
+    assert reseeded != alone
+
+
+def test_top_logprobs_are_returned_only_when_asked() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    params = [GREEDY, SamplingParams(num_top_logprobs=3)]
+    tensors = SamplingTensors.build(params, [1, 1], 2, VOCAB, CPU)
+    plain, asking = sampled_tokens(sample(logits, tensors, random=False, filtered=False), params)
+    assert plain.top_logprobs == ()
+    ids = [token for token, _ in asking.top_logprobs]
+    values = [value for _, value in asking.top_logprobs]
+    assert ids == logits[1].topk(3).indices.tolist()
+    assert values == sorted(values, reverse=True)
+    assert ids[0] == asking.token_id
+    assert abs(values[0] - asking.logprob) < 1e-6

@@ -1,0 +1,200 @@
+"""The EKS manifests, rendered by kustomize (base and every overlay): core kinds against the Kubernetes
+schemas with kubernetes-validate (strict), custom resources against their vendored CRD schemas (strict,
+see deploy/eks/crds/SOURCES.md), and the wiring between them and the server."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from app.settings import ServerSettings
+
+EKS = Path(__file__).resolve().parents[2] / "deploy" / "eks"
+KUBERNETES_VERSION = "1.30.0"  # first release where lifecycle.preStop.sleep is on by default (beta)
+TREES = ["base", "overlays/staging", "overlays/production"]
+CUSTOM_KINDS = {
+    "Rollout": "rollout",
+    "AnalysisTemplate": "analysistemplate",
+    "ServiceMonitor": "servicemonitor",
+}
+
+
+def _render(tree: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl (with its built-in kustomize) is needed to render deploy/eks"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(EKS / tree)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {tree: _render(tree) for tree in TREES}
+
+
+def _strict(schema: object) -> object:
+    """Reject unknown fields, as the API server's strict field validation does."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    open_ended = "additionalProperties" in out or out.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and not open_ended:
+        out["additionalProperties"] = False
+    return out
+
+
+def _crd_validator(kind: str) -> jsonschema.Validator:
+    crd = json.loads((EKS / "crds" / f"{CUSTOM_KINDS[kind]}.json").read_text())
+    schema = _strict(crd["openAPIV3Schema"])
+    schema["properties"]["apiVersion"]["enum"] = [f"{crd['group']}/{crd['version']}"]
+    return jsonschema.Draft7Validator(schema)
+
+
+def _validate(doc: dict) -> None:
+    if doc["kind"] in CUSTOM_KINDS:
+        _crd_validator(doc["kind"]).validate(doc)
+    else:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def _one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    return doc
+
+
+def _container(docs: list[dict]) -> dict:
+    (container,) = _one(docs, "Rollout")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _env(docs: list[dict]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in _container(docs)["env"]}
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_every_manifest_validates(rendered: dict[str, list[dict]], tree: str) -> None:
+    docs = rendered[tree]
+    assert {d["kind"] for d in docs} >= {
+        "Rollout",
+        "Service",
+        "Ingress",
+        "ServiceMonitor",
+        "AnalysisTemplate",
+    }
+    for doc in docs:
+        _validate(doc)
+    # The CRD schema checks the Rollout's pod template loosely; the core PodTemplate schema is exact.
+    template = _one(docs, "Rollout")["spec"]["template"]
+    pod_template = {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": "t"},
+        "template": template,
+    }
+    kubernetes_validate.validate(pod_template, KUBERNETES_VERSION, strict=True)
+
+
+def test_validation_rejects_unknown_fields(rendered: dict[str, list[dict]]) -> None:
+    rollout = copy.deepcopy(_one(rendered["base"], "Rollout"))
+    rollout["spec"]["strategy"]["canary"]["steps"][0]["setWieght"] = 10
+    with pytest.raises(jsonschema.ValidationError, match="setWieght"):
+        _validate(rollout)
+    service = copy.deepcopy(_one(rendered["base"], "Service", "inf2serve-root"))
+    service["spec"]["ports"][0]["targetPorts"] = "http"
+    with pytest.raises(jsonschema.ValidationError, match="targetPorts"):
+        _validate(service)
+
+
+def test_pod_requests_neuroncores_and_probes_our_endpoints(rendered: dict[str, list[dict]]) -> None:
+    container = _container(rendered["base"])
+    assert int(container["resources"]["limits"]["aws.amazon.com/neuroncore"]) >= 1
+    assert (
+        container["resources"]["requests"]["aws.amazon.com/neuroncore"]
+        == (container["resources"]["limits"]["aws.amazon.com/neuroncore"])
+    )
+    assert container["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900  # load + warmup take minutes
+    assert container["args"] == ["serve"]
+    assert {p["containerPort"] for p in container["ports"]} == {ServerSettings.model_fields["port"].default}
+
+
+def test_env_names_are_ones_the_server_reads(rendered: dict[str, list[dict]]) -> None:
+    known = {f"INF2SERVE_{field.upper()}" for field in ServerSettings.model_fields}
+    for tree in TREES:
+        assert set(_env(rendered[tree])) <= known
+
+
+def test_grace_period_covers_prestop_drain_and_in_flight(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["base"]
+    spec = _one(docs, "Rollout")["spec"]["template"]["spec"]
+    env = _env(docs)
+    pre_stop = _container(docs)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    needed = pre_stop + float(env["INF2SERVE_DRAIN_S"]) + float(env["INF2SERVE_SHUTDOWN_TIMEOUT_S"])
+    assert spec["terminationGracePeriodSeconds"] > needed
+
+
+def test_alb_timings_match_the_server(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["base"]
+    annotations = _one(docs, "Ingress")["metadata"]["annotations"]
+    env = _env(docs)
+
+    def attribute(annotation: str, key: str) -> float:
+        (value,) = re.findall(rf"{re.escape(key)}=(\d+)", annotations[annotation])
+        return float(value)
+
+    lb, tg = (
+        "alb.ingress.kubernetes.io/load-balancer-attributes",
+        "alb.ingress.kubernetes.io/target-group-attributes",
+    )
+    assert attribute(lb, "idle_timeout.timeout_seconds") < float(env["INF2SERVE_KEEP_ALIVE_S"])
+    assert attribute(tg, "deregistration_delay.timeout_seconds") == float(env["INF2SERVE_DRAIN_S"])
+    assert annotations["alb.ingress.kubernetes.io/healthcheck-path"] == "/ready"
+
+
+def test_canary_routing_and_analysis_are_wired(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["overlays/production"]
+    canary = _one(docs, "Rollout")["spec"]["strategy"]["canary"]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    alb = canary["trafficRouting"]["alb"]
+    assert {canary["stableService"], canary["canaryService"], alb["rootService"]} <= set(services)
+    ingress = _one(docs, "Ingress", alb["ingress"])
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": alb["rootService"], "port": {"name": "use-annotation"}}
+    (template_ref,) = canary["analysis"]["templates"]
+    template = _one(docs, "AnalysisTemplate", template_ref["templateName"])
+    declared = {a["name"] for a in template["spec"]["args"]}
+    required = {a["name"] for a in template["spec"]["args"] if "value" not in a}
+    passed = {a["name"] for a in canary["analysis"]["args"]}
+    assert required <= passed <= declared
+    assert [s["setWeight"] for s in canary["steps"] if "setWeight" in s] == sorted(
+        s["setWeight"] for s in canary["steps"] if "setWeight" in s
+    )
+
+
+def test_service_monitor_scrapes_each_pod_once(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["base"]
+    monitor = _one(docs, "ServiceMonitor")["spec"]
+    wanted = monitor["selector"]["matchLabels"]
+    selected = [
+        d for d in docs if d["kind"] == "Service" and wanted.items() <= d["metadata"]["labels"].items()
+    ]
+    assert len(selected) == 1
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert "rollouts-pod-template-hash" in monitor["podTargetLabels"]  # analysis queries select on it

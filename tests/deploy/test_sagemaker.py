@@ -1,0 +1,186 @@
+"""`inf2serve deploy sagemaker`: the SageMaker calls it makes, checked with botocore's Stubber, which
+validates every request against the real SageMaker API model (names, types, required keys, minimums).
+moto cannot stand in here: its SageMaker mock rejects ml.inf2 endpoint configs and does not implement
+UpdateEndpoint. Not checked offline: enum and maximum values (Stubber skips them; cfn-lint checks the
+template's), and SageMaker's own behaviour during a bake."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from moto import mock_aws
+
+from app.cli import main
+from app.errors import ConfigError
+from deploy.sagemaker.endpoint import Release, outcome, start
+
+NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
+RELEASE = Release(
+    endpoint="llm",
+    image="123456789012.dkr.ecr.us-east-1.amazonaws.com/inf2serve:0.1.0",
+    artifact="s3://artifacts/stories260K/3f2a9c1b",
+    role_arn="arn:aws:iam::123456789012:role/inf2serve",
+    alarms=("llm-5xx", "llm-latency"),
+)
+NAME = RELEASE.name(NOW)
+
+
+@pytest.fixture
+def client():
+    client = boto3.client(
+        "sagemaker", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    with Stubber(client) as stubber:
+        yield client, stubber
+        stubber.assert_no_pending_responses()
+
+
+def _expect_model_and_config(stubber: Stubber) -> None:
+    model = {
+        "ModelName": NAME,
+        "ExecutionRoleArn": RELEASE.role_arn,
+        "PrimaryContainer": {
+            "Image": RELEASE.image,
+            "ModelDataSource": {
+                "S3DataSource": {
+                    "S3Uri": "s3://artifacts/stories260K/3f2a9c1b/",
+                    "S3DataType": "S3Prefix",
+                    "CompressionType": "None",
+                }
+            },
+            "Environment": {
+                "INF2SERVE_ARTIFACT": "/opt/ml/model",
+                "INF2SERVE_DEVICE": "neuron",
+                "INF2SERVE_DRAIN_S": "10",
+                "INF2SERVE_SHUTDOWN_TIMEOUT_S": "15",
+            },
+        },
+    }
+    stubber.add_response("create_model", {"ModelArn": f"arn:aws:sagemaker:us-east-1:1:model/{NAME}"}, model)
+    variant = {
+        "VariantName": "AllTraffic",
+        "ModelName": NAME,
+        "InstanceType": "ml.inf2.xlarge",
+        "InitialInstanceCount": 2,
+        "InitialVariantWeight": 1.0,
+        "ContainerStartupHealthCheckTimeoutInSeconds": 1800,
+        "ModelDataDownloadTimeoutInSeconds": 1800,
+        "InferenceAmiVersion": "al2-ami-sagemaker-inference-neuron-2",
+    }
+    arn = f"arn:aws:sagemaker:us-east-1:1:endpoint-config/{NAME}"
+    stubber.add_response(
+        "create_endpoint_config",
+        {"EndpointConfigArn": arn},
+        {"EndpointConfigName": NAME, "ProductionVariants": [variant]},
+    )
+
+
+def _described(config: str, status: str = "InService") -> dict:
+    return {
+        "EndpointName": "llm",
+        "EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llm",
+        "EndpointConfigName": config,
+        "EndpointStatus": status,
+        "CreationTime": NOW,
+        "LastModifiedTime": NOW,
+    }
+
+
+def test_first_release_creates_the_endpoint(client) -> None:
+    sagemaker, stubber = client
+    _expect_model_and_config(stubber)
+    stubber.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint", 400)
+    stubber.add_response(
+        "create_endpoint",
+        {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llm"},
+        {"EndpointName": "llm", "EndpointConfigName": NAME},
+    )
+    assert start(sagemaker, RELEASE, NOW) == NAME
+
+
+def test_update_goes_through_the_canary_and_alarms(client) -> None:
+    sagemaker, stubber = client
+    _expect_model_and_config(stubber)
+    stubber.add_response("describe_endpoint", _described("llm-old"), {"EndpointName": "llm"})
+    deployment = {
+        "BlueGreenUpdatePolicy": {
+            "TrafficRoutingConfiguration": {
+                "Type": "CANARY",
+                "CanarySize": {"Type": "INSTANCE_COUNT", "Value": 1},
+                "WaitIntervalInSeconds": 600,
+            },
+            "TerminationWaitInSeconds": 300,
+            "MaximumExecutionTimeoutInSeconds": 7200,
+        },
+        "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": "llm-5xx"}, {"AlarmName": "llm-latency"}]},
+    }
+    stubber.add_response(
+        "update_endpoint",
+        {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llm"},
+        {
+            "EndpointName": "llm",
+            "EndpointConfigName": NAME,
+            "DeploymentConfig": deployment,
+            "RetainDeploymentConfig": False,
+        },
+    )
+    assert start(sagemaker, RELEASE, NOW) == NAME
+
+
+def test_update_without_alarms_is_refused(client) -> None:
+    sagemaker, stubber = client
+    release = replace(RELEASE, alarms=())
+    _expect_model_and_config(stubber)
+    stubber.add_response("describe_endpoint", _described("llm-old"), {"EndpointName": "llm"})
+    with pytest.raises(ConfigError, match="alarm"):
+        start(sagemaker, release, NOW)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"artifact": "/local/artifact"}, "must be on S3"),
+        ({"instance_type": "ml.g5.xlarge"}, "ml.inf2"),
+        ({"instance_count": 1}, "at most half"),
+        ({"drain_s": 20}, "SIGKILL"),
+        ({"bake_s": 7000}, "exceed the bake"),
+    ],
+)
+def test_release_is_checked_before_any_call(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        start(object(), replace(RELEASE, **change), NOW)
+
+
+def test_name_fits_sagemaker_limits_and_tracks_the_content() -> None:
+    assert len(replace(RELEASE, endpoint="e" * 63).name(NOW)) <= 63
+    assert RELEASE.name(NOW) != replace(RELEASE, image="other").name(NOW)
+
+
+@pytest.mark.parametrize(
+    ("described", "expected"),
+    [
+        (_described(NAME), "deployed"),
+        (_described("llm-old"), "rolled back"),
+        ({**_described(NAME, "Failed"), "FailureReason": "ping timed out"}, "failed: Failed: ping timed out"),
+    ],
+)
+def test_outcome_tells_rollback_from_success(client, described: dict, expected: str) -> None:
+    sagemaker, stubber = client
+    stubber.add_response("describe_endpoint", described, {"EndpointName": "llm"})
+    assert outcome(sagemaker, "llm", NAME) == expected
+
+
+@mock_aws
+def test_cli_refuses_an_unpublished_artifact(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.create_bucket(Bucket="artifacts")
+    s3.put_object(Bucket="artifacts", Key="stories260K/3f2a9c1b/golden.json", Body=json.dumps({}).encode())
+    argv = ["deploy", "sagemaker", "--endpoint", "llm", "--image", RELEASE.image, "--role", RELEASE.role_arn]
+    assert main([*argv, "--artifact", "s3://artifacts/stories260K/3f2a9c1b"]) == 2
+    assert "no published artifact" in capsys.readouterr().err

@@ -1,0 +1,43 @@
+"""Session fixtures: a stories260K torch artifact (compiled once), and the SageMaker-style server that
+serves it: the bare `serve` console script with SageMaker's environment and the artifact copied where
+SageMaker would place it (a temporary directory standing in for /opt/ml/model)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from compile.pipeline import CompileOptions, compile_artifact
+
+from .server import BIN, ServerProcess, free_port
+
+
+@pytest.fixture(scope="session")
+def stories_artifact(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("artifacts")
+    options = CompileOptions(
+        model=str(stories260k),
+        output=str(output),
+        batch_size=4,
+        max_positions=256,
+        context_buckets=(64, 128, 256),
+    )
+    return Path(compile_artifact(options).uri)
+
+
+@pytest.fixture(scope="session")
+def sagemaker_server(stories_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`serve` exactly as SageMaker starts it: no arguments, the port from SAGEMAKER_BIND_TO_PORT."""
+    opt_ml = tmp_path_factory.mktemp("opt-ml")
+    model_dir = opt_ml / "model"
+    shutil.copytree(stories_artifact, model_dir)
+    port = free_port()
+    env = {"SAGEMAKER_BIND_TO_PORT": str(port), "INF2SERVE_ARTIFACT": str(model_dir), "INF2SERVE_DRAIN_S": "0"}
+    server = ServerProcess([str(BIN / "serve")], env, port, opt_ml / "server.log").start()
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()

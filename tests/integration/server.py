@@ -1,0 +1,80 @@
+"""A real server process on loopback for integration tests: started from the console scripts with a
+given environment, its JSON log captured to a file, stopped with SIGTERM, every wait bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log_path: Path) -> None:
+        self.argv = argv
+        self.env = {**os.environ, **env}
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process is not None and self.process.poll() is None, self.failure("exited")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(self.failure(f"not ready after {timeout_s} s"))
+
+    def failure(self, what: str) -> str:
+        return f"server {what}; its log:\n{self.log_path.read_text()[-4000:]}"
+
+    def terminate(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.terminate()
+            try:
+                self.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def log_lines(self) -> list[dict[str, object]]:
+        lines = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                lines.append({"unparsed": line})
+        return lines
