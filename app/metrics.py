@@ -157,6 +157,12 @@ EXECUTION_LATENCY = Gauge(
     ["percentile"],
     registry=REGISTRY,
 )
+CORE_FLOPS = Gauge(
+    _name("neuroncore_flops"),
+    "Floating-point operations neuron-monitor counted on the core in its last period.",
+    ["core"],
+    registry=REGISTRY,
+)
 
 # Startup.
 STARTUP_PHASE = Gauge(
@@ -251,3 +257,29 @@ def record_request_finished(
     E2E.observe(e2e_s)
     REQUEST_PROMPT_TOKENS.observe(num_prompt_tokens)
     REQUEST_GENERATION_TOKENS.observe(num_generated_tokens)
+
+
+# Helpers for the device metrics (app/device_metrics.py).
+def record_core_utilization(core: str, ratio: float, source: str) -> None:
+    CORE_UTILIZATION.labels(core, source).set(ratio)
+
+
+def record_core_flops(core: str, flops: float) -> None:
+    CORE_FLOPS.labels(core).set(flops)
+
+
+def record_device_memory(core: str, category: str, size: float) -> None:
+    DEVICE_MEMORY.labels(core, category).set(size)
+
+
+def record_execution_errors(error_type: str, count: float) -> None:
+    EXECUTION_ERRORS.labels(error_type).inc(count)
+
+
+def record_execution_latency(percentile: str, seconds: float) -> None:
+    EXECUTION_LATENCY.labels(percentile).set(seconds)
+
+
+def engine_busy_ratio() -> float:
+    """The engine's busy fraction as it last recorded it (0 before its first window closes)."""
+    return REGISTRY.get_sample_value(_name("engine_busy_ratio")) or 0.0

@@ -29,7 +29,11 @@ class ServerSettings(BaseSettings):
     # What to serve, and on what.
     artifact: str = Field(SAGEMAKER_MODEL_DIR, description="Artifact URI: a local directory or s3://...")
     cache_dir: Path | None = Field(None, description="Where S3 artifacts are downloaded (loader default).")
-    device: str = Field("cpu", description="Device the backend runs on (cpu, cuda, neuron).")
+    device: str = Field(
+        "cpu",
+        description="Device the backend runs on (cpu, cuda, neuron); neuron:<first>-<last> pins NeuronCores "
+        "(NEURON_RT_VISIBLE_CORES, exactly tp_degree of them).",
+    )
     served_model_name: str | None = Field(None, description="Model name for the API (manifest's if unset).")
     verify_golden: bool = Field(True, description="Replay the artifact's golden prompts before ready.")
 

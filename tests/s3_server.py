@@ -83,13 +83,15 @@ class S3Server:
             self.process.wait(timeout=10)
 
 
-def start_s3_server(timeout_s: float = 30.0) -> S3Server:
+def start_s3_server(timeout_s: float = 30.0, env: dict[str, str] | None = None) -> S3Server:
+    """Start `python -m moto.server` on a free loopback port; `env` adds moto settings (e.g.
+    MOTO_S3_DEFAULT_KEY_BUFFER_SIZE)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **DUMMY_CREDENTIALS},
+        env={**os.environ, **DUMMY_CREDENTIALS, **(env or {})},
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

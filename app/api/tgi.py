@@ -87,13 +87,8 @@ class GenerateRenderer:
     def body(self, job: Job) -> bytes:
         output = job.choices[0]
         details = self.details(output) if self.details_wanted else None
-        return (
-            b"["
-            + GenerateResponse(generated_text=self.prefix + output.text, details=details)
-            .model_dump_json()
-            .encode()
-            + b"]"
-        )
+        response = GenerateResponse(generated_text=self.prefix + output.text, details=details)
+        return b"[" + response.model_dump_json(exclude_none=True).encode() + b"]"
 
 
 async def generate(serving: Serving, body: GenerateRequest, request: Request, request_id: str) -> Response:

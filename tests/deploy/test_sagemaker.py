@@ -1,23 +1,26 @@
 """`inf2serve deploy sagemaker`: the SageMaker calls it makes, checked with botocore's Stubber, which
 validates every request against the real SageMaker API model (names, types, required keys, minimums).
-moto cannot stand in here: its SageMaker mock rejects ml.inf2 endpoint configs and does not implement
-UpdateEndpoint. Not checked offline: enum and maximum values (Stubber skips them; cfn-lint checks the
-template's), and SageMaker's own behaviour during a bake."""
+moto cannot stand in for SageMaker here: its mock rejects ml.inf2 endpoint configs and does not implement
+UpdateEndpoint. The artifact side (alias resolution, the published check) runs against the loopback moto
+S3 server. Not checked offline: enum and maximum values (Stubber skips them; cfn-lint checks the
+template's), and what SageMaker itself does during a bake."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import boto3
 import pytest
 from botocore.stub import Stubber
-from moto import mock_aws
 
+from app.artifacts.storage import open_store
 from app.cli import main
 from app.errors import ConfigError
+from compile.publish import promote
 from deploy.sagemaker.endpoint import Release, outcome, start
+from tests.s3_server import upload_tree
 
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
 RELEASE = Release(
@@ -28,6 +31,7 @@ RELEASE = Release(
     alarms=("llm-5xx", "llm-latency"),
 )
 NAME = RELEASE.name(NOW)
+CLI = ["deploy", "sagemaker", "--endpoint", "llm", "--image", RELEASE.image, "--role", RELEASE.role_arn]
 
 
 @pytest.fixture
@@ -175,12 +179,32 @@ def test_outcome_tells_rollback_from_success(client, described: dict, expected: 
     assert outcome(sagemaker, "llm", NAME) == expected
 
 
-@mock_aws
-def test_cli_refuses_an_unpublished_artifact(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    s3 = boto3.client("s3", region_name="us-east-1")
-    s3.create_bucket(Bucket="artifacts")
-    s3.put_object(Bucket="artifacts", Key="stories260K/3f2a9c1b/golden.json", Body=json.dumps({}).encode())
-    argv = ["deploy", "sagemaker", "--endpoint", "llm", "--image", RELEASE.image, "--role", RELEASE.role_arn]
-    assert main([*argv, "--artifact", "s3://artifacts/stories260K/3f2a9c1b"]) == 2
+def test_cli_resolves_an_alias_to_the_published_prefix(
+    s3, bucket, stable_artifact, monkeypatch, capsys
+) -> None:
+    artifact = stable_artifact.manifest.artifact_id  # <model>/<config-hash prefix>
+    upload_tree(s3.client(), Path(stable_artifact.uri), bucket, f"llm/{artifact}")
+    alias = promote(open_store(f"s3://{bucket}/llm/{artifact}"), stable_artifact.manifest, "prod")
+    sagemaker = boto3.client("sagemaker", region_name="us-east-1")
+    created = []
+    with Stubber(sagemaker) as stubber:
+        stubber.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"})
+        stubber.add_response(
+            "create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:x/c"}
+        )
+        stubber.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint", 400)
+        stubber.add_response("create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llm"})
+        sagemaker.meta.events.register(
+            "provide-client-params.sagemaker.CreateModel", lambda params, **_: created.append(params)
+        )
+        monkeypatch.setattr("deploy.sagemaker.cli.boto3.client", lambda *args, **kwargs: sagemaker)
+        assert main([*CLI, "--artifact", alias]) == 0
+    source = created[0]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]
+    assert source["S3Uri"] == f"s3://{bucket}/llm/{artifact}/"
+    assert "llm: deploying endpoint config llm-" in capsys.readouterr().out
+
+
+def test_cli_refuses_an_unpublished_artifact(s3, bucket, capsys) -> None:
+    s3.client().put_object(Bucket=bucket, Key="llm/stories260K/3f2a9c1b/golden.json", Body=b"{}")
+    assert main([*CLI, "--artifact", f"s3://{bucket}/llm/stories260K/3f2a9c1b"]) == 2
     assert "no published artifact" in capsys.readouterr().err

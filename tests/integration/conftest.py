@@ -29,13 +29,19 @@ def stories_artifact(stories260k: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
-def sagemaker_server(stories_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def sagemaker_server(
+    stories_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     """`serve` exactly as SageMaker starts it: no arguments, the port from SAGEMAKER_BIND_TO_PORT."""
     opt_ml = tmp_path_factory.mktemp("opt-ml")
     model_dir = opt_ml / "model"
     shutil.copytree(stories_artifact, model_dir)
     port = free_port()
-    env = {"SAGEMAKER_BIND_TO_PORT": str(port), "INF2SERVE_ARTIFACT": str(model_dir), "INF2SERVE_DRAIN_S": "0"}
+    env = {
+        "SAGEMAKER_BIND_TO_PORT": str(port),
+        "INF2SERVE_ARTIFACT": str(model_dir),
+        "INF2SERVE_DRAIN_S": "0",
+    }
     server = ServerProcess([str(BIN / "serve")], env, port, opt_ml / "server.log").start()
     try:
         yield server.wait_ready()

@@ -111,14 +111,16 @@ def _read_rank_file(
 ) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise ArtifactError(f"rank weights file {path} does not exist")
-    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+    with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         expected = rank_file_metadata(rank, tp_degree, dtype)
         if metadata != expected:
             raise ArtifactError(
                 f"{path} was written for {metadata or 'an unknown layout'}, expected {expected}"
             )
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+        # A copy, never the memory-mapped file: tensors there are only 16-byte aligned, which makes CPU
+        # matmuls over twice as slow.
+        tensors = {name: handle.get_tensor(name).to(device, copy=True) for name in handle.keys()}  # noqa: SIM118
     for name, shape in spec.rank_tensor_shapes(tp_degree).items():
         if name not in tensors or tuple(tensors[name].shape) != shape:
             found = list(tensors[name].shape) if name in tensors else "nothing"
@@ -154,17 +156,17 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: normalise in fp32, cast back, then scale (the order transformers uses)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def rope_tables(spec: LlamaSpec, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_positions, head_dim] tables for `apply_rope`: cos of both halves, and sin negated on the
+    first half (transformers' `rotate_half` sign), computed in fp32 as transformers does."""
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inverse_frequencies(spec)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of the last dim (transformers' `rotate_half` layout); cos/sin hold one half."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's negation folded into `signed_sin`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class LlamaRunner:
@@ -193,12 +195,12 @@ class LlamaRunner:
         self.vocab_start = rank * (spec.vocab_size // tp_degree)
         self.tp_degree = tp_degree
         torch_dtype = TORCH_DTYPES[dtype]
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inverse_frequencies(spec)[None, :]
-        self.cos = freqs.cos().to(device=device, dtype=torch_dtype)
-        self.sin = freqs.sin().to(device=device, dtype=torch_dtype)
-        cache_shape = (num_slots + 1, self.num_kv_heads, max_positions, spec.head_dim)
-        self.k_cache = [torch.zeros(cache_shape, dtype=torch_dtype, device=device) for _ in weights.layers]
-        self.v_cache = [torch.zeros(cache_shape, dtype=torch_dtype, device=device) for _ in weights.layers]
+        self.cos, self.sin = (
+            table.to(device=device, dtype=torch_dtype) for table in rope_tables(spec, max_positions)
+        )
+        # Per layer, K heads then V heads of every slot: [slots + 1, 2 * kv_heads, max_positions, head_dim].
+        cache_shape = (num_slots + 1, 2 * self.num_kv_heads, max_positions, spec.head_dim)
+        self.kv_cache = [torch.zeros(cache_shape, dtype=torch_dtype, device=device) for _ in weights.layers]
 
     @classmethod
     def from_artifact(
@@ -236,14 +238,16 @@ class LlamaRunner:
     ) -> torch.Tensor:
         """Context encoding of `tokens` [rows, length] into `slots`; logits at each row's `last_index`."""
         rows, length = tokens.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         x = self._embed(tokens)
         cos, sin = self.cos[:length, None, :], self.sin[:length, None, :]
-        for layer, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache, strict=True):
-            q, k, v = self._qkv(layer, x, cos, sin)  # [rows, length, heads, head_dim]
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            k_cache[:, :, :length].index_copy_(0, slots, k)
-            v_cache[:, :, :length].index_copy_(0, slots, v)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        for layer, cache in zip(self.weights.layers, self.kv_cache, strict=True):
+            qkv = self._qkv(layer, x, cos, sin).transpose(1, 2)  # [rows, heads + 2 * kv_heads, length, dim]
+            kv = qkv[:, heads:]
+            cache[:, :, :length].index_copy_(0, slots, kv)
+            attn = F.scaled_dot_product_attention(
+                qkv[:, :heads], kv[:, :kv_heads], kv[:, kv_heads:], is_causal=True, enable_gqa=True
+            )
             x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(rows, length, -1))
         last = x[torch.arange(rows, device=self.device), last_index]
         return self._logits(last)
@@ -253,19 +257,19 @@ class LlamaRunner:
     ) -> torch.Tensor:
         """One step: `tokens` [rows] at `positions` [rows], attending over cache positions < `span`."""
         rows = tokens.shape[0]
-        group = self.num_heads // self.num_kv_heads
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         x = self._embed(tokens)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        # The query heads sharing a KV head attend as one group of queries: no KV repeat needed.
         visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        for layer, k_cache, v_cache in zip(self.weights.layers, self.k_cache, self.v_cache, strict=True):
-            q, k, v = self._qkv(layer, x, cos, sin)  # [rows, heads, head_dim]
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
-            keys = k_cache[:, :, :span].index_select(0, slots)
-            values = v_cache[:, :, :span].index_select(0, slots)
-            queries = q.view(rows, self.num_kv_heads, group, self.spec.head_dim)
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible)
+        for layer, cache in zip(self.weights.layers, self.kv_cache, strict=True):
+            qkv = self._qkv(layer, x, cos, sin)  # [rows, heads + 2 * kv_heads, dim]
+            cache[slots, :, positions] = qkv[:, heads:]
+            kv = cache[:, :, :span].index_select(0, slots)
+            # The query heads sharing a KV head attend as one group of queries: no KV repeat needed.
+            queries = qkv[:, :heads].unflatten(1, (kv_heads, heads // kv_heads))
+            attn = F.scaled_dot_product_attention(
+                queries, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=visible
+            )
             x = self._finish_layer(layer, x, attn.reshape(rows, -1))
         return self._logits(x)
 
@@ -281,26 +285,26 @@ class LlamaRunner:
 
     def _qkv(
         self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fused q/k/v projection with RoPE applied to q and k in one pass; heads on dim -2."""
-        h = rms_norm(x, layer.input_norm, self.spec.rms_norm_eps)
-        qkv = F.linear(h, layer.qkv).unflatten(-1, (-1, self.spec.head_dim))
-        rotated = self.num_heads + self.num_kv_heads
-        qk = apply_rope(qkv[..., :rotated, :], cos, sin)
-        return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., rotated:, :]
+    ) -> torch.Tensor:
+        """The fused q/k/v projection [..., heads + 2 * kv_heads, head_dim], RoPE applied to q and k."""
+        qkv = F.linear(self._norm(x, layer.input_norm), layer.qkv).unflatten(-1, (-1, self.spec.head_dim))
+        qk = qkv[..., : self.num_heads + self.num_kv_heads, :]
+        qk.copy_(apply_rope(qk, cos, sin))
+        return qkv
 
     def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Attention output projection and the SwiGLU MLP, each followed by its residual add."""
         out = F.linear(attn, layer.o)
         self.collectives.all_reduce(out)
         x = x + out
-        gate, up = F.linear(rms_norm(x, layer.post_norm, self.spec.rms_norm_eps), layer.gate_up).chunk(
-            2, dim=-1
-        )
+        gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
         out = F.linear(F.silu(gate) * up, layer.down)
         self.collectives.all_reduce(out)
         return x + out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.weights.norm, self.spec.rms_norm_eps)
-        return self.collectives.all_gather(F.linear(h, self.weights.lm_head)).float()
+        logits = F.linear(self._norm(x, self.weights.norm), self.weights.lm_head)
+        return self.collectives.all_gather(logits).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, self.spec.rms_norm_eps)

@@ -9,12 +9,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.backends.base import Backend
 from app.backends.neuron.nxdi import NxdiBackend
 from app.backends.neuron.tnx import TnxBackend
 
 from .helpers import CARD, build_artifact, load_backend, spec_for
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    """The stand-in's model is tiny: one thread is fastest, and the suite shares two cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -89,3 +89,37 @@ def greedy(backend: Backend, slot: int, prompt: Sequence[int], new_tokens: int) 
         position = len(prompt) + len(tokens) - 1
         tokens.append(backend.decode(decode_batch([slot], [tokens[-1]], [position]))[0].token_id)
     return tokens
+
+
+PROMPTS = (
+    (1, 403, 407, 261, 378),
+    (1, 365, 201, 261),
+    (1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315),
+    (1, 278, 267),
+)
+
+
+def run_interleaved(backend: Backend, new_tokens: int) -> dict[int, list[int]]:
+    """PROMPTS through continuous batching: prompt i enters slot starts[i][1] at step starts[i][0], every
+    live slot decodes every step, and a prompt leaves after `new_tokens` tokens. Prompt 3 reuses the slot
+    prompt 0 left; slots join in a scattered order."""
+    starts = {0: (0, 1), 1: (2, 3), 2: (3, 0), 3: (new_tokens + 1, 1)}
+    outputs: dict[int, list[int]] = {}
+    live: dict[int, int] = {}  # prompt index -> slot
+    for step in range(max(start for start, _ in starts.values()) + new_tokens + 1):
+        for index, (start, slot) in starts.items():
+            if start == step:
+                assert slot not in live.values(), "the schedule reuses a slot only once it is free"
+                outputs[index], live[index] = [prefill(backend, slot, PROMPTS[index])], slot
+        decoding = [i for i in live if len(outputs[i]) < new_tokens]
+        if decoding:
+            batch = decode_batch(
+                [live[i] for i in decoding],
+                [outputs[i][-1] for i in decoding],
+                [len(PROMPTS[i]) + len(outputs[i]) - 1 for i in decoding],
+            )
+            for index, sampled in zip(decoding, backend.decode(batch), strict=True):
+                outputs[index].append(sampled.token_id)
+        for index in [i for i in live if len(outputs[i]) == new_tokens]:
+            del live[index]
+    return outputs

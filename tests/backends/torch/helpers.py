@@ -1,17 +1,22 @@
 """Helpers of the torch backend tests: artifact folders built the way the compile step builds them
 (config files copied into `model/`, rank files written into `weights/`), tiny random Llama checkpoints
-covering the config variants, and a greedy generation driver."""
+covering the config variants, a generation driver for one sequence and a tiny continuous-batching
+scheduler for many."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import save_file
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.torch import TorchBackend
-from app.backends.torch.checkpoint import write_rank_shards
+from app.backends.torch.checkpoint import read_llama_config, write_rank_shards
 from app.shapes import ShapeGrid
 
 GRID = ShapeGrid(
@@ -68,6 +73,28 @@ def write_tiny_llama(out_dir: Path, seed: int = 0, **fields: object) -> Path:
     return out_dir
 
 
+def write_random_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """A random Llama in Hugging Face layout (config.json + model.safetensors) written with torch and
+    safetensors alone, for machines without transformers (the GPU tests)."""
+    config = {
+        **TINY_BASE,
+        **TINY_CONFIGS["gqa-untied"],
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    spec = read_llama_config(out_dir)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        name: (1.0 if len(shape) == 1 else 0.0) + 0.2 * torch.randn(shape, generator=generator)
+        for name, shape in spec.hf_tensor_shapes().items()
+    }
+    save_file(tensors, out_dir / "model.safetensors")
+    return out_dir
+
+
 def build_artifact(model_dir: Path, out_dir: Path, tp_degree: int = 1, dtype: str = "fp32") -> Path:
     """The layout `TorchBackend.load` reads: `model/` config files and `weights/rank-<r>.safetensors`."""
     (out_dir / "model").mkdir(parents=True, exist_ok=True)
@@ -99,3 +126,74 @@ def generate(
         tokens.append(backend.decode(batch)[0].token_id)
         position += 1
     return tokens
+
+
+@dataclass
+class Sequence:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    enters_at: int
+    params: SamplingParams = GREEDY
+    tokens: list[int] = field(default_factory=list)
+    slot: int = -1
+
+    @property
+    def position(self) -> int:
+        """Position of the last token, which the next decode step feeds."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+def prompt(length: int, start: int, vocab_size: int = 512) -> tuple[int, ...]:
+    """BOS, then `length - 1` ids spread over the vocabulary."""
+    return (1, *((start + 7 * i) % (vocab_size - 3) + 3 for i in range(length - 1)))
+
+
+def workload(params: list[SamplingParams], vocab_size: int = 512) -> list[Sequence]:
+    """Five sequences over four slots: prompts in buckets 8, 32 and 128, two sharing a prefill, one
+    reusing a freed slot."""
+    shapes = [(3, 30, 0), (12, 20, 2), (20, 25, 2), (40, 12, 5), (6, 15, 22)]
+    return [
+        Sequence(prompt(length, 11 * i, vocab_size), max_tokens, enters, params[i])
+        for i, (length, max_tokens, enters) in enumerate(shapes)
+    ]
+
+
+def run_together(backend: TorchBackend, sequences: list[Sequence]) -> None:
+    """A tiny scheduler: each step prefills the arrivals (grouped by context bucket) into free slots,
+    then decodes every running sequence in one padded batch, in reverse slot order."""
+    grid = backend.spec.grid
+    free = list(range(grid.num_slots))
+    running: list[Sequence] = []
+    for step in range(200):
+        arriving = [s for s in sequences if s.enters_at == step]
+        for bucket in sorted({grid.context_bucket(len(s.prompt)) for s in arriving}):
+            group = [s for s in arriving if grid.context_bucket(len(s.prompt)) == bucket]
+            for s in group:
+                s.slot = free.pop(0)
+            batch = PrefillBatch(
+                tuple(s.slot for s in group),
+                tuple(s.prompt for s in group),
+                tuple(s.params for s in group),
+                bucket,
+            )
+            for s, token in zip(group, backend.prefill(batch), strict=True):
+                s.tokens.append(token.token_id)
+        decoding = sorted((s for s in running if s not in arriving), key=lambda s: -s.slot)
+        if decoding:
+            batch = DecodeBatch(
+                tuple(s.slot for s in decoding),
+                tuple(s.tokens[-1] for s in decoding),
+                tuple(s.position for s in decoding),
+                tuple(s.params for s in decoding),
+                grid.batch_bucket(len(decoding)),
+                grid.token_bucket(max(s.position for s in decoding) + 1),
+            )
+            for s, token in zip(decoding, backend.decode(batch), strict=True):
+                s.tokens.append(token.token_id)
+        running += arriving
+        for s in [s for s in running if len(s.tokens) == s.max_tokens]:
+            running.remove(s)
+            free.append(s.slot)
+        if all(len(s.tokens) == s.max_tokens for s in sequences):
+            return
+    pytest.fail("the workload did not finish in 200 steps")

@@ -95,7 +95,7 @@ def test_half_precisions_load_and_generate_sane_tokens(
     stories260k: Path, stories_backend: TorchBackend, tmp_path: Path, dtype: str
 ) -> None:
     backend = load_backend(build_artifact(stories260k, tmp_path, dtype=dtype), dtype=dtype)
-    assert backend.runner.k_cache[0].dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    assert backend.runner.kv_cache[0].dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     batch = PrefillBatch((0,), (PROMPT,), (GREEDY,), 8)
     logits, reference = backend.prefill_logits(batch)[0], stories_backend.prefill_logits(batch)[0]
     assert (logits - reference).abs().max().item() < 0.5  # the logits span about 28

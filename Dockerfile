@@ -1,0 +1,33 @@
+# inf2serve for Inferentia2: AWS's Neuron PyTorch inference container (DLC) of one Neuron SDK release, plus
+# inf2serve and that release's Neuron wheels. NEURON_SDK is the one setting: it picks the base image and the
+# wheel pins (deploy/neuron/sdk-<release>.txt). Compile artifacts with the same release; the server refuses
+# an artifact whose compiler, runtime or library versions differ. See README, "Neuron stack".
+#   docker build -t inf2serve:neuron .
+#   docker build --build-arg NEURON_SDK=2.31.1 -t inf2serve:neuron-2.31.1 .
+#   docker run --device=/dev/neuron0 -p 8080:8080 -v /path/to/artifact:/opt/ml/model:ro inf2serve:neuron
+ARG NEURON_SDK=2.28.0
+FROM public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk${NEURON_SDK}-ubuntu24.04
+
+ARG NEURON_SDK
+LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true \
+      org.opencontainers.image.title="inf2serve" \
+      com.amazonaws.neuron.sdk-release="${NEURON_SDK}"
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    INF2SERVE_DEVICE=neuron
+
+WORKDIR /opt/inf2serve
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY compile ./compile
+COPY deploy ./deploy
+# The DLC already holds these wheels at the same versions; pinning them again makes a mismatch fail here.
+RUN pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazonaws.com \
+        -r "deploy/neuron/sdk-${NEURON_SDK}.txt" /opt/inf2serve
+
+EXPOSE 8080
+HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+    CMD ["/opt/inf2serve/deploy/docker/entrypoint.sh", "healthcheck"]
+# Replaces the DLC's entrypoint, which would start TorchServe on `serve`.
+ENTRYPOINT ["/opt/inf2serve/deploy/docker/entrypoint.sh"]
+CMD ["serve"]

@@ -1,0 +1,235 @@
+"""A streaming load client for the OpenAI completions API: closed-loop concurrency or open-loop Poisson
+arrivals, per-request TTFT, inter-token latency and end-to-end time, the server's own timings (the
+`Server-Timing` header and the `timings` of the last chunk), and a JSON summary with percentiles.
+
+    .venv/bin/python -m loadtest.client --url http://127.0.0.1:8000 --concurrency 32 --num-requests 200
+    .venv/bin/python -m loadtest.client --url ... --rate 20 --duration 30 --out report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+Body = dict[str, Any]
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    status: int = 0
+    error: str | None = None
+    start: float = 0.0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # seconds since start, one per content chunk
+    completion_tokens: int = 0
+    finished: bool = False  # saw `data: [DONE]`
+    server: dict[str, float] = field(default_factory=dict)  # queue/ttft from headers, total from the stream
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        times = self.chunk_times
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """`queue;dur=1.2, ttft;dur=3.4` -> {"queue": 0.0012, "ttft": 0.0034} (seconds)."""
+    timings = {}
+    for part in header.split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        if duration:
+            timings[name] = float(duration) / 1000
+    return timings
+
+
+async def stream_completion(client: httpx.AsyncClient, path: str, body: Body) -> RequestResult:
+    result = RequestResult(start=time.perf_counter())
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:500]
+                return result
+            result.server = server_timing(response.headers.get("server-timing", ""))
+            async for line in response.aiter_lines():
+                _read_event(result, line)
+        result.ok = result.finished
+    except httpx.HTTPError as error:
+        result.error = f"{type(error).__name__}: {error}"
+    finally:
+        result.e2e_s = time.perf_counter() - result.start
+    return result
+
+
+def _read_event(result: RequestResult, line: str) -> None:
+    if not line.startswith("data: "):
+        return
+    data = line[6:]
+    if data == "[DONE]":
+        result.finished = True
+        return
+    chunk = json.loads(data)
+    if "error" in chunk:
+        result.error = json.dumps(chunk["error"])
+        return
+    if chunk.get("choices"):
+        now = time.perf_counter() - result.start
+        if result.ttft_s is None:
+            result.ttft_s = now
+        result.chunk_times.append(now)
+    if "timings" in chunk:
+        result.server["total"] = chunk["timings"]["total_s"]
+    if chunk.get("usage"):
+        result.completion_tokens = chunk["usage"]["completion_tokens"]
+
+
+async def run_load(
+    url: str,
+    make_body: Callable[[int], Body],
+    num_requests: int,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    path: str = "/v1/completions",
+) -> tuple[list[RequestResult], float]:
+    """Send `num_requests` streaming requests: at most `concurrency` in flight (closed loop), or at
+    Poisson arrivals of `rate` per second (open loop). Returns the results and the wall time."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give exactly one of concurrency and rate")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(None, connect=30)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        started = time.perf_counter()
+        if concurrency is not None:
+            results = await _closed_loop(client, path, make_body, num_requests, concurrency)
+        else:
+            results = await _open_loop(
+                client, path, make_body, num_requests, rate or 1.0, random.Random(seed)
+            )
+        return results, time.perf_counter() - started
+
+
+async def _closed_loop(
+    client: httpx.AsyncClient,
+    path: str,
+    make_body: Callable[[int], Body],
+    num_requests: int,
+    concurrency: int,
+) -> list[RequestResult]:
+    indexes = iter(range(num_requests))
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        for index in indexes:
+            results.append(await stream_completion(client, path, make_body(index)))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+async def _open_loop(
+    client: httpx.AsyncClient,
+    path: str,
+    make_body: Callable[[int], Body],
+    num_requests: int,
+    rate: float,
+    rng: random.Random,
+) -> list[RequestResult]:
+    tasks = []
+    for index in range(num_requests):
+        tasks.append(asyncio.create_task(stream_completion(client, path, make_body(index))))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {
+        "mean": statistics.fmean(ordered),
+        "p50": at(0.50),
+        "p90": at(0.90),
+        "p99": at(0.99),
+        "max": ordered[-1],
+    }
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error or f"status {r.status}" for r in results if not r.ok})[:5],
+        "wall_s": wall_s,
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / wall_s if wall_s else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s else 0.0,
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "inter_token_s": percentiles([gap for r in ok for gap in r.inter_token_s]),
+        "e2e_s": percentiles([r.e2e_s for r in ok]),
+    }
+
+
+def completion_body(prompt: str, max_tokens: int, model: str | None = None) -> Callable[[int], Body]:
+    """Fixed-length streamed completions (`ignore_eos`), usage included."""
+
+    def make(index: int) -> Body:
+        body: Body = {
+            "prompt": f"{prompt} {index}",
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if model is not None:
+            body["model"] = model
+        return body
+
+    return make
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--rate", type=float, help="Poisson arrivals per second (open loop)")
+    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--prompt", default="Once upon a time")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", help="write the JSON summary here too")
+    args = parser.parse_args()
+    if args.concurrency is None and args.rate is None:
+        args.concurrency = 8
+    make_body = completion_body(args.prompt, args.max_tokens)
+    results, wall_s = asyncio.run(
+        run_load(args.url, make_body, args.num_requests, args.concurrency, args.rate)
+    )
+    summary = {"config": vars(args), **summarize(results, wall_s)}
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

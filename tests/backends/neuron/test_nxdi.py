@@ -1,0 +1,143 @@
+"""The `neuron-nxdi` adapter's mapping onto NxD Inference's step call, observed at the STAND-IN library:
+which ids, positions, slots and sampling rows reach `forward`, and how its outputs map back to slots."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.backends.base import GREEDY, PrefillBatch, SamplingParams
+from app.backends.neuron.nxdi import NxdiBackend
+from app.errors import ArtifactError, ConfigError, GenerationError, InvalidRequestError
+from app.shapes import ShapeGrid
+
+from . import standin_nxdi
+from .helpers import GRID, decode_batch, library_calls, load_backend, prefill, spec_for
+from .standin_common import installed
+
+
+def test_prefill_runs_one_unpadded_sequence_per_call(nxdi: NxdiBackend) -> None:
+    before = len(library_calls(nxdi))
+    prompts = ((1, 403, 407, 261, 378), (1, 278, 267, 300, 301, 302, 303, 304, 305))
+    batch = PrefillBatch((3, 1), prompts, (GREEDY, GREEDY), 16)
+    sampled = nxdi.prefill(batch)
+    calls = library_calls(nxdi)[before:]
+    assert len(calls) == 2
+    for call, slot, prompt, token in zip(calls, (3, 1), prompts, sampled, strict=True):
+        assert call["input_ids"].tolist() == [list(prompt)]
+        assert call["position_ids"].tolist() == [list(range(len(prompt)))]
+        assert call["seq_ids"].tolist() == [slot]
+        assert call["sampling_params"].tolist() == [[1.0, 1.0, 1.0]]
+        assert token.token_id == int(call["tokens"][0])
+
+
+def test_decode_carries_every_slot_in_slot_order_and_maps_back(nxdi: NxdiBackend) -> None:
+    first = {slot: prefill(nxdi, slot, (1, 403, 407, 261 + slot)) for slot in (3, 0)}
+    before = len(library_calls(nxdi))
+    sampled = nxdi.decode(decode_batch([3, 0], [first[3], first[0]], [7, 4]))
+    (call,) = library_calls(nxdi)[before:]
+    assert call["seq_ids"].tolist() == [0, 1, 2, 3]
+    assert call["input_ids"].tolist() == [[first[0]], [0], [0], [first[3]]]
+    # Free slots sit at the smallest live position: never 0 (that routes to context encoding).
+    assert call["position_ids"].tolist() == [[4], [4], [4], [7]]
+    assert [s.token_id for s in sampled] == [int(call["tokens"][3]), int(call["tokens"][0])]
+    assert nxdi._neuron.buckets_used[-1] == ("token", 32)
+
+
+def test_sampling_rows_reach_the_library_per_slot(nxdi: NxdiBackend) -> None:
+    params = {
+        0: GREEDY,
+        1: SamplingParams(temperature=0.7, top_k=5),
+        2: SamplingParams(temperature=1.3, top_p=0.9),
+    }
+    tokens = {slot: prefill(nxdi, slot, (1, 403, 407), p) for slot, p in params.items()}
+    before = len(library_calls(nxdi))
+    sampled = nxdi.decode(
+        decode_batch(
+            [2, 0, 1], [tokens[2], tokens[0], tokens[1]], [3, 3, 3], [params[2], params[0], params[1]]
+        )
+    )
+    (call,) = library_calls(nxdi)[before:]
+    rows = call["sampling_params"]
+    assert rows.dtype == torch.float32 and list(rows.shape) == [4, 3]
+    assert torch.allclose(rows, torch.tensor([[1, 1, 1], [5, 1, 0.7], [256, 0.9, 1.3], [1, 1, 1]]))
+    top5 = set(call["logits"][1].topk(5).indices.tolist())
+    assert sampled[2].token_id in top5  # slot 1, third in the batch
+    assert sampled[1].token_id == int(call["logits"][0].argmax())
+
+
+def test_logprobs_come_from_the_returned_logits_without_vocab_padding(nxdi: NxdiBackend) -> None:
+    params = SamplingParams(num_top_logprobs=3)
+    before = len(library_calls(nxdi))
+    (sampled,) = nxdi.prefill(PrefillBatch((1,), ((1, 403, 407, 261),), (params,), 16))
+    logits = library_calls(nxdi)[before]["logits"][0]
+    expected = torch.log_softmax(logits, dim=-1)
+    assert sampled.token_id == int(logits.argmax())
+    assert sampled.logprob == pytest.approx(float(expected[sampled.token_id]), abs=1e-5)
+    assert [t for t, _ in sampled.top_logprobs] == expected.topk(3).indices.tolist()
+    assert all(token < 512 for token, _ in sampled.top_logprobs)
+
+
+def test_top_k_beyond_the_device_candidates_is_refused(nxdi: NxdiBackend) -> None:
+    with pytest.raises(InvalidRequestError, match="256"):
+        nxdi.prefill(PrefillBatch((0,), ((1, 403),), (SamplingParams(temperature=1.0, top_k=300),), 16))
+
+
+@pytest.mark.parametrize(
+    ("slots", "positions", "message"),
+    [((1, 1), (4, 5), "distinct"), ((4,), (4,), "distinct"), ((1,), (0,), "position 0")],
+)
+def test_decode_refuses_batches_the_library_would_misroute(
+    nxdi: NxdiBackend, slots, positions, message
+) -> None:
+    with pytest.raises(GenerationError, match=message):
+        nxdi.decode(decode_batch(slots, [5] * len(slots), positions))
+
+
+def test_artifact_layout(nxdi_artifact: Path) -> None:
+    files = sorted(str(p.relative_to(nxdi_artifact)) for p in nxdi_artifact.rglob("*") if p.is_file())
+    assert [f for f in files if not f.startswith("model/")] == [
+        "compiled/model.pt",
+        "compiled/neuron_config.json",
+        "weights/tp0_sharded_checkpoint.safetensors",
+        "weights/tp1_sharded_checkpoint.safetensors",
+    ]
+
+
+def test_load_refuses_an_artifact_compiled_for_another_grid(nxdi_artifact: Path) -> None:
+    grid = ShapeGrid(
+        num_slots=2,
+        max_positions=128,
+        context_buckets=(16, 32, 64),
+        token_buckets=(32, 64, 128),
+        batch_buckets=(2,),
+    )
+    with pytest.raises(ArtifactError, match="tkg_batch_size"):
+        load_backend(nxdi_artifact, spec_for("neuron-nxdi", grid=grid))
+
+
+def test_load_refuses_batch_buckets(nxdi_artifact: Path) -> None:
+    grid = ShapeGrid(
+        num_slots=4, max_positions=128, context_buckets=(16,), token_buckets=(128,), batch_buckets=(1, 2, 4)
+    )
+    with pytest.raises(ConfigError, match=r"batch_buckets must be \[4\]"):
+        load_backend(nxdi_artifact, spec_for("neuron-nxdi", grid=grid))
+
+
+def test_load_without_the_library_says_how_to_install_it(nxdi_artifact: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pip\.repos\.neuron\.amazonaws\.com"):
+        NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:0-1")
+
+
+def test_load_pins_the_configured_cores(nxdi_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    monkeypatch.delenv("NEURON_RT_NUM_CORES", raising=False)
+    with installed(standin_nxdi.MODULES):
+        NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:2-3").close()
+    assert os.environ["NEURON_RT_VISIBLE_CORES"] == "2-3"
+    with pytest.raises(ConfigError, match="tp_degree 2"):
+        NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:0-3")
+    assert GRID.num_slots == 4

@@ -1,0 +1,128 @@
+"""The library-independent pieces of the Neuron backends: core placement, the import guard, the runtime
+version probe and its place in the manifest's stack check, the decode layout and the sampling rows."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from app.artifacts.manifest import (
+    PINNED_VERSIONS,
+    VERSION_PROBES,
+    Manifest,
+    ValidationReport,
+    check_against_stack,
+)
+from app.backends.base import GREEDY, DecodeBatch, SamplingParams
+from app.backends.neuron.runtime import (
+    RUNTIME_PACKAGE,
+    import_library,
+    placement_env,
+    runtime_version,
+    visible_cores,
+)
+from app.backends.neuron.steps import check_grid, decode_rows, sampling_row
+from app.errors import ArtifactError, ConfigError, InvalidRequestError
+from app.shapes import ShapeGrid
+
+from .helpers import spec_for
+
+
+@pytest.mark.parametrize(
+    ("device", "cores"), [("neuron", None), ("cpu", None), ("neuron:0-1", "0-1"), ("neuron:5", "5")]
+)
+def test_device_setting_names_a_core_range(device: str, cores: str | None) -> None:
+    assert visible_cores(device) == cores
+
+
+@pytest.mark.parametrize("device", ["cuda", "neuron:", "neuron:0,1", "neuron:3-1", "neuron:a-b"])
+def test_bad_placements_are_refused(device: str) -> None:
+    with pytest.raises(ConfigError):
+        visible_cores(device)
+
+
+def test_placement_env() -> None:
+    assert placement_env(None, 2, {}) == {"NEURON_RT_NUM_CORES": "2"}
+    assert placement_env("0-1", 2, {}) == {"NEURON_RT_VISIBLE_CORES": "0-1"}
+    assert placement_env(None, 2, {"NEURON_RT_VISIBLE_CORES": "4-5"}) == {"NEURON_RT_VISIBLE_CORES": "4-5"}
+    with pytest.raises(ConfigError, match="names 4 cores but the artifact is compiled for tp_degree 2"):
+        placement_env("0-3", 2, {})
+
+
+def test_missing_library_error_names_the_extra_and_the_repository() -> None:
+    with pytest.raises(ConfigError) as error:
+        import_library("transformers_neuronx", "neuron-tnx")
+    assert "'.[neuron-tnx]'" in error.value.message
+    assert "https://pip.repos.neuron.amazonaws.com" in error.value.message
+
+
+def fake_command(folder: Path, name: str, script: str) -> None:
+    path = folder / name
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_runtime_version_comes_from_the_os_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_command(tmp_path, "dpkg-query", 'test "$3" = aws-neuronx-runtime-lib && echo 2.30.51.0-fa1e3b8')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert runtime_version() == "2.30.51.0-fa1e3b8"
+    fake_command(tmp_path, "dpkg-query", "exit 1")
+    assert runtime_version() is None
+
+
+def manifest_for(backend: str, versions: dict[str, str]) -> Manifest:
+    report = ValidationReport(True, "golden.json", "bf16", 0.3, 1, 1, 0, 0, 0.0)
+    spec = spec_for(backend)
+    return Manifest(1, "m", "src", "0" * 64, False, "0" * 64, spec, versions, (), report, 1.0, "now")
+
+
+def test_manifest_pins_the_whole_neuron_stack() -> None:
+    assert set(PINNED_VERSIONS["neuron-nxdi"]) == {
+        "neuronx-cc", "torch-neuronx", "neuronx-distributed", "neuronx-distributed-inference", RUNTIME_PACKAGE
+    }  # fmt: skip
+    assert set(PINNED_VERSIONS["neuron-tnx"]) == {
+        "neuronx-cc",
+        "torch-neuronx",
+        "transformers-neuronx",
+        RUNTIME_PACKAGE,
+    }
+    recorded = {name: "1.0" for name in PINNED_VERSIONS["neuron-nxdi"]}
+    with pytest.raises(
+        ArtifactError, match=r"needs \S+ 1\.0 \(backend neuron-nxdi\), which is not installed"
+    ):
+        check_against_stack(manifest_for("neuron-nxdi", recorded))
+
+
+def test_runtime_mismatch_is_one_precise_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PINNED_VERSIONS, "neuron-nxdi", {RUNTIME_PACKAGE: None})
+    monkeypatch.setitem(VERSION_PROBES, RUNTIME_PACKAGE, lambda: "2.33.10.0")
+    with pytest.raises(ArtifactError, match=r"aws-neuronx-runtime-lib 2\.30\.51\.0, but this server runs"):
+        check_against_stack(manifest_for("neuron-nxdi", {RUNTIME_PACKAGE: "2.30.51.0"}))
+
+
+def test_decode_rows_pad_free_slots_at_the_smallest_live_position() -> None:
+    fast = SamplingParams(temperature=0.5)
+    batch = DecodeBatch((2, 0), (7, 9), (10, 5), (fast, GREEDY), 4, 16)
+    rows = decode_rows(batch, num_slots=4, max_positions=16)
+    assert rows.tokens == (9, 0, 7, 0)
+    assert rows.positions == (5, 5, 10, 5)
+    assert rows.sampling == (GREEDY, GREEDY, fast, GREEDY)
+    assert rows.in_batch_order(["s0", "s1", "s2", "s3"]) == ["s2", "s0"]
+
+
+def test_sampling_rows() -> None:
+    assert sampling_row(GREEDY, 256) == (1, 1.0, 1.0)
+    assert sampling_row(SamplingParams(temperature=0.7, top_k=5), 256) == (5, 1.0, 0.7)
+    assert sampling_row(SamplingParams(temperature=1.0, top_p=0.9), 256) == (256, 0.9, 1.0)
+    with pytest.raises(InvalidRequestError, match="at most 256"):
+        sampling_row(SamplingParams(temperature=1.0, top_k=257), 256)
+
+
+def test_neuron_grids_have_one_batch_bucket() -> None:
+    grid = ShapeGrid(
+        num_slots=4, max_positions=64, context_buckets=(64,), token_buckets=(64,), batch_buckets=(2, 4)
+    )
+    with pytest.raises(ConfigError, match="num_slots=4"):
+        check_grid(spec_for("neuron-nxdi", grid=grid))

@@ -1,0 +1,35 @@
+"""Fixtures for the deployment tests: real compiled artifacts on a small grid (compiled once per session,
+on demand) and the loopback S3 server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from compile.pipeline import CompileOptions, CompileResult, compile_artifact
+from tests.s3_server import bucket, s3, s3_server  # noqa: F401
+
+GRID = {"batch_size": 2, "max_positions": 64, "context_buckets": (32,), "token_buckets": (64,)}
+
+
+@pytest.fixture(scope="session")
+def artifact_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("deploy-artifacts")
+
+
+@pytest.fixture(scope="session")
+def stable_artifact(stories260k: Path, artifact_root: Path) -> CompileResult:
+    return compile_artifact(CompileOptions(str(stories260k), str(artifact_root), **GRID))
+
+
+@pytest.fixture(scope="session")
+def canary_artifact(stories260k: Path, artifact_root: Path) -> CompileResult:
+    """Same model, different compiled shapes: a different artifact that must answer the same."""
+    return compile_artifact(CompileOptions(str(stories260k), str(artifact_root), **{**GRID, "batch_size": 4}))
+
+
+@pytest.fixture(scope="session")
+def broken_artifact(artifact_root: Path) -> CompileResult:
+    """Random weights: a valid, published artifact whose answers differ from the model's."""
+    return compile_artifact(CompileOptions("random:tiny", str(artifact_root), name="broken", **GRID))

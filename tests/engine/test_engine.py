@@ -1,0 +1,297 @@
+"""The engine end to end on a zero-cost sim device: outputs, stop rules, admission, cancellation, deadlines,
+failing steps. The sim checks every call (distinct slots, each decode continuing its slot's sequence), so
+a slot used twice fails the step that uses it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from app import metrics
+from app.backends.base import DecodeBatch, PrefillBatch, SampledToken
+from app.backends.sim import CostModel, SimBackend
+from app.engine.engine import LLMEngine
+from app.engine.types import FinishReason, RequestOutput
+from app.errors import DeadlineExceededError, GenerationError, InvalidRequestError, NotReadyError, OverloadedError
+from app.tokenizer import Tokenizer
+from tests.engine.helpers import (
+    EOS_IDS,
+    TINY_GRID,
+    collect,
+    expected_tokens,
+    make_backend,
+    params,
+    run,
+    running_engine,
+)
+
+
+def joined(outputs: list[RequestOutput]) -> tuple[list[int], str]:
+    return [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs)
+
+
+def check_stream(outputs: list[RequestOutput]) -> None:
+    """In order, exactly once, one final delta at the end."""
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    counts = [o.num_generated_tokens for o in outputs]
+    assert counts == sorted(counts)
+    assert sum(len(o.token_ids) for o in outputs) == counts[-1]
+    assert all(len(o.samples) == len(o.token_ids) for o in outputs)
+
+
+def check_idle(engine: LLMEngine) -> None:
+    """Nothing leaked: every slot free, nothing queued, every request's final delta out."""
+    deadline = time.monotonic() + 10
+    while (engine.num_unfinished or engine.num_running) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (engine.num_running, engine.num_waiting, engine.num_unfinished) == (0, 0, 0)
+    assert engine._scheduler.num_free_slots == engine.grid.num_slots
+    assert engine.is_alive
+
+
+def test_tokens_arrive_in_order_whatever_shares_the_batch(tokenizer: Tokenizer) -> None:
+    backend = make_backend()
+    prompts = [tokenizer.encode(t) for t in ("Once upon a time", "The cat", "Lily and Ben went", "A")]
+
+    async def main() -> list[list[RequestOutput]]:
+        return await asyncio.gather(
+            *(collect(engine, f"r{i}", p, params(20 + i, seed=i)) for i, p in enumerate(prompts))
+        )
+
+    with running_engine(tokenizer, backend) as engine:
+        results = run(main())
+        check_idle(engine)
+    for i, (prompt, outputs) in enumerate(zip(prompts, results, strict=True)):
+        check_stream(outputs)
+        token_ids, text = joined(outputs)
+        assert token_ids == expected_tokens(backend, prompt, seed=i, count=20 + i)
+        assert text == tokenizer.decode(prompt + token_ids)[len(tokenizer.decode(prompt)) :]
+        assert outputs[-1].finish_reason is FinishReason.LENGTH
+        timings = outputs[-1].timings
+        assert timings.total_s is not None and timings.time_to_first_token_s is not None
+        assert 0 <= timings.queue_s <= timings.time_to_first_token_s <= timings.total_s  # type: ignore[operator]
+
+
+def test_eos_stops_with_the_token_counted_but_not_shown(tokenizer: Tokenizer) -> None:
+    backend = make_backend(eos_probability=0.2)
+    prompt = tokenizer.encode("Once upon a time")
+    with running_engine(tokenizer, backend) as engine:
+        stopped = run(collect(engine, "eos", prompt, params(60, seed=3)))
+        ignored = run(collect(engine, "ignore", prompt, params(60, seed=3, ignore_eos=True)))
+    token_ids, text = joined(stopped)
+    assert stopped[-1].finish_reason is FinishReason.STOP and token_ids[-1] in EOS_IDS
+    assert not set(token_ids[:-1]) & set(EOS_IDS)
+    assert text == tokenizer.decode(prompt + token_ids[:-1])[len(tokenizer.decode(prompt)) :]
+    all_ids, _ = joined(ignored)
+    assert ignored[-1].finish_reason is FinishReason.LENGTH and len(all_ids) == 60
+    assert all_ids[: len(token_ids)] == token_ids  # the same tokens, run past EOS
+
+
+def test_a_stop_token_id_stops_and_is_not_shown(tokenizer: Tokenizer) -> None:
+    backend = make_backend()
+    prompt = tokenizer.encode("The dog")
+    reference = expected_tokens(backend, prompt, seed=5, count=12)
+    stop_id = reference[6]
+    with running_engine(tokenizer, backend) as engine:
+        outputs = run(collect(engine, "r", prompt, params(12, seed=5, stop_token_ids=(stop_id,))))
+    token_ids, text = joined(outputs)
+    cut = reference.index(stop_id)
+    assert token_ids == reference[: cut + 1] and outputs[-1].finish_reason is FinishReason.STOP
+    assert text == tokenizer.decode(prompt + reference[:cut])[len(tokenizer.decode(prompt)) :]
+
+
+def test_a_stop_string_across_tokens_is_cut_out_of_the_stream(tokenizer: Tokenizer) -> None:
+    backend = make_backend()
+    prompt = tokenizer.encode("Once upon a time")
+    with running_engine(tokenizer, backend) as engine:
+        free_text = joined(run(collect(engine, "free", prompt, params(40, seed=9))))[1]
+        pieces = [tokenizer.decode(prompt + expected_tokens(backend, prompt, 9, n)) for n in range(1, 41)]
+        boundary = next(len(p) for p in pieces if len(p) > len(tokenizer.decode(prompt)) + 8)
+        offset = boundary - len(tokenizer.decode(prompt))  # a token boundary inside the generated text
+        stop = free_text[offset - 3 : offset + 3]
+        outputs = run(collect(engine, "cut", prompt, params(40, seed=9, stop_strings=(stop,))))
+        check_idle(engine)
+    check_stream(outputs)
+    text = joined(outputs)[1]
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert text == free_text[: free_text.index(stop)]
+    assert all(stop not in o.text for o in outputs)
+
+
+def test_admission_refuses_what_cannot_fit_naming_the_numbers(tokenizer: Tokenizer) -> None:
+    async def main(engine: LLMEngine) -> None:
+        with pytest.raises(InvalidRequestError, match=r"\(60 tokens\) plus max_tokens \(80\) is 140.*128 positions"):
+            engine.generate("long", [5] * 60, params(80))
+        with pytest.raises(InvalidRequestError, match="70 tokens.*largest compiled context bucket \\(64\\)"):
+            engine.generate("prompt", [5] * 70, params(4))
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            engine.generate("vocab", [5, 9999], params(4))
+        with pytest.raises(InvalidRequestError, match="no tokens"):
+            engine.generate("empty", [], params(4))
+
+    with running_engine(tokenizer) as engine:
+        run(main(engine))
+        check_idle(engine)
+
+
+def test_a_full_queue_refuses_with_a_retry_estimate(tokenizer: Tokenizer) -> None:
+    """One slot, held by a long request: the next two wait, the third is refused."""
+    grid = type(TINY_GRID)(1, 128, (16, 32, 64), (32, 64, 128), (1,))
+
+    async def main(engine: LLMEngine) -> None:
+        holder = engine.generate("holder", [5, 6], params(120))
+        await holder.__anext__()  # it holds the slot now, for at least 120 steps of 5 ms
+        queued = [engine.generate(f"q{i}", [5, 6], params(4, seed=i)) for i in range(2)]
+        with pytest.raises(OverloadedError, match="max_waiting=2") as refused:
+            engine.generate("one-too-many", [5, 6], params(4))
+        assert refused.value.retry_after_s > 0
+        for stream in (holder, *queued):
+            await stream.aclose()
+
+    with running_engine(tokenizer, make_backend(grid, cost_model=CostModel(0.005)), max_waiting=2) as engine:
+        run(main(engine))
+        check_idle(engine)
+
+
+def test_not_ready_before_start_and_after_stop(tokenizer: Tokenizer) -> None:
+    engine = LLMEngine(make_backend(), tokenizer)
+
+    async def attempt() -> None:
+        engine.generate("r", [5], params(2))
+
+    with pytest.raises(NotReadyError):
+        run(attempt())
+    engine.start()
+    run(collect(engine, "ok", [5], params(2)))
+    engine.stop()
+    assert not engine.is_alive
+    with pytest.raises(NotReadyError):
+        run(attempt())
+
+
+def test_overload_is_served_first_come_first_served(tokenizer: Tokenizer) -> None:
+    """One slot, eight requests queued at once: first tokens come in arrival order, nobody starves."""
+    grid = type(TINY_GRID)(1, 128, (16, 32, 64), (32, 64, 128), (1,))
+
+    async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
+        streams = [engine.generate(f"r{i}", [5 + i] * (1 + 7 * (i % 3)), params(5, seed=i)) for i in range(8)]
+        return await asyncio.gather(*([o async for o in s] for s in streams))
+
+    with running_engine(tokenizer, make_backend(grid)) as engine:
+        results = run(main(engine))
+        check_idle(engine)
+    first_tokens = [r[0].timings.time_to_first_token_s for r in results]
+    assert first_tokens == sorted(first_tokens)  # type: ignore[type-var]
+    assert all(r[-1].finish_reason is FinishReason.LENGTH for r in results)
+
+
+def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer) -> None:
+    rng = random.Random(11)
+
+    async def client(engine: LLMEngine, index: int) -> tuple[str, list[RequestOutput]]:
+        stream = engine.generate(f"r{index}", [5 + index % 50] * rng.randint(1, 60), params(rng.randint(1, 60), index))
+        outputs, give_up = [], rng.choice([0, 1, 3, None])
+        async for out in stream:
+            outputs.append(out)
+            if give_up is not None and len(outputs) > give_up:
+                await stream.aclose()
+                return "closed", outputs
+        return "finished", outputs
+
+    async def main(engine: LLMEngine) -> list[tuple[str, list[RequestOutput]]]:
+        tasks = []
+        for index in range(120):
+            tasks.append(asyncio.create_task(client(engine, index)))
+            if index % 7 == 0:
+                engine.abort(f"r{rng.randrange(index + 1)}")  # server-side aborts too, some already finished
+            await asyncio.sleep(0)
+        return await asyncio.gather(*tasks)
+
+    with running_engine(tokenizer, max_waiting=200, max_prefills_per_step=2) as engine:
+        results = run(main(engine))
+        check_idle(engine)
+    for how, outputs in results:
+        if how == "finished":
+            check_stream(outputs)
+            assert outputs[-1].finish_reason in (FinishReason.LENGTH, FinishReason.ABORT)
+    assert any(o[-1].finish_reason is FinishReason.ABORT for how, o in results if how == "finished")
+
+
+def test_deadlines_fail_requests_and_free_their_slots(tokenizer: Tokenizer) -> None:
+    async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
+        soon = time.monotonic() + 0.05
+        coros = [collect(engine, f"d{i}", [5, 6], params(120, seed=i, deadline=soon)) for i in range(6)]
+        return await asyncio.gather(*coros, collect(engine, "free", [7], params(3)))
+
+    slow = make_backend(cost_model=CostModel(0.002))
+    with running_engine(tokenizer, slow) as engine:
+        *doomed, free = run(main(engine))
+        check_idle(engine)
+    for outputs in doomed:
+        check_stream(outputs)
+        assert outputs[-1].finish_reason is FinishReason.ERROR
+        assert isinstance(outputs[-1].error, DeadlineExceededError)
+    assert free[-1].finish_reason is FinishReason.LENGTH
+
+
+class FlakySim(SimBackend):
+    """Fails every prefill of context bucket 32 and every decode that carries slot 3."""
+
+    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
+        if batch.context_bucket == 32:
+            raise RuntimeError("prefill exploded")
+        return super().prefill(batch)
+
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
+        if 3 in batch.slots:
+            raise RuntimeError("decode exploded")
+        return super().decode(batch)
+
+
+def test_a_failing_step_fails_only_its_requests(tokenizer: Tokenizer) -> None:
+    async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
+        prompts = [[5] * 20, [6] * 3, [7] * 3, [8] * 3]  # bucket 32 fails; slots 0..2 decode fine
+        return await asyncio.gather(*(collect(engine, f"r{i}", p, params(6, i)) for i, p in enumerate(prompts)))
+
+    with running_engine(tokenizer, make_backend(cls=FlakySim), max_prefills_per_step=4) as engine:
+        first = run(main(engine))
+        again = run(collect(engine, "after", [9, 9], params(4)))
+        check_idle(engine)
+    assert first[0][-1].finish_reason is FinishReason.ERROR
+    assert isinstance(first[0][-1].error, GenerationError) and "prefill exploded" in first[0][-1].error.message
+    assert [r[-1].finish_reason for r in first[1:]] == [FinishReason.LENGTH] * 3
+    assert again[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_cancels_what_is_unfinished(tokenizer: Tokenizer) -> None:
+    async def main(engine: LLMEngine) -> list[RequestOutput]:
+        stream = engine.generate("long", [5], params(120))
+        first = await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        return [first, *[o async for o in stream]]
+
+    slow = make_backend(cost_model=CostModel(0.002))
+    engine = LLMEngine(slow, tokenizer)
+    engine.start()
+    outputs = run(main(engine))
+    assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.ABORT
+    assert isinstance(outputs[-1].error, NotReadyError)
+    assert engine.num_unfinished == 0 and not engine.is_alive
+
+
+def test_metrics_are_recorded(tokenizer: Tokenizer) -> None:
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        return metrics.REGISTRY.get_sample_value(metrics.PREFIX + name, labels) or 0.0
+
+    before = (value("request_success_total", {"finished_reason": "length"}), value("generation_tokens_total"))
+    with running_engine(tokenizer) as engine:
+        run(collect(engine, "m", [5, 6, 7], params(9)))
+        check_idle(engine)
+        engine._output.close()  # flush the output thread's metrics
+    assert value("request_success_total", {"finished_reason": "length"}) == before[0] + 1
+    assert value("generation_tokens_total") == before[1] + 9
+    assert value("step_duration_seconds_count", {"phase": "prefill", "bucket": "16"}) >= 1
+    assert value("num_batched_tokens_padding_total", {"phase": "prefill", "bucket": "16"}) >= 13
