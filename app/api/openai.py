@@ -9,7 +9,9 @@ choice in a stream. `system_fingerprint` is the artifact id.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict
+from typing import ClassVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -59,10 +61,11 @@ def usage_info(job: Job) -> UsageInfo:
     )
 
 
-class Renderer:
-    """What completions and chat share: ids, the model, usage, the stream's end and timings."""
+class OpenAIRenderer(ABC):
+    """What completions and chat share: ids, the model, chunks, usage, the stream's end and timings."""
 
-    id_prefix = ""
+    id_prefix: ClassVar[str]
+    chunk_type: ClassVar[type[CompletionResponse | ChatCompletionChunk]]
 
     def __init__(self, serving: Serving, request_id: str, include_usage: bool) -> None:
         self.serving = serving
@@ -76,26 +79,31 @@ class Renderer:
             "system_fingerprint": serving.artifact_id,
         }
 
-    def finished_extras(self, out: RequestOutput) -> dict[str, object]:
-        return {"timings": asdict(out.timings)} if out.finished else {}
+    @abstractmethod
+    def chunk_choice(self, index: int, out: RequestOutput) -> CompletionChoice | ChatChunkChoice: ...
+
+    @abstractmethod
+    def response(self, job: Job) -> CompletionResponse | ChatCompletionResponse: ...
+
+    def delta(self, index: int, out: RequestOutput) -> bytes:
+        """One chunk; the last of a choice also carries its engine timings."""
+        extras = {"timings": asdict(out.timings)} if out.finished else {}
+        chunk = self.chunk_type(**self.header, choices=[self.chunk_choice(index, out)], **extras)
+        return streaming.sse(chunk.model_dump_json())
 
     def end(self, job: Job) -> bytes:
         if not self.include_usage:
             return streaming.DONE
-        return self.usage_chunk(job) + streaming.DONE
-
-    def usage_chunk(self, job: Job) -> bytes:
-        raise NotImplementedError
-
-    def response(self, job: Job) -> CompletionResponse | ChatCompletionResponse:
-        raise NotImplementedError
+        chunk = self.chunk_type(**self.header, choices=[], usage=usage_info(job))
+        return streaming.sse(chunk.model_dump_json()) + streaming.DONE
 
     def body(self, job: Job) -> bytes:
         return self.response(job).model_dump_json().encode()
 
 
-class CompletionRenderer(Renderer):
+class CompletionRenderer(OpenAIRenderer):
     id_prefix = "cmpl-"
+    chunk_type = CompletionResponse
 
     def __init__(
         self, serving: Serving, request_id: str, body: CompletionRequest, echo_texts: list[str]
@@ -135,14 +143,8 @@ class CompletionRenderer(Renderer):
             tokens=tokens, token_logprobs=[s.logprob for s in samples], top_logprobs=top, text_offset=offsets
         )
 
-    def delta(self, index: int, out: RequestOutput) -> bytes:
-        choice = self.choice(index, out.text, out.samples, finish_reason(out.finish_reason))
-        chunk = CompletionResponse(**self.header, choices=[choice], **self.finished_extras(out))
-        return streaming.sse(chunk.model_dump_json())
-
-    def usage_chunk(self, job: Job) -> bytes:
-        chunk = CompletionResponse(**self.header, choices=[], usage=usage_info(job))
-        return streaming.sse(chunk.model_dump_json())
+    def chunk_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
+        return self.choice(index, out.text, out.samples, finish_reason(out.finish_reason))
 
     def response(self, job: Job) -> CompletionResponse:
         choices = [
@@ -152,8 +154,9 @@ class CompletionRenderer(Renderer):
         return CompletionResponse(**self.header, choices=choices, usage=usage_info(job))
 
 
-class ChatRenderer(Renderer):
+class ChatRenderer(OpenAIRenderer):
     id_prefix = "chatcmpl-"
+    chunk_type = ChatCompletionChunk
 
     def __init__(self, serving: Serving, request_id: str, body: ChatCompletionRequest) -> None:
         super().__init__(serving, request_id, body.include_usage)
@@ -174,21 +177,15 @@ class ChatRenderer(Renderer):
         text = self.serving.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def delta(self, index: int, out: RequestOutput) -> bytes:
-        role = None if index in self.started else "assistant"
+    def chunk_choice(self, index: int, out: RequestOutput) -> ChatChunkChoice:
+        role = None if index in self.started else "assistant"  # the role comes in a choice's first chunk
         self.started.add(index)
-        choice = ChatChunkChoice(
+        return ChatChunkChoice(
             index=index,
             delta=ChatDelta(role=role, content=out.text),
             logprobs=self.logprobs(out.samples),
             finish_reason=finish_reason(out.finish_reason),
         )
-        chunk = ChatCompletionChunk(**self.header, choices=[choice], **self.finished_extras(out))
-        return streaming.sse(chunk.model_dump_json())
-
-    def usage_chunk(self, job: Job) -> bytes:
-        chunk = ChatCompletionChunk(**self.header, choices=[], usage=usage_info(job))
-        return streaming.sse(chunk.model_dump_json())
 
     def choice(self, index: int, output: ChoiceOutput) -> ChatChoice:
         return ChatChoice(

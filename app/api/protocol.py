@@ -186,12 +186,17 @@ class CompletionChoice(ResponseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(ResponseModel):
+class Envelope(ResponseModel):
+    """The fields every completion body and chunk starts with."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     system_fingerprint: str
+
+
+class CompletionResponse(Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -222,12 +227,8 @@ class ChatChoice(ResponseModel):
     finish_reason: str
 
 
-class ChatCompletionResponse(ResponseModel):
-    id: str
+class ChatCompletionResponse(Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -244,12 +245,8 @@ class ChatChunkChoice(ResponseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(ResponseModel):
-    id: str
+class ChatCompletionChunk(Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
 

@@ -29,7 +29,7 @@ from app.settings import ServerSettings
 M = TypeVar("M", bound=BaseModel)
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     keys: tuple[str, ...] = request.app.state.settings.api_keys
     if not keys:
         return
@@ -41,7 +41,7 @@ def require_api_key(request: Request) -> None:
         raise AuthenticationError("missing or invalid API key (send Authorization: Bearer <key>)")
 
 
-def get_serving(request: Request) -> Serving:
+async def get_serving(request: Request) -> Serving:
     serving: Serving | None = request.app.state.serving
     if serving is None:
         state: ServerState = request.app.state.server

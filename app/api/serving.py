@@ -14,7 +14,6 @@ import itertools
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -282,18 +281,19 @@ class Job:
                 if out.error is not None:
                     raise out.error
         finally:
-            await self.close()
+            self.close()
         return self.choices
 
-    async def close(self) -> None:
-        """Abort the unfinished requests (client gone, error in a sibling, server shutting down)."""
+    def close(self) -> None:
+        """Abort the unfinished requests (client gone, error in a sibling, server shutting down).
+
+        NOTE: synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where an await
+        would be interrupted before every request was aborted."""
         for pump in self._pumps:
             pump.cancel()
-        for stream in self._streams:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with suppress(Exception):
-                    await asyncio.shield(aclose())
+        for engine_id, choice in zip(self.engine_ids[: len(self._streams)], self.choices, strict=False):
+            if choice.finish_reason is None:
+                self.engine.abort(engine_id)
 
 
 def server_timing(timings: Sequence[RequestTimings]) -> str:

@@ -84,7 +84,7 @@ async def _stream(request: Request, job: Job, renderer: Renderer) -> Response:
         if first.error is not None:
             raise first.error
     except BaseException:
-        await job.close()
+        job.close()
         raise
     headers = {**SSE_HEADERS, "server-timing": server_timing([first.timings])}
     body = _events(job, outputs, index, first, renderer)
@@ -108,7 +108,7 @@ async def _events(
         else:
             yield renderer.end(job)
     finally:
-        await job.close()
+        job.close()
 
 
 def _error_event(error: Inf2ServeError) -> bytes:

@@ -88,7 +88,8 @@ class GenerateRenderer:
         output = job.choices[0]
         details = self.details(output) if self.details_wanted else None
         response = GenerateResponse(generated_text=self.prefix + output.text, details=details)
-        return b"[" + response.model_dump_json(exclude_none=True).encode() + b"]"
+        omitted = {"details"} if details is None else None  # as TGI: no details unless asked
+        return b"[" + response.model_dump_json(exclude=omitted).encode() + b"]"
 
 
 async def generate(serving: Serving, body: GenerateRequest, request: Request, request_id: str) -> Response:

@@ -86,6 +86,7 @@ class OutputState:
         "num_text",
         "stop_matcher",
         "stream",
+        "timings",
     )
 
     def __init__(
@@ -100,6 +101,7 @@ class OutputState:
         self.num_published = 0  # output tokens already in a delta
         self.num_text = 0  # output tokens already fed to the detokenizer
         self.last_token_time = 0.0
+        self.timings = RequestTimings()  # queue and first-token times, once the first token is out
         self.done = False
 
 
@@ -149,10 +151,12 @@ class OutputProcessor:
 
     def process(self, report: StepReport) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        num_generated = 0
         for request, num_tokens, finished in report.records:
             state = request.output
             if state is None or state.done:
                 continue
+            num_generated += num_tokens - state.num_published
             try:
                 output = self._delta(request, state, num_tokens, finished, report.time)
             except Exception:
@@ -161,6 +165,7 @@ class OutputProcessor:
             deliveries.setdefault(state.stream.loop, []).append((state.stream, output))
         for loop, items in deliveries.items():
             self._deliver(loop, items)
+        metrics.record_generated_tokens(num_generated)
         self._record_step(report)
 
     def _delta(
@@ -194,7 +199,7 @@ class OutputProcessor:
             finished=finished,
             finish_reason=reason,
             error=error,
-            timings=_timings(request, (request.finish_time or now) if finished else None),
+            timings=_timings(request, request.finish_time or now) if finished else state.timings,
         )
 
     @staticmethod
@@ -238,16 +243,18 @@ class OutputProcessor:
                 if not output.finished:
                     stream.abandon()
 
-    def _record_tokens(self, request: Request, state: OutputState, start: int, end: int, now: float) -> None:
+    @staticmethod
+    def _record_tokens(request: Request, state: OutputState, start: int, end: int, now: float) -> None:
         if end == start:
             return
         if start == 0:
-            queue_s = (request.scheduled_time or now) - request.arrival_time
-            metrics.record_first_token(queue_s, (request.first_token_time or now) - request.arrival_time)
+            state.timings = _timings(request, None)
+            metrics.record_first_token(
+                state.timings.queue_s or 0.0, state.timings.time_to_first_token_s or 0.0
+            )
             metrics.record_prompt_tokens(request.num_prompt_tokens)
         else:
             metrics.record_inter_token(now - state.last_token_time)
-        metrics.record_generated_tokens(end - start)
         state.last_token_time = now
 
     @staticmethod

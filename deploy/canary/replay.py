@@ -17,11 +17,11 @@ from pathlib import Path
 
 import httpx
 
+from app.api.middleware import ARTIFACT_ID_HEADER
 from app.artifacts.golden import Golden
 from app.errors import ConfigError
 
 DEFAULT_MAX_TOKENS = 16
-ARTIFACT_ID_HEADER = "x-artifact-id"
 
 
 @dataclass(frozen=True, slots=True)

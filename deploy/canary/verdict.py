@@ -3,8 +3,9 @@ passes or fails against a threshold; the canary is promoted only when every chec
 
 - greedy agreement: the fraction of prompts answered by both whose texts are identical.
 - replay errors: the fraction of replayed prompts the candidate failed (non-200 or no response).
-- 5xx rate: server-side 5xx responses over all responses, from each server's `/metrics` delta; the
-  candidate may exceed the baseline by at most the allowed increase.
+- 5xx rate: server-side 5xx responses over all responses of the serving routes (OpenAI and SageMaker),
+  from each server's `/metrics` delta; the candidate may exceed the baseline by at most the allowed
+  increase.
 - latency: TTFT, inter-token and end-to-end p50 and p99 from histogram bucket deltas; the candidate may be
   at most `max_latency_ratio` times the baseline plus `latency_slack_s` (bucket interpolation is coarse).
 A check without data on either side fails: no evidence is no promotion.
@@ -12,7 +13,7 @@ A check without data on either side fails: no evidence is no promotion.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.metrics import MetricWrapperBase
@@ -29,6 +30,16 @@ def _family(metric: MetricWrapperBase) -> str:
 LATENCIES = {"TTFT": _family(TTFT), "inter-token": _family(INTER_TOKEN), "e2e": _family(E2E)}
 QUANTILES = (0.5, 0.99)
 HTTP_RESPONSES_TOTAL = _family(HTTP_RESPONSES) + "_total"
+# Health and readiness answer 503 while a server starts or drains: only serving routes count as errors.
+SERVING_ROUTES = ("/v1/", "/invocations")
+
+
+def _serving(labels: Mapping[str, str]) -> bool:
+    return labels["route"].startswith(SERVING_ROUTES)
+
+
+def _serving_error(labels: Mapping[str, str]) -> bool:
+    return _serving(labels) and labels["status"].startswith("5")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +68,10 @@ class Observation:
     delta: Scrape
 
     def error_rate(self) -> float | None:
-        total = self.delta.total(HTTP_RESPONSES_TOTAL)
+        total = self.delta.total(HTTP_RESPONSES_TOTAL, _serving)
         if total <= 0:
             return None
-        return self.delta.total(HTTP_RESPONSES_TOTAL, lambda labels: labels["status"].startswith("5")) / total
+        return self.delta.total(HTTP_RESPONSES_TOTAL, _serving_error) / total
 
 
 def _fmt(value: float | None, unit: str = "") -> str:

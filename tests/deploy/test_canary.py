@@ -11,16 +11,18 @@ import httpx
 import pytest
 
 from app.artifacts.golden import Golden, GoldenPrompt
+from app.cli import main
 from app.errors import ConfigError
 from deploy.canary.cli import load_prompts
 from deploy.canary.metrics import Scrape, bucket_quantile
 from deploy.canary.replay import Prompt, Reply, file_prompts, replay
 from deploy.canary.verdict import Observation, Thresholds, evaluate, render
+from tests.s3_server import free_port
 
 BOUNDS = (0.01, 0.05, 0.1, 0.5, 1.0)
 
 
-def exposition(latency_counts: dict[float, int], ok: int, errors: int) -> str:
+def exposition(latency_counts: dict[float, int], ok: int, errors: int, not_ready: int = 0) -> str:
     """A `/metrics` text with the three latency histograms (same counts) and the HTTP response counter."""
     lines = []
     for histogram in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
@@ -35,6 +37,7 @@ def exposition(latency_counts: dict[float, int], ok: int, errors: int) -> str:
     lines += ["# HELP inf2serve_http_responses_total r", "# TYPE inf2serve_http_responses_total counter"]
     lines.append(f'inf2serve_http_responses_total{{route="/v1/completions",status="200"}} {ok}')
     lines.append(f'inf2serve_http_responses_total{{route="/v1/completions",status="500"}} {errors}')
+    lines.append(f'inf2serve_http_responses_total{{route="/ready",status="503"}} {not_ready}')
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +104,11 @@ def test_candidate_errors_fail() -> None:
     assert "ROLL BACK" in render(list(checks.values()))
 
 
+def test_readiness_503s_are_not_serving_errors() -> None:
+    delta = Scrape.parse(exposition(FAST, 10, 0, not_ready=40)) - Scrape.parse(exposition({}, 0, 0))
+    assert Observation([Reply("a", 200, None, "a/1", 0.1)], delta).error_rate() == 0.0
+
+
 def test_slower_candidate_fails_latency_within_ratio_passes() -> None:
     checks = by_name(evaluate(observation(["a"], FAST), observation(["a"], SLOW), Thresholds()))
     assert not checks["TTFT p99"].passed and not checks["inter-token p50"].passed
@@ -158,3 +166,12 @@ def test_replay_records_text_status_and_artifact() -> None:
     assert [r.status for r in replies] == [200, 500, None, 200]
     assert replies[0].artifact_id == "m/2" and "ConnectError" in (replies[2].error or "")
     assert all(b["temperature"] == 0.0 and "model" not in b for b in seen)
+
+
+def test_unreachable_endpoint_cannot_be_judged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The cat\n")
+    port = free_port()  # nothing listens there
+    argv = ["canary", "--baseline", f"http://127.0.0.1:{port}", "--candidate", f"http://127.0.0.1:{port}"]
+    assert main([*argv, "--prompts", str(prompts), "--timeout", "5"]) == 2
+    assert "cannot judge" in capsys.readouterr().err

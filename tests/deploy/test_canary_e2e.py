@@ -13,6 +13,7 @@ The tests run in file order on one fleet: the last one drains the stable server.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from tests.s3_server import free_port
 
 pytestmark = pytest.mark.slow
 
-NGINX = "/usr/sbin/nginx"
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 DRAIN_S = 2.0
 READY_TIMEOUT_S = 240.0
 PROMPT = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
@@ -58,15 +59,8 @@ def start_server(name: str, artifact: str, artifact_id: str, logs: Path) -> Serv
     port = free_port()
     log = logs / f"{name}.log"
     command = [sys.executable, "-m", "app", "serve", "--artifact", artifact, "--host", "127.0.0.1"]
-    command += [
-        "--port",
-        str(port),
-        "--drain-s",
-        str(DRAIN_S),
-        "--shutdown-timeout-s",
-        "10",
-        "--no-verify-golden",
-    ]
+    command += ["--port", str(port), "--drain-s", str(DRAIN_S)]
+    command += ["--shutdown-timeout-s", "10", "--no-verify-golden"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -250,6 +244,7 @@ def fleet(
     broken_artifact: CompileResult,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
+    assert Path(NGINX).exists(), "nginx is needed: `make system-deps` installs Debian's nginx-light"
     root = tmp_path_factory.mktemp("canary-e2e")
     stable, canary, broken = stable_artifact, canary_artifact, broken_artifact
     assert len({stable.manifest.artifact_id, canary.manifest.artifact_id, broken.manifest.artifact_id}) == 3

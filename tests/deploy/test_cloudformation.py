@@ -153,3 +153,25 @@ class TestAlb:
         _env_names_known(set(re.findall(r"-e (INF2SERVE_\w+)=", script)))
         assert "INF2SERVE_DRAIN_S='${DrainSeconds}'" in script
         assert "INF2SERVE_KEEP_ALIVE_S='${KeepAliveSeconds}'" in script
+
+
+def _render_sub(script: str, values: dict[str, str]) -> str:
+    """CloudFormation's Fn::Sub: `${Name}` becomes its value, `${!Text}` the literal `${Text}`."""
+
+    def one(match: re.Match[str]) -> str:
+        return "${" + match.group(2) + "}" if match.group(1) else values[match.group(2)]
+
+    return re.sub(r"\$\{(!)?([^}]+)\}", one, script)
+
+
+def test_user_data_renders_to_valid_bash(template: dict, tmp_path: Path) -> None:
+    data = template["Resources"]["StableLaunchTemplate"]["Properties"]["LaunchTemplateData"]
+    script, _ = data["UserData"]["Fn::Base64"]["Fn::Sub"]
+    values = {"Image": "1.dkr.ecr.us-east-1.amazonaws.com/inf2serve:1", "Artifact": "s3://b/llm/3f2a/"}
+    values |= {"AWS::Region": "us-east-1", "DrainSeconds": "30", "InFlightSeconds": "60"}
+    values |= {"KeepAliveSeconds": "75"}
+    path = tmp_path / "user-data.sh"
+    path.write_text(_render_sub(script, values))
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=10)
+    rendered = path.read_text()
+    assert '"${devices[@]}"' in rendered and "--stop-timeout $(( 30 + 60 + 5 ))" in rendered

@@ -68,6 +68,8 @@ def test_dashboard_covers_every_concern() -> None:
     for concern in concerns:
         assert any(concern in name for name in used), concern
     assert all(p.get("targets") for p in dashboard["panels"] if p["type"] != "row")
+    # Template variables (label_values(...), not PromQL) too: every name anywhere in the file is exported.
+    assert {name for name, _ in SELECTOR.findall(DASHBOARD.read_text())} <= set(_exported())
 
 
 @pytest.mark.parametrize("source", QUERIES)

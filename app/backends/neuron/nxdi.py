@@ -39,14 +39,15 @@ from app.backends.base import (
 )
 from app.backends.neuron.runtime import apply_placement, import_library, visible_cores
 from app.backends.neuron.steps import (
+    FreshSlots,
     check_grid,
     check_prefill,
     decode_rows,
     device_tokens,
     global_topk,
+    read_model_info,
     sampling_row,
 )
-from app.backends.torch.checkpoint import read_eos_token_ids, read_llama_config
 from app.errors import ArtifactError
 
 MODELING = "neuronx_distributed_inference.models.llama.modeling_llama"
@@ -149,9 +150,10 @@ def link_compiled_view(artifact_dir: Path, view: Path) -> None:
 
 
 class NxdiBackend(Backend):
+    """On-device sampling draws from the device's generator: a seed is honoured on greedy rows only, and
+    top_k at most `max_top_k` (the sampler's global top-k); admission should refuse larger ones."""
+
     name = "neuron-nxdi"
-    # On-device sampling draws from the device's generator: seeds are honoured on greedy rows only.
-    honours_seed = False
 
     def __init__(
         self,
@@ -165,22 +167,26 @@ class NxdiBackend(Backend):
         self.model = info
         self._neuron = neuron_model
         self._prepare_sampling_params = prepare_sampling_params
-        self._max_top_k = global_topk(info.vocab_size)
+        self.max_top_k = global_topk(info.vocab_size)
         self._view = view
+        self._fresh = FreshSlots()
 
     @classmethod
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> NxdiBackend:
         check_grid(spec)
         config = read_compiled_config(artifact_dir)
         check_compiled(config, spec)
-        llama = read_llama_config(artifact_dir / "model")
-        info = ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
+        info = read_model_info(artifact_dir)
         apply_placement(visible_cores(device), spec.tp_degree)
         modeling, sampling = import_library(MODELING, cls.name), import_library(SAMPLING, cls.name)
         view = tempfile.TemporaryDirectory(prefix="inf2serve-nxdi-")
-        link_compiled_view(artifact_dir, Path(view.name))
-        neuron_model = modeling.NeuronLlamaForCausalLM(view.name)
-        neuron_model.load(view.name)
+        try:
+            link_compiled_view(artifact_dir, Path(view.name))
+            neuron_model = modeling.NeuronLlamaForCausalLM(view.name)
+            neuron_model.load(view.name)
+        except BaseException:
+            view.cleanup()
+            raise
         return cls(neuron_model, sampling.prepare_sampling_params, spec, info, view)
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
@@ -189,16 +195,14 @@ class NxdiBackend(Backend):
             check_prefill(slot, prompt, batch.context_bucket, self.spec.grid.num_slots)
             output = self._step([prompt], [slot], [list(range(len(prompt)))], [params])
             tokens += self._tokens(output, [params])
+            self._fresh.add(slot, len(prompt))
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
-        rows = decode_rows(batch, grid.num_slots, grid.max_positions)
-        input_ids = [[token] for token in rows.tokens]
-        positions = [[position] for position in rows.positions]
-        output = self._step(input_ids, range(grid.num_slots), positions, rows.sampling)
-        per_slot = self._tokens(output, rows.sampling)
-        return rows.in_batch_order(per_slot)
+        rows = decode_rows(batch, grid.num_slots, grid.max_positions, self._fresh.take())
+        output = self._step(rows.input_ids, range(grid.num_slots), rows.position_ids, rows.sampling)
+        return rows.in_batch_order(self._tokens(output, rows.sampling))
 
     def close(self) -> None:
         """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""
@@ -220,7 +224,7 @@ class NxdiBackend(Backend):
         )
 
     def _sampling_params(self, sampling: Sequence[SamplingParams]) -> torch.Tensor:
-        top_k, top_p, temperature = zip(*(sampling_row(p, self._max_top_k) for p in sampling), strict=True)
+        top_k, top_p, temperature = zip(*(sampling_row(p, self.max_top_k) for p in sampling), strict=True)
         return self._prepare_sampling_params(
             len(sampling), top_k=list(top_k), top_p=list(top_p), temperature=list(temperature)
         )

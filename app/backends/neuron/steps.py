@@ -3,10 +3,14 @@ the decode batch laid out on every compiled slot, and library outputs turned int
 
 Decode always runs on all `num_slots` rows in slot order (row i is slot i, so `seq_ids`/`start_ids`
 is `arange(num_slots)` and no library-side reordering happens). Live slots carry their token and
-position; free slots are padded with token 0 at the smallest live position. That position is never 0
-(NxDI routes a batch holding a position-0 row to context encoding) and never raises the token bucket
-the library picks from the largest position. A padded row writes junk into its own (free) slot only,
-which is why every live slot must be in every decode call: a live slot left out would be overwritten.
+position; every other row is padding, token 0, and the device writes its junk KV entry into that row's
+slot, so where it is parked matters:
+- a slot prefilled since the last decode call but left out of this one (the engine decodes a new sequence
+  from the step after its prefill) is parked at its prompt's length: the first position the sequence
+  itself writes, before it ever reads it, so the junk is overwritten unseen;
+- any other slot is free (every live sequence is in every decode call) and is parked at the smallest live
+  position, which is never 0 (NxDI routes a batch holding a position-0 row to context encoding) and never
+  raises the token bucket the library picks from the largest position.
 
 Tokens come either from the device's sampler (`device_tokens`: NxD Inference; it draws from the device's
 generator, so a request's seed is honoured on greedy rows only) or from logits drawn on the host by the
@@ -15,12 +19,14 @@ portable backend's seeded sampler (`host_tokens`: transformers-neuronx; seeds ho
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from app.backends.base import GREEDY, BackendSpec, DecodeBatch, SampledToken, SamplingParams
+from app.backends.base import GREEDY, BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
+from app.backends.torch.checkpoint import read_eos_token_ids, read_llama_config
 from app.backends.torch.sampling import SampleOutput, SamplingTensors, sample, sampled_tokens
 from app.errors import ConfigError, GenerationError, InvalidRequestError
 
@@ -36,6 +42,12 @@ def check_grid(spec: BackendSpec) -> None:
             f"{spec.backend} compiles one decode batch of num_slots={grid.num_slots} rows; "
             f"batch_buckets must be [{grid.num_slots}], got {list(grid.batch_buckets)}"
         )
+
+
+def read_model_info(artifact_dir: Path) -> ModelInfo:
+    """Vocabulary and stop ids from the artifact's `model/` files."""
+    llama = read_llama_config(artifact_dir / "model")
+    return ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
 
 
 def global_topk(vocab_size: int) -> int:
@@ -65,15 +77,46 @@ class DecodeRows:
     sampling: tuple[SamplingParams, ...]
     slots: tuple[int, ...]  # the batch's slots, in its order: where each output row is read back
 
+    @property
+    def input_ids(self) -> list[list[int]]:
+        """[num_slots, 1]: the token each slot feeds this step."""
+        return [[token] for token in self.tokens]
+
+    @property
+    def position_ids(self) -> list[list[int]]:
+        """[num_slots, 1]: where each slot's token sits (and its KV entry is written)."""
+        return [[position] for position in self.positions]
+
     def in_batch_order(self, per_slot: Sequence[SampledToken]) -> list[SampledToken]:
         return [per_slot[slot] for slot in self.slots]
 
 
-def decode_rows(batch: DecodeBatch, num_slots: int, max_positions: int) -> DecodeRows:
-    """Lay `batch` out on every slot; see the module docstring for the padding rule."""
+class FreshSlots:
+    """Slots prefilled since the last decode call, with their prompt lengths (where their padded rows
+    are parked if that decode call leaves them out)."""
+
+    def __init__(self) -> None:
+        self._lengths: dict[int, int] = {}
+
+    def add(self, slot: int, prompt_length: int) -> None:
+        self._lengths[slot] = prompt_length
+
+    def take(self) -> dict[int, int]:
+        """The slots to park in this decode call; afterwards they are live or free."""
+        lengths, self._lengths = self._lengths, {}
+        return lengths
+
+
+def decode_rows(
+    batch: DecodeBatch, num_slots: int, max_positions: int, fresh: Mapping[int, int] | None = None
+) -> DecodeRows:
+    """Lay `batch` out on every slot; `fresh` maps a slot prefilled since the last decode call to its
+    prompt length. See the module docstring for the padding rule."""
     _check_decode(batch, num_slots, max_positions)
     pad_position = min(batch.positions)
-    tokens, positions = [0] * num_slots, [pad_position] * num_slots
+    parked = {slot: length for slot, length in (fresh or {}).items() if length < max_positions}
+    tokens = [0] * num_slots
+    positions = [parked.get(slot, pad_position) for slot in range(num_slots)]
     sampling = [GREEDY] * num_slots
     for slot, token, position, params in zip(
         batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True

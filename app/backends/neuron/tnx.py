@@ -40,8 +40,14 @@ from app.backends.base import (
     SampledToken,
 )
 from app.backends.neuron.runtime import apply_placement, import_library, visible_cores
-from app.backends.neuron.steps import check_grid, check_prefill, decode_rows, host_tokens
-from app.backends.torch.checkpoint import read_eos_token_ids, read_llama_config
+from app.backends.neuron.steps import (
+    FreshSlots,
+    check_grid,
+    check_prefill,
+    decode_rows,
+    host_tokens,
+    read_model_info,
+)
 from app.errors import ArtifactError, ConfigError
 
 LIBRARY = "transformers_neuronx"
@@ -80,19 +86,18 @@ def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
 
 class TnxBackend(Backend):
     name = "neuron-tnx"
-    honours_seed = True
 
     def __init__(self, neuron_model: Any, spec: BackendSpec, info: ModelInfo) -> None:
         self.spec = spec
         self.model = info
         self._neuron = neuron_model
+        self._fresh = FreshSlots()
 
     @classmethod
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> TnxBackend:
         check_grid(spec)
         check_context_buckets(spec)
-        llama = read_llama_config(artifact_dir / "model")
-        info = ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
+        info = read_model_info(artifact_dir)
         apply_placement(visible_cores(device), spec.tp_degree)
         library = import_library(LIBRARY, cls.name)
         kwargs = model_kwargs(library, spec)
@@ -114,14 +119,13 @@ class TnxBackend(Backend):
             padding = [0] * (width - len(prompt))
             logits = self._step([[*prompt, *padding]], [[*range(len(prompt)), *padding]], [slot])
             tokens += host_tokens(logits, [params], [len(prompt)])
+            self._fresh.add(slot, len(prompt))
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
-        rows = decode_rows(batch, grid.num_slots, grid.max_positions)
-        input_ids = [[token] for token in rows.tokens]
-        positions = [[position] for position in rows.positions]
-        logits = self._step(input_ids, positions, range(grid.num_slots))
+        rows = decode_rows(batch, grid.num_slots, grid.max_positions, self._fresh.take())
+        logits = self._step(rows.input_ids, rows.position_ids, range(grid.num_slots))
         per_slot = host_tokens(logits, rows.sampling, [p + 1 for p in rows.positions])
         return rows.in_batch_order(per_slot)
 

@@ -130,7 +130,9 @@ def read_llama_config(model_dir: Path) -> LlamaSpec:
     kv_heads = _int(config, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    head_dim = config.get("head_dim") or hidden // heads
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if head_dim % 2:
+        raise ConfigError(f"head_dim {head_dim} must be even for rotary embeddings")
     rope_theta, rope_scaling = _rope(config)
     eos = config.get("eos_token_id")
     return LlamaSpec(
@@ -139,13 +141,13 @@ def read_llama_config(model_dir: Path) -> LlamaSpec:
         num_layers=_int(config, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         vocab_size=_int(config, "vocab_size"),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=_int(config, "max_position_embeddings"),
+        max_position_embeddings=_int(config, "max_position_embeddings", 2048),  # transformers' default
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_token_ids(eos),
     )

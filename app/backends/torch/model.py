@@ -231,31 +231,45 @@ class LlamaRunner:
                 torch.tensor(step.tokens, **ints), torch.tensor(step.last_index, **ints), slots
             )
         tokens, positions = torch.tensor(step.tokens, **ints), torch.tensor(step.positions, **ints)
-        return self.decode_logits(tokens, positions, slots, step.span)
+        in_place = all(slot in (row, self.scratch_slot) for row, slot in enumerate(step.slots))
+        return self.decode_logits(tokens, positions, slots, step.span, slots_are_rows=in_place)
 
     def prefill_logits(
         self, tokens: torch.Tensor, last_index: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
-        """Context encoding of `tokens` [rows, length] into `slots`; logits at each row's `last_index`."""
+        """Context encoding of `tokens` [rows, length] into `slots`; logits at each row's `last_index`.
+
+        The last layer still writes every position's K/V, but only each row's last token goes on through
+        its attention and MLP: nothing reads the other positions' outputs."""
         rows, length = tokens.shape
-        heads, kv_heads = self.num_heads, self.num_kv_heads
         x = self._embed(tokens)
         cos, sin = self.cos[:length, None, :], self.sin[:length, None, :]
-        for layer, cache in zip(self.weights.layers, self.kv_cache, strict=True):
-            qkv = self._qkv(layer, x, cos, sin).transpose(1, 2)  # [rows, heads + 2 * kv_heads, length, dim]
-            kv = qkv[:, heads:]
-            cache[:, :, :length].index_copy_(0, slots, kv)
-            attn = F.scaled_dot_product_attention(
-                qkv[:, :heads], kv[:, :kv_heads], kv[:, kv_heads:], is_causal=True, enable_gqa=True
-            )
+        *body, (last_layer, last_cache) = zip(self.weights.layers, self.kv_cache, strict=True)
+        for layer, cache in body:
+            queries, keys, values = self._prefill_qkv(layer, cache, x, cos, sin, slots)
+            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
             x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(rows, length, -1))
-        last = x[torch.arange(rows, device=self.device), last_index]
-        return self._logits(last)
+        queries, keys, values = self._prefill_qkv(last_layer, last_cache, x, cos, sin, slots)
+        row_ids = torch.arange(rows, device=self.device)
+        query = queries[row_ids, :, last_index].unflatten(1, (self.num_kv_heads, -1))
+        visible = (torch.arange(length, device=self.device)[None, :] <= last_index[:, None])[:, None, None, :]
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
+        return self._logits(self._finish_layer(last_layer, x[row_ids, last_index], attn.reshape(rows, -1)))
 
     def decode_logits(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        span: int,
+        *,
+        slots_are_rows: bool = False,
     ) -> torch.Tensor:
-        """One step: `tokens` [rows] at `positions` [rows], attending over cache positions < `span`."""
+        """One step: `tokens` [rows] at `positions` [rows], attending over cache positions < `span`.
+
+        `slots_are_rows`: row i is slot i (or padding), so attention reads the cache in place instead of
+        gathering the rows' slots (padded rows then read a slot they never write: their output is dropped).
+        """
         rows = tokens.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         x = self._embed(tokens)
@@ -264,7 +278,7 @@ class LlamaRunner:
         for layer, cache in zip(self.weights.layers, self.kv_cache, strict=True):
             qkv = self._qkv(layer, x, cos, sin)  # [rows, heads + 2 * kv_heads, dim]
             cache[slots, :, positions] = qkv[:, heads:]
-            kv = cache[:, :, :span].index_select(0, slots)
+            kv = cache[:rows, :, :span] if slots_are_rows else cache[:, :, :span].index_select(0, slots)
             # The query heads sharing a KV head attend as one group of queries: no KV repeat needed.
             queries = qkv[:, :heads].unflatten(1, (kv_heads, heads // kv_heads))
             attn = F.scaled_dot_product_attention(
@@ -282,6 +296,22 @@ class LlamaRunner:
         x = F.embedding(local.clamp(0, embed.shape[0] - 1), embed) * owned.unsqueeze(-1).to(embed.dtype)
         self.collectives.all_reduce(x)
         return x
+
+    def _prefill_qkv(
+        self,
+        layer: LayerWeights,
+        cache: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [rows, heads, length, head_dim] of a prompt block; K/V go to the cache."""
+        qkv = self._qkv(layer, x, cos, sin).transpose(1, 2)
+        length, kv_start = qkv.shape[2], self.num_heads
+        cache[:, :, :length].index_copy_(0, slots, qkv[:, kv_start:])
+        v_start = kv_start + self.num_kv_heads
+        return qkv[:, :kv_start], qkv[:, kv_start:v_start], qkv[:, v_start:]
 
     def _qkv(
         self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -11,7 +11,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
 
-from app.backends.base import GREEDY, Backend, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.base import (
+    GREEDY,
+    Backend,
+    BackendSpec,
+    DecodeBatch,
+    PrefillBatch,
+    SampledToken,
+    SamplingParams,
+)
 from app.backends.neuron.nxdi import NxdiBackend
 from app.backends.neuron.tnx import TnxBackend
 from app.shapes import ShapeGrid
@@ -63,6 +71,12 @@ def library_calls(backend: Backend) -> list[dict]:
     return backend._neuron.calls
 
 
+def settled(backend: Backend) -> Backend:
+    """The session's backend as right after a decode call: earlier tests' prefills are not fresh."""
+    backend._fresh.take()
+    return backend
+
+
 def decode_batch(
     slots: Sequence[int],
     tokens: Sequence[int],
@@ -75,19 +89,33 @@ def decode_batch(
     return DecodeBatch(tuple(slots), tuple(tokens), tuple(positions), sampling, GRID.num_slots, token_bucket)
 
 
+WITH_LOGPROBS = SamplingParams(num_top_logprobs=5)
+
+
 def prefill(backend: Backend, slot: int, prompt: Sequence[int], sampling: SamplingParams = GREEDY) -> int:
+    return prefill_sampled(backend, slot, prompt, sampling).token_id
+
+
+def prefill_sampled(
+    backend: Backend, slot: int, prompt: Sequence[int], sampling: SamplingParams = GREEDY
+) -> SampledToken:
     batch = PrefillBatch(
         (slot,), (tuple(prompt),), (sampling,), backend.spec.grid.context_bucket(len(prompt))
     )
-    return backend.prefill(batch)[0].token_id
+    return backend.prefill(batch)[0]
 
 
 def greedy(backend: Backend, slot: int, prompt: Sequence[int], new_tokens: int) -> list[int]:
-    """One sequence alone: prefill, then decode until `new_tokens` tokens."""
-    tokens = [prefill(backend, slot, prompt)]
+    return [token.token_id for token in greedy_sampled(backend, slot, prompt, new_tokens)]
+
+
+def greedy_sampled(backend: Backend, slot: int, prompt: Sequence[int], new_tokens: int) -> list[SampledToken]:
+    """One sequence alone: prefill, then decode until `new_tokens` tokens (greedy, with top logprobs)."""
+    tokens = [prefill_sampled(backend, slot, prompt, WITH_LOGPROBS)]
     while len(tokens) < new_tokens:
         position = len(prompt) + len(tokens) - 1
-        tokens.append(backend.decode(decode_batch([slot], [tokens[-1]], [position]))[0].token_id)
+        batch = decode_batch([slot], [tokens[-1].token_id], [position], [WITH_LOGPROBS])
+        tokens.append(backend.decode(batch)[0])
     return tokens
 
 
@@ -99,27 +127,39 @@ PROMPTS = (
 )
 
 
-def run_interleaved(backend: Backend, new_tokens: int) -> dict[int, list[int]]:
-    """PROMPTS through continuous batching: prompt i enters slot starts[i][1] at step starts[i][0], every
-    live slot decodes every step, and a prompt leaves after `new_tokens` tokens. Prompt 3 reuses the slot
+def run_interleaved(backend: Backend, new_tokens: int) -> dict[int, list[SampledToken]]:
+    """PROMPTS through continuous batching as the engine runs it: each step prefills the sequences that
+    join (prompt i enters slot starts[i][1] at step starts[i][0]), then decodes every sequence that
+    joined in an earlier step; a sequence leaves after `new_tokens` tokens. Prompt 3 reuses the slot
     prompt 0 left; slots join in a scattered order."""
     starts = {0: (0, 1), 1: (2, 3), 2: (3, 0), 3: (new_tokens + 1, 1)}
-    outputs: dict[int, list[int]] = {}
+    outputs: dict[int, list[SampledToken]] = {}
     live: dict[int, int] = {}  # prompt index -> slot
     for step in range(max(start for start, _ in starts.values()) + new_tokens + 1):
+        decoding = [i for i in live if len(outputs[i]) < new_tokens]
         for index, (start, slot) in starts.items():
             if start == step:
                 assert slot not in live.values(), "the schedule reuses a slot only once it is free"
-                outputs[index], live[index] = [prefill(backend, slot, PROMPTS[index])], slot
-        decoding = [i for i in live if len(outputs[i]) < new_tokens]
+                outputs[index] = [prefill_sampled(backend, slot, PROMPTS[index], WITH_LOGPROBS)]
+                live[index] = slot
         if decoding:
             batch = decode_batch(
                 [live[i] for i in decoding],
-                [outputs[i][-1] for i in decoding],
+                [outputs[i][-1].token_id for i in decoding],
                 [len(PROMPTS[i]) + len(outputs[i]) - 1 for i in decoding],
+                [WITH_LOGPROBS] * len(decoding),
             )
             for index, sampled in zip(decoding, backend.decode(batch), strict=True):
-                outputs[index].append(sampled.token_id)
+                outputs[index].append(sampled)
         for index in [i for i in live if len(outputs[i]) == new_tokens]:
             del live[index]
     return outputs
+
+
+def assert_same_outputs(got: list[SampledToken], expected: list[SampledToken], tolerance: float) -> None:
+    """Same tokens, and top logprobs within `tolerance` (a corrupted KV entry moves them far more)."""
+    assert [t.token_id for t in got] == [t.token_id for t in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert [i for i, _ in mine.top_logprobs] == [i for i, _ in theirs.top_logprobs]
+        pairs = zip(mine.top_logprobs, theirs.top_logprobs, strict=True)
+        assert max(abs(a - b) for (_, a), (_, b) in pairs) <= tolerance

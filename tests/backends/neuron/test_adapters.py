@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from app.backends.base import Backend
 
-from .helpers import PROMPTS, greedy, run_interleaved
+from .helpers import (
+    PROMPTS,
+    assert_same_outputs,
+    decode_batch,
+    greedy,
+    greedy_sampled,
+    library_calls,
+    prefill,
+    run_interleaved,
+    settled,
+)
 
 # stories260K, "Once upon a time" (ids 1 403 407 261 378): transformers' and llama2.c's greedy ids
 # (../shared/models/stories260K/README.md).
@@ -23,5 +33,20 @@ def test_greedy_tokens_equal_the_reference(neuron_backend: Backend) -> None:
 
 
 def test_continuous_batching_matches_each_sequence_alone(neuron_backend: Backend) -> None:
-    alone = {i: greedy(neuron_backend, 0, prompt, 10) for i, prompt in enumerate(PROMPTS)}
-    assert run_interleaved(neuron_backend, 10) == alone
+    alone = {i: greedy_sampled(neuron_backend, 0, prompt, 10) for i, prompt in enumerate(PROMPTS)}
+    together = run_interleaved(neuron_backend, 10)
+    for index, outputs in alone.items():
+        assert_same_outputs(together[index], outputs, tolerance=1e-4)
+
+
+def test_a_slot_prefilled_this_step_is_parked_at_its_prompt_length(neuron_backend: Backend) -> None:
+    """The engine's step: prefill a new sequence, then decode the running ones without it. The new
+    slot's padded row must write where the sequence writes first (its prompt length), not inside it."""
+    backend = settled(neuron_backend)
+    running = prefill(backend, 0, PROMPTS[0])
+    fresh_prompt = PROMPTS[2]
+    prefill(backend, 2, fresh_prompt)
+    backend.decode(decode_batch([0], [running], [len(PROMPTS[0])]))
+    call = library_calls(backend)[-1]
+    positions = call.get("position_ids", call.get("cache_ids"))[:, 0].tolist()
+    assert positions == [len(PROMPTS[0]), len(PROMPTS[0]), len(fresh_prompt), len(PROMPTS[0])]

@@ -4,6 +4,7 @@ which ids, positions, slots and sampling rows reach `forward`, and how its outpu
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,9 @@ import torch
 from app.backends.base import GREEDY, PrefillBatch, SamplingParams
 from app.backends.neuron.nxdi import NxdiBackend
 from app.errors import ArtifactError, ConfigError, GenerationError, InvalidRequestError
-from app.shapes import ShapeGrid
 
 from . import standin_nxdi
-from .helpers import GRID, decode_batch, library_calls, load_backend, prefill, spec_for
+from .helpers import GRID, decode_batch, library_calls, load_backend, prefill, settled, spec_for
 from .standin_common import installed
 
 
@@ -35,6 +35,7 @@ def test_prefill_runs_one_unpadded_sequence_per_call(nxdi: NxdiBackend) -> None:
 
 
 def test_decode_carries_every_slot_in_slot_order_and_maps_back(nxdi: NxdiBackend) -> None:
+    settled(nxdi)
     first = {slot: prefill(nxdi, slot, (1, 403, 407, 261 + slot)) for slot in (3, 0)}
     before = len(library_calls(nxdi))
     sampled = nxdi.decode(decode_batch([3, 0], [first[3], first[0]], [7, 4]))
@@ -108,21 +109,13 @@ def test_artifact_layout(nxdi_artifact: Path) -> None:
 
 
 def test_load_refuses_an_artifact_compiled_for_another_grid(nxdi_artifact: Path) -> None:
-    grid = ShapeGrid(
-        num_slots=2,
-        max_positions=128,
-        context_buckets=(16, 32, 64),
-        token_buckets=(32, 64, 128),
-        batch_buckets=(2,),
-    )
+    grid = replace(GRID, num_slots=2, batch_buckets=(2,))
     with pytest.raises(ArtifactError, match="tkg_batch_size"):
         load_backend(nxdi_artifact, spec_for("neuron-nxdi", grid=grid))
 
 
 def test_load_refuses_batch_buckets(nxdi_artifact: Path) -> None:
-    grid = ShapeGrid(
-        num_slots=4, max_positions=128, context_buckets=(16,), token_buckets=(128,), batch_buckets=(1, 2, 4)
-    )
+    grid = replace(GRID, batch_buckets=(1, 2, 4))
     with pytest.raises(ConfigError, match=r"batch_buckets must be \[4\]"):
         load_backend(nxdi_artifact, spec_for("neuron-nxdi", grid=grid))
 
@@ -140,4 +133,3 @@ def test_load_pins_the_configured_cores(nxdi_artifact: Path, monkeypatch: pytest
     assert os.environ["NEURON_RT_VISIBLE_CORES"] == "2-3"
     with pytest.raises(ConfigError, match="tp_degree 2"):
         NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:0-3")
-    assert GRID.num_slots == 4

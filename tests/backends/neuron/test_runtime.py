@@ -4,6 +4,7 @@ version probe and its place in the manifest's stack check, the decode layout and
 from __future__ import annotations
 
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,8 @@ from app.backends.neuron.runtime import (
 )
 from app.backends.neuron.steps import check_grid, decode_rows, sampling_row
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
-from app.shapes import ShapeGrid
 
-from .helpers import spec_for
+from .helpers import GRID, spec_for
 
 
 @pytest.mark.parametrize(
@@ -121,8 +121,6 @@ def test_sampling_rows() -> None:
 
 
 def test_neuron_grids_have_one_batch_bucket() -> None:
-    grid = ShapeGrid(
-        num_slots=4, max_positions=64, context_buckets=(64,), token_buckets=(64,), batch_buckets=(2, 4)
-    )
+    grid = replace(GRID, batch_buckets=(2, 4))
     with pytest.raises(ConfigError, match="num_slots=4"):
         check_grid(spec_for("neuron-nxdi", grid=grid))

@@ -4,6 +4,7 @@ and loading that must rebuild the exact compiled graphs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,8 @@ import pytest
 from app.backends.base import GREEDY, PrefillBatch, SamplingParams
 from app.backends.neuron.tnx import TnxBackend
 from app.errors import ArtifactError, ConfigError
-from app.shapes import ShapeGrid
 
-from .helpers import GRID, decode_batch, library_calls, load_backend, prefill, spec_for
+from .helpers import GRID, decode_batch, library_calls, load_backend, prefill, settled, spec_for
 
 
 def test_prefill_right_pads_to_the_context_bucket_with_position_zero(tnx: TnxBackend) -> None:
@@ -34,6 +34,7 @@ def test_one_token_prompt_stays_on_the_context_encoding_path(tnx: TnxBackend) ->
 
 
 def test_decode_carries_every_slot_and_maps_back(tnx: TnxBackend) -> None:
+    settled(tnx)
     first = {slot: prefill(tnx, slot, (1, 403, 407, 261 + slot)) for slot in (1, 2)}
     before = len(library_calls(tnx))
     sampled = tnx.decode(decode_batch([2, 1], [first[2], first[1]], [4, 6]))
@@ -69,20 +70,12 @@ def test_artifact_layout(tnx_artifact: Path) -> None:
 
 
 def test_load_with_another_grid_finds_no_compiled_graph(tnx_artifact: Path) -> None:
-    grid = ShapeGrid(
-        num_slots=2,
-        max_positions=128,
-        context_buckets=(16, 32, 64),
-        token_buckets=(32, 64, 128),
-        batch_buckets=(2,),
-    )
+    grid = replace(GRID, num_slots=2, batch_buckets=(2,))
     with pytest.raises(ArtifactError, match="no compiled graph"):
         load_backend(tnx_artifact, spec_for("neuron-tnx", grid=grid))
 
 
 def test_one_token_context_bucket_is_refused(tnx_artifact: Path) -> None:
-    grid = ShapeGrid(
-        num_slots=4, max_positions=128, context_buckets=(1, 64), token_buckets=(128,), batch_buckets=(4,)
-    )
+    grid = replace(GRID, context_buckets=(1, 64))
     with pytest.raises(ConfigError, match="at least 2 tokens"):
         load_backend(tnx_artifact, spec_for("neuron-tnx", grid=grid))

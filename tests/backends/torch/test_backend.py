@@ -60,12 +60,13 @@ def test_shapes_outside_the_grid_are_refused(
         run(batch)  # type: ignore[arg-type]
 
 
-def test_padding_and_token_bucket_leave_logits_unchanged(stories_backend: TorchBackend) -> None:
-    stories_backend.prefill(PrefillBatch((2,), (PROMPT,), (GREEDY,), 8))
+def test_padding_bucket_and_slot_leave_logits_unchanged(stories_backend: TorchBackend) -> None:
+    """Slot 0 alone is read in place; slot 2 is gathered; padded rows and longer spans change nothing."""
+    stories_backend.prefill(PrefillBatch((0, 2), (PROMPT, PROMPT), (GREEDY, GREEDY), 8))
     position = len(PROMPT)
     results = []
-    for rows, span in [(1, 16), (4, 16), (1, 256), (4, 64)]:
-        batch = DecodeBatch((2,), (432,), (position,), (GREEDY,), rows, span)
+    for slot, rows, span in [(2, 1, 16), (2, 4, 16), (0, 1, 256), (0, 4, 64), (2, 2, 128)]:
+        batch = DecodeBatch((slot,), (432,), (position,), (GREEDY,), rows, span)
         results.append(stories_backend.decode_logits(batch)[0])
     for logits in results[1:]:
         assert (logits - results[0]).abs().max().item() < 1e-5

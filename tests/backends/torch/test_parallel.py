@@ -12,7 +12,7 @@ import pytest
 
 from app.backends.base import GREEDY, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.torch import TorchBackend
-from app.errors import GenerationError
+from app.errors import ArtifactError, GenerationError
 
 from .helpers import GRID, build_artifact, generate, load_backend
 
@@ -75,3 +75,12 @@ def test_a_dead_worker_fails_the_step_and_close_still_cleans_up(stories260k: Pat
         backend.prefill(PrefillBatch((0,), (PROMPTS[0],), (GREEDY,), 8))
     backend.close()
     assert process.returncode == -signal.SIGKILL
+
+
+def test_a_worker_that_cannot_load_names_its_problem(stories260k: Path, tmp_path: Path) -> None:
+    artifact = build_artifact(stories260k, tmp_path, tp_degree=2)
+    (artifact / "weights" / "rank-1.safetensors").unlink()
+    with pytest.raises(
+        ArtifactError, match=r"rank 1 failed: rank weights file .*rank-1\.safetensors does not exist"
+    ):
+        load_backend(artifact, tp_degree=2)

@@ -1,0 +1,185 @@
+"""Artifact loader benchmark (a benchmark, not a test): a ~300 MB compiled artifact on the loopback S3
+server (moto's server mode, its own process), read side by side in one run, rounds interleaved:
+
+- `plain_get`: one `get_object` per file, body read and discarded (the goal's baseline);
+- `plain_ranged_get`: the loader's request pattern (8 MiB ranged GETs, 8 in flight) read and discarded,
+  nothing else: what the server itself gives for that pattern;
+- `loader`: `load_artifact` into an empty cache with the default transfer settings (download, hash while
+  downloading, write, verify);
+- `loader_one_part`: the same with one ranged GET per file (INF2SERVE_S3_PART_MB above the file size);
+- `warm_restart`: `load_artifact` again over the verified cache.
+Goal: loader throughput >= 0.8 of `plain_get`. The artifact is a real compile of a randomly initialised
+Llama (the 100m preset cut to 4 layers: ~300 MB fp32; its weights are random).
+
+    .venv/bin/python -m loadtest.loader_bench [--rounds 2] [--out report.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from app.artifacts import storage
+from app.artifacts.loader import load_artifact
+from app.artifacts.manifest import Manifest
+from compile.pipeline import CompileOptions, compile_artifact
+from compile.random_checkpoint import write_random_llama
+from tests.s3_server import S3Server, s3_env, start_s3_server
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "loadtest" / "reports" / "loader_bench.json"
+BUCKET = "bench"
+MIB = 1024 * 1024
+# moto keeps objects below this size in memory rather than in a spooled temporary file.
+SERVER_ENV = {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(2 * 1024 * MIB)}
+
+
+def build_artifact(scratch: Path, server: S3Server) -> tuple[str, Manifest]:
+    import torch
+
+    torch.set_num_threads(2)
+    checkpoint = write_random_llama(scratch / "checkpoint", "100m", num_hidden_layers=4)
+    options = CompileOptions(
+        model=str(checkpoint),
+        output=f"s3://{BUCKET}/bench",
+        max_positions=128,
+        batch_size=2,
+        name="random-100m-4l",
+    )
+    result = compile_artifact(options)
+    return result.uri, result.manifest
+
+
+def plain_get(server: S3Server, uri: str, manifest: Manifest) -> int:
+    client, prefix = server.client(), uri.removeprefix(f"s3://{BUCKET}/")
+    total = 0
+    for entry in manifest.files:
+        body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{entry.path}")["Body"]
+        for chunk in body.iter_chunks(MIB):
+            total += len(chunk)
+    return total
+
+
+def plain_ranged_get(server: S3Server, uri: str, manifest: Manifest) -> int:
+    client, prefix = server.client(), uri.removeprefix(f"s3://{BUCKET}/")
+    part = storage.TransferConfig().part_bytes
+
+    def read(key: str, begin: int, end: int) -> int:
+        body = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={begin}-{end - 1}")["Body"]
+        return sum(len(chunk) for chunk in body.iter_chunks(MIB))
+
+    ranges = [
+        (f"{prefix}/{entry.path}", begin, min(begin + part, entry.size))
+        for entry in manifest.files
+        for begin in range(0, entry.size, part)
+    ]
+    with ThreadPoolExecutor(storage.TransferConfig().concurrency) as pool:
+        return sum(pool.map(lambda r: read(*r), ranges))
+
+
+def cold_load(uri: str, transfer: storage.TransferConfig) -> Callable[[], int]:
+    def run() -> int:
+        storage.DEFAULT_TRANSFER = transfer
+        try:
+            with tempfile.TemporaryDirectory(prefix="loader-bench-") as cache:
+                return load_artifact(uri, Path(cache)).bytes_downloaded
+        finally:
+            storage.DEFAULT_TRANSFER = storage.TransferConfig.from_env()
+
+    return run
+
+
+def timed(action: Callable[[], int]) -> dict[str, float]:
+    started = time.perf_counter()
+    size = action()
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "mib_per_s": size / MIB / seconds, "bytes": size}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    server = start_s3_server(env=SERVER_ENV)
+    try:
+        os.environ.update(s3_env(server.endpoint_url))
+        storage.s3_client.cache_clear()
+        server.client().create_bucket(Bucket=BUCKET)
+        with tempfile.TemporaryDirectory(prefix="loader-bench-") as scratch:
+            uri, manifest = build_artifact(Path(scratch), server)
+            largest = max(entry.size for entry in manifest.files)
+            modes: dict[str, Callable[[], int]] = {
+                "plain_get": lambda: plain_get(server, uri, manifest),
+                "plain_ranged_get": lambda: plain_ranged_get(server, uri, manifest),
+                "loader": cold_load(uri, storage.TransferConfig()),
+                "loader_one_part": cold_load(uri, storage.TransferConfig(part_bytes=largest + 1)),
+            }
+            samples: dict[str, list[dict[str, float]]] = {name: [] for name in [*modes, "warm_restart"]}
+            with tempfile.TemporaryDirectory(prefix="loader-bench-warm-") as warm_cache:
+                load_artifact(uri, Path(warm_cache))
+                for _ in range(args.rounds):
+                    for name, action in modes.items():
+                        samples[name].append(timed(action))
+                    started = time.perf_counter()
+                    warm = load_artifact(uri, Path(warm_cache))
+                    samples["warm_restart"].append(
+                        {"seconds": time.perf_counter() - started, "bytes": warm.bytes_downloaded}
+                    )
+    finally:
+        server.stop()
+    report = summarize(manifest, samples, args.rounds)
+    print_report(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {args.out}")
+    return report
+
+
+def summarize(manifest: Manifest, samples: dict[str, list[dict[str, float]]], rounds: int) -> dict[str, Any]:
+    def median(name: str, field: str) -> float:
+        return statistics.median(sample[field] for sample in samples[name])
+
+    plain = median("plain_get", "mib_per_s")
+    names = ("plain_get", "plain_ranged_get", "loader", "loader_one_part")
+    throughput = {name: median(name, "mib_per_s") for name in names}
+    return {
+        "artifact": manifest.artifact_id,
+        "artifact_bytes": manifest.total_bytes,
+        "files": len(manifest.files),
+        "rounds": rounds,
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "transfer_default": {"part_mib": storage.TransferConfig().part_bytes / MIB, "concurrency": 8},
+        "throughput_mib_per_s": throughput,
+        "ratio_loader_to_plain_get": throughput["loader"] / plain,
+        "ratio_loader_one_part_to_plain_get": throughput["loader_one_part"] / plain,
+        "ratio_loader_to_plain_ranged_get": throughput["loader"] / throughput["plain_ranged_get"],
+        "warm_restart_seconds": median("warm_restart", "seconds"),
+        "warm_restart_bytes_downloaded": max(sample["bytes"] for sample in samples["warm_restart"]),
+        "goal": "loader >= 0.8 x plain_get",
+        "samples": samples,
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    size = report["artifact_bytes"] / MIB
+    print(f"artifact {report['artifact']}: {size:.0f} MiB in {report['files']} files")
+    for name, value in report["throughput_mib_per_s"].items():
+        print(f"  {name:18s} {value:8.1f} MiB/s")
+    print(f"  loader / plain_get            {report['ratio_loader_to_plain_get']:.2f}  (goal >= 0.8)")
+    print(f"  loader_one_part / plain_get   {report['ratio_loader_one_part_to_plain_get']:.2f}")
+    print(f"  loader / plain_ranged_get     {report['ratio_loader_to_plain_ranged_get']:.2f}")
+    print(f"  warm restart                  {report['warm_restart_seconds']:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

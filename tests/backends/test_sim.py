@@ -1,0 +1,109 @@
+"""The sim device: deterministic tokens, cost on the padded shape, absolute deadlines, strict checks,
+loading from an artifact directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.backends import backend_class
+from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.sim import COST_MODEL_ENV, PRESETS, CostModel, SimBackend
+from app.errors import ConfigError
+from app.shapes import ShapeGrid
+
+GRID = ShapeGrid(4, 64, (8, 16), (16, 32, 64), (1, 2, 4))
+SPEC = BackendSpec("sim", 1, "fp32", GRID)
+
+
+def sim(**kwargs: object) -> SimBackend:
+    return SimBackend.create(SPEC, vocab_size=50, eos_ids=(2,), spin_s=0.0, **kwargs)  # type: ignore[arg-type]
+
+
+def prefill(backend: SimBackend, slots: tuple[int, ...], prompts: tuple[tuple[int, ...], ...], seeds: tuple[int, ...]):
+    sampling = tuple(SamplingParams(seed=s) for s in seeds)
+    return backend.prefill(PrefillBatch(slots, prompts, sampling, 8))
+
+
+def test_tokens_depend_on_seed_position_and_previous_token_only() -> None:
+    backend = sim()
+    alone = prefill(backend, (0,), ((5, 6, 7),), (1,))
+    batched = prefill(backend, (2, 1), ((9,), (5, 6, 7)), (4, 1))
+    assert batched[1] == alone[0]
+    assert alone[0] == backend.sample_token(1, 3, 7)
+    decoded = backend.decode(DecodeBatch((1, 2), (alone[0].token_id, 3), (3, 1), (SamplingParams(seed=1), GREEDY), 2, 16))
+    assert decoded[0] == backend.sample_token(1, 4, alone[0].token_id)
+    tokens = {backend.sample_token(s, 3, 7).token_id for s in range(200)}
+    assert tokens <= set(range(50)) - {2} and len(tokens) > 30  # valid ids, never EOS, spread out
+
+
+def test_eos_probability_one_always_ends() -> None:
+    assert prefill(sim(eos_probability=1.0), (0,), ((5,),), (0,))[0].token_id == 2
+
+
+def test_top_logprobs_are_sorted_and_led_by_the_token() -> None:
+    sample = sim().sample_token(3, 4, 5, num_top_logprobs=3)
+    assert sample.top_logprobs[0] == (sample.token_id, sample.logprob)
+    assert [lp for _, lp in sample.top_logprobs] == sorted((lp for _, lp in sample.top_logprobs), reverse=True)
+
+
+def test_cost_is_charged_on_the_padded_shape() -> None:
+    cost = CostModel(0.010, 0.001, 1e-6, ((128, 0.02), (1024, 0.10)))
+    assert cost.decode_s(32, 2048) == pytest.approx(0.010 + 0.032 + 32 * 2048e-6)
+    assert cost.prefill_s(512, 2) == pytest.approx(2 * (0.02 + 0.08 * 384 / 896))
+    assert cost.prefill_s(2048, 1) == pytest.approx(0.10 + 0.08 * 1024 / 896)  # extrapolated
+    backend = SimBackend.create(SPEC, CostModel(0.004), spin_s=0.0, record_timeline=True)
+    backend.decode(DecodeBatch((0,), (5,), (0,), (GREEDY,), 4, 16))
+    record = backend.timeline[-1]
+    assert record.end == pytest.approx(record.start + 0.004) and record.returned >= record.end
+
+
+def test_presets_match_the_published_anchors() -> None:
+    assert PRESETS["llama3.1-8b-tp8"].decode_s(32, 2048) == pytest.approx(0.0245, abs=0.0005)
+    assert PRESETS["llama2-70b-tp24"].decode_s(1, 256) == pytest.approx(0.0329, abs=0.0005)
+    assert PRESETS["llama2-70b-tp24"].prefill_s(1024, 1) == pytest.approx(0.277)
+    assert CostModel.from_value(PRESETS["llama2-70b-tp24"].to_dict()) == PRESETS["llama2-70b-tp24"]
+    with pytest.raises(ConfigError, match="unknown sim cost model"):
+        CostModel.preset("nope")
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        (DecodeBatch((1, 1), (5, 5), (0, 0), (GREEDY, GREEDY), 2, 16), "appears twice"),
+        (DecodeBatch((0,), (5,), (0,), (GREEDY,), 3, 16), "batch bucket 3"),
+        (DecodeBatch((0,), (5,), (3,), (GREEDY,), 1, 16), "holds 0 tokens but decode writes position 3"),
+        (DecodeBatch((0,), (99,), (0,), (GREEDY,), 1, 16), "outside the vocab"),
+        (PrefillBatch((0,), ((5,) * 9,), (GREEDY,), 8), "prompt of 9 tokens"),
+    ],
+)
+def test_refuses_what_a_device_could_not_run(batch: DecodeBatch | PrefillBatch, message: str) -> None:
+    backend = sim()
+    run = backend.prefill if isinstance(batch, PrefillBatch) else backend.decode
+    with pytest.raises(ValueError, match=message):
+        run(batch)  # type: ignore[arg-type]
+
+
+def test_warmup_runs_every_shape_and_leaves_the_slots_empty() -> None:
+    backend = SimBackend.create(SPEC, spin_s=0.0, record_timeline=True)
+    backend.warmup()
+    assert len(backend.timeline) == len(GRID.context_buckets) + len(GRID.batch_buckets) * len(GRID.token_buckets)
+    with pytest.raises(ValueError, match="holds 0 tokens"):
+        backend.decode(DecodeBatch((0,), (5,), (4,), (GREEDY,), 1, 16))
+
+
+def test_loads_from_an_artifact_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"vocab_size": 512, "eos_token_id": 2}))
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    (tmp_path / "sim.json").write_text(json.dumps({"cost_model": "llama2-70b-tp24", "eos_probability": 0.5}))
+    backend = backend_class("sim").load(tmp_path, SPEC)
+    assert isinstance(backend, SimBackend)
+    assert (backend.model.vocab_size, backend.model.eos_token_ids) == (512, (1, 2))
+    assert backend.cost_model == PRESETS["llama2-70b-tp24"] and backend.eos_probability == 0.5
+    monkeypatch.setenv(COST_MODEL_ENV, "zero")
+    assert SimBackend.load(tmp_path, SPEC).cost_model == PRESETS["zero"]
+    bare = SimBackend.load(tmp_path / "nothing-here", SPEC)
+    assert (bare.model.vocab_size, bare.model.eos_token_ids, bare.cost_model) == (32000, (2,), CostModel())
