@@ -192,7 +192,7 @@ class ChoiceOutput:
 
     prompt_index: int
     seed: int
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     samples: list[SampledToken] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -200,8 +200,12 @@ class ChoiceOutput:
     num_generated_tokens: int = 0
     timings: RequestTimings = field(default_factory=RequestTimings)
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
     def add(self, out: RequestOutput) -> None:
-        self.text += out.text
+        self.text_parts.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.samples.extend(out.samples)
         self.num_prompt_tokens = out.num_prompt_tokens

@@ -4,13 +4,22 @@ on demand) and the loopback S3 server."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from compile.pipeline import CompileOptions, CompileResult, compile_artifact
 from tests.s3_server import bucket, s3, s3_server  # noqa: F401
 
+if TYPE_CHECKING:
+    from compile.pipeline import CompileResult
+
 GRID = {"batch_size": 2, "max_positions": 64, "context_buckets": (32,), "token_buckets": (64,)}
+
+
+def _compile(model: str, output: Path, **options: Any) -> CompileResult:
+    from compile.pipeline import CompileOptions, compile_artifact  # torch and transformers: only when used
+
+    return compile_artifact(CompileOptions(model, str(output), **{**GRID, **options}))
 
 
 @pytest.fixture(scope="session")
@@ -20,16 +29,16 @@ def artifact_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def stable_artifact(stories260k: Path, artifact_root: Path) -> CompileResult:
-    return compile_artifact(CompileOptions(str(stories260k), str(artifact_root), **GRID))
+    return _compile(str(stories260k), artifact_root)
 
 
 @pytest.fixture(scope="session")
 def canary_artifact(stories260k: Path, artifact_root: Path) -> CompileResult:
     """Same model, different compiled shapes: a different artifact that must answer the same."""
-    return compile_artifact(CompileOptions(str(stories260k), str(artifact_root), **{**GRID, "batch_size": 4}))
+    return _compile(str(stories260k), artifact_root, batch_size=4)
 
 
 @pytest.fixture(scope="session")
 def broken_artifact(artifact_root: Path) -> CompileResult:
     """Random weights: a valid, published artifact whose answers differ from the model's."""
-    return compile_artifact(CompileOptions("random:tiny", str(artifact_root), name="broken", **GRID))
+    return _compile("random:tiny", artifact_root, name="broken")

@@ -23,13 +23,16 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from app.cli import main
-from compile.pipeline import CompileResult
 from tests.s3_server import free_port
+
+if TYPE_CHECKING:
+    from compile.pipeline import CompileResult
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,216 @@
+"""The artifact manifest: what was compiled, from what, with which stack, and every file's checksum.
+
+`manifest.json` is written last when an artifact is published; its presence means "published". The
+server checks it against the running stack (`check_against_stack`) before loading anything: a schema,
+backend or library-version mismatch is one precise ArtifactError, never a silent recompile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from app import __version__
+from app.backends.base import BackendSpec
+from app.backends.neuron.runtime import NEURON_PINNED_VERSIONS, RUNTIME_PACKAGE, runtime_version
+from app.errors import ArtifactError, ConfigError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+GOLDEN_NAME = "golden.json"
+HASH_PREFIX_LENGTH = 12  # hex digits of the config hash in an artifact's key and id
+
+# Recorded in every manifest (and hashed into its key), whatever the backend.
+RECORDED_LIBRARIES = ("torch", "transformers", "safetensors", "tokenizers")
+
+# The library versions that change a backend's compiled result, each with how many leading version
+# parts must match the running stack (None: the whole version string). Adding a backend's pins is one
+# entry here; libraries that are not Python packages get a probe in VERSION_PROBES.
+PINNED_VERSIONS: dict[str, dict[str, int | None]] = {
+    "torch": {"torch": 2},
+    "sim": {},
+    **NEURON_PINNED_VERSIONS,
+}
+VERSION_PROBES: dict[str, Callable[[], str | None]] = {  # library -> probe, for non-pip components
+    RUNTIME_PACKAGE: runtime_version,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One artifact file, by its path relative to the artifact root."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationReport:
+    """The validation gate's verdict: the compiled model replayed against the reference's golden tokens.
+
+    `tokens_compared` teacher-forced positions; `greedy_mismatches` positions whose greedy token differs
+    where the reference's top-2 margin exceeds `tolerance` (any one fails); `near_ties` differences
+    within the margin (allowed); `max_logprob_error` the largest top-k logprob difference.
+    """
+
+    passed: bool
+    reference: str
+    dtype: str
+    tolerance: float
+    prompts: int
+    tokens_compared: int
+    greedy_mismatches: int
+    near_ties: int
+    max_logprob_error: float
+    failures: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ValidationReport:
+        return cls(**{**data, "failures": tuple(data.get("failures", ()))})
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    schema_version: int
+    model_name: str
+    source: str
+    source_sha256: str
+    random_weights: bool
+    config_hash: str
+    spec: BackendSpec
+    versions: dict[str, str]
+    files: tuple[FileEntry, ...]
+    validation: ValidationReport
+    compile_seconds: float
+    created_at: str
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def artifact_id(self) -> str:
+        """Short, stable id: `<model-name>/<config-hash prefix>`, also the artifact's key under a prefix."""
+        return f"{self.model_name}/{self.config_hash[:HASH_PREFIX_LENGTH]}"
+
+    def file(self, path: str) -> FileEntry:
+        for entry in self.files:
+            if entry.path == path:
+                return entry
+        raise ArtifactError(f"artifact {self.artifact_id} has no file {path!r}")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["spec"] = self.spec.to_dict()
+        data["files"] = [asdict(entry) for entry in self.files]
+        data["validation"] = asdict(self.validation)
+        data["validation"]["failures"] = list(self.validation.failures)
+        return {"artifact_id": self.artifact_id, **data}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        schema = data.get("schema_version")
+        if schema != SCHEMA_VERSION:
+            raise ArtifactError(
+                f"manifest schema version {schema!r} is not supported by inf2serve {__version__} "
+                f"(it reads schema version {SCHEMA_VERSION}); recompile the artifact or upgrade the server"
+            )
+        try:
+            fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+            return cls(
+                **{
+                    **fields,
+                    "spec": BackendSpec.from_dict(data["spec"]),
+                    "files": tuple(FileEntry(**entry) for entry in data["files"]),
+                    "validation": ValidationReport.from_dict(data["validation"]),
+                    "versions": dict(data["versions"]),
+                }
+            )
+        except (KeyError, TypeError, ValueError, ConfigError) as error:
+            raise ArtifactError(f"malformed manifest: {type(error).__name__}: {error}") from error
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> Manifest:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ArtifactError(f"manifest is not valid JSON: {error}") from error
+        if not isinstance(data, dict):
+            raise ArtifactError("manifest must hold a JSON object")
+        return cls.from_dict(data)
+
+
+def installed_version(library: str) -> str | None:
+    probe = VERSION_PROBES.get(library)
+    if probe is not None:
+        return probe()
+    if library == "inf2serve":
+        return __version__
+    try:
+        return version(library)
+    except PackageNotFoundError:
+        return None
+
+
+def stack_versions(backend: str) -> dict[str, str]:
+    """The versions a compile for `backend` records: inf2serve, the common libraries and its pins."""
+    names = ("inf2serve", *RECORDED_LIBRARIES, *PINNED_VERSIONS.get(backend, {}))
+    found = {name: installed_version(name) for name in names}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def significant(version_string: str, parts: int | None) -> str:
+    """The leading `parts` numeric components of a version ("2.13.0+cpu", 2 -> "2.13")."""
+    if parts is None:
+        return version_string
+    return ".".join(re.split(r"[.+]", version_string)[:parts])
+
+
+def check_against_stack(manifest: Manifest) -> None:
+    """Raise ArtifactError naming the first way `manifest` does not fit the running stack."""
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"artifact {manifest.artifact_id} has manifest schema version {manifest.schema_version}; "
+            f"this server reads schema version {SCHEMA_VERSION}"
+        )
+    backend = manifest.spec.backend
+    if backend not in PINNED_VERSIONS:
+        raise ArtifactError(
+            f"artifact {manifest.artifact_id} was compiled for backend {backend!r}, which this server "
+            f"cannot run (available: {', '.join(PINNED_VERSIONS)})"
+        )
+    for library, parts in PINNED_VERSIONS[backend].items():
+        recorded, running = manifest.versions.get(library), installed_version(library)
+        if recorded is None:
+            raise ArtifactError(f"artifact {manifest.artifact_id} does not record the {library} version")
+        if running is None:
+            raise ArtifactError(
+                f"artifact {manifest.artifact_id} needs {library} {recorded} (backend {backend}), "
+                "which is not installed"
+            )
+        if significant(recorded, parts) != significant(running, parts):
+            raise ArtifactError(
+                f"artifact {manifest.artifact_id} was compiled with {library} {recorded}, but this "
+                f"server runs {library} {running}; recompile the artifact for this stack"
+            )
+
+
+def config_hash(source_sha256: str, spec: BackendSpec, versions: dict[str, str]) -> str:
+    """The content address: covers everything that changes the compiled result."""
+    identity = {
+        "schema_version": SCHEMA_VERSION,
+        "source_sha256": source_sha256,
+        "spec": spec.to_dict(),
+        "versions": versions,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

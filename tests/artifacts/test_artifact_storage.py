@@ -1,0 +1,143 @@
+"""Stores against a real S3 protocol server (moto, its own process) and the local filesystem."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from app.artifacts.storage import (
+    LocalStore,
+    S3Store,
+    atomic_file,
+    download_file,
+    hash_object,
+    open_store,
+)
+from app.errors import ArtifactError, StorageError
+from tests.s3_server import fault_proxy, free_port, start_s3_server, use_endpoint
+
+
+def test_open_store_parses_s3_and_local_uris(tmp_path: Path) -> None:
+    store = open_store("s3://bucket/some/prefix/")
+    assert isinstance(store, S3Store)
+    assert (store.bucket, store.prefix, store.uri) == ("bucket", "some/prefix", "s3://bucket/some/prefix")
+    assert store.child("model", "abc").uri == "s3://bucket/some/prefix/model/abc"
+    assert store.parent.uri == "s3://bucket/some"
+    assert store.parent.parent.uri == "s3://bucket"
+    assert open_store("s3://bucket/a.b/c").parent.uri == "s3://bucket/a.b"
+    local = open_store(f"file://{tmp_path}/x")
+    assert isinstance(local, LocalStore) and local.root == tmp_path / "x"
+    with pytest.raises(StorageError, match="no bucket"):
+        open_store("s3:///prefix")
+
+
+def test_s3_store_reads_writes_lists_and_streams_in_order(s3, bucket, small_ranges) -> None:
+    store = open_store(f"s3://{bucket}/root")
+    data = os.urandom(300_000)
+    store.write_bytes("a/b.bin", data)
+    store.write_bytes("c.txt", b"hello")
+    assert store.read("c.txt") == b"hello"
+    assert store.read_optional("missing") is None
+    assert sorted(store.list_keys()) == ["a/b.bin", "c.txt"]
+    assert store.size("a/b.bin") == 300_000
+    chunks: list[bytes] = []
+    assert store.stream("a/b.bin", chunks.append, start=1000) == 300_000
+    assert len(chunks) == 5 and b"".join(chunks) == data[1000:]
+    entry = hash_object(store, "a/b.bin", expected_size=300_000)
+    assert entry.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_write_new_never_overwrites(s3, bucket, tmp_path) -> None:
+    for store in (open_store(f"s3://{bucket}/p"), LocalStore(tmp_path)):
+        assert store.write_new("manifest.json", b"first")
+        assert not store.write_new("manifest.json", b"second")
+        assert store.read("manifest.json") == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_a_short_object_is_reported_as_truncated(s3, bucket) -> None:
+    store = open_store(f"s3://{bucket}/p")
+    store.write_bytes("w.bin", b"x" * 100)
+    with pytest.raises(ArtifactError, match="is 100 bytes but the manifest records 200"):
+        hash_object(store, "w.bin", expected_size=200)
+
+
+def test_missing_bucket_is_a_clear_error(s3) -> None:
+    with pytest.raises(
+        StorageError, match=r"bucket of s3://no-such-bucket-xyz/p/manifest\.json does not exist"
+    ):
+        open_store("s3://no-such-bucket-xyz/p").read_optional("manifest.json")
+
+
+def test_unreachable_endpoint_is_a_clear_error(monkeypatch) -> None:
+    use_endpoint(monkeypatch, f"http://127.0.0.1:{free_port()}", max_attempts=1)
+    with pytest.raises(StorageError, match=r"cannot reach the S3 endpoint http://127\.0\.0\.1:"):
+        open_store("s3://bucket/p").read_optional("manifest.json")
+
+
+def test_access_denied_is_a_clear_error(monkeypatch) -> None:
+    """moto enforces IAM in server mode once authorization is switched on: a user whose policy allows
+    only listing is refused GetObject with a real AccessDenied response."""
+    server = start_s3_server()
+    try:
+        server.client().create_bucket(Bucket="locked")
+        server.client().put_object(Bucket="locked", Key="p/manifest.json", Body=b"{}")
+        iam = server.iam()
+        iam.create_user(UserName="lister")
+        statement = {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "*"}
+        policy = json.dumps({"Version": "2012-10-17", "Statement": [statement]})
+        iam.put_user_policy(UserName="lister", PolicyName="list-only", PolicyDocument=policy)
+        key = iam.create_access_key(UserName="lister")["AccessKey"]
+        server.enforce_auth(True)
+        use_endpoint(monkeypatch, server.endpoint_url, max_attempts=1)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        store = open_store("s3://locked/p")
+        assert list(store.list_keys()) == ["manifest.json"]  # listing is allowed...
+        with pytest.raises(
+            StorageError, match=r"access denied reading s3://locked/p/manifest.json \(AccessDenied"
+        ):
+            store.read_optional("manifest.json")  # ...reading is not
+    finally:
+        server.stop()
+
+
+def test_transient_errors_and_broken_bodies_are_retried(
+    s3_server, monkeypatch, bucket, small_ranges, tmp_path
+):
+    data = os.urandom(300_000)
+    s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
+    with fault_proxy(s3_server.endpoint_url, ["503", "truncate", "503", "truncate"]) as proxy:
+        use_endpoint(monkeypatch, proxy.endpoint_url, max_attempts=3)
+        entry = download_file(open_store(f"s3://{bucket}/p"), "w.bin", tmp_path / "w.bin")
+    assert proxy.served_faults == ["503", "truncate", "503", "truncate"]
+    assert entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "w.bin").read_bytes() == data
+
+
+def test_retries_give_up_with_a_clear_error_and_no_file(
+    s3_server, monkeypatch, bucket, small_ranges, tmp_path
+):
+    s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=os.urandom(100_000))
+    with fault_proxy(s3_server.endpoint_url, ["truncate"] * 20) as proxy:
+        use_endpoint(monkeypatch, proxy.endpoint_url, max_attempts=2)
+        with pytest.raises(
+            StorageError, match=r"reading s3://.*/p/w.bin bytes 0-65535 failed after 2 attempts"
+        ):
+            download_file(open_store(f"s3://{bucket}/p"), "w.bin", tmp_path / "w.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_file_leaves_nothing_on_failure(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "file.bin"
+    with pytest.raises(RuntimeError), atomic_file(target) as handle:
+        handle.write(b"half")
+        raise RuntimeError("interrupted")
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    with atomic_file(target) as handle:
+        handle.write(b"whole")
+    assert target.read_bytes() == b"whole"
