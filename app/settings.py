@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -51,7 +51,7 @@ class ServerSettings(BaseSettings):
     shutdown_timeout_s: float = Field(
         15.0, gt=0, description="After the drain window: how long in-flight requests may take to finish."
     )
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # Access control.
     api_keys: Annotated[tuple[str, ...], NoDecode] = Field(

@@ -75,21 +75,52 @@ async def _read_chunks(reader: asyncio.StreamReader, headers: dict[str, str]) ->
     await reader.readline()
 
 
-async def stream_completion(url: str, path: str, body: Body) -> RequestResult:
-    """One streamed POST on its own connection.
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class ConnectionPool:
+    """Keep-alive HTTP/1.1 connections to one server, as a load balancer or SDK client keeps them.
 
     NOTE: a raw HTTP/1.1 client on purpose: the benchmark shares the machine with the server, and
     httpx spends about as much CPU per streamed token as the server does."""
+
+    def __init__(self, url: str) -> None:
+        self.host, port = url.removeprefix("http://").rstrip("/").split(":")
+        self.port = int(port)
+        self.idle: list[Connection] = []
+
+    async def acquire(self) -> Connection:
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+
+    def release(self, connection: Connection, reusable: bool) -> None:
+        if reusable:
+            self.idle.append(connection)
+        else:
+            connection[1].close()
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+async def stream_completion(pool: ConnectionPool, path: str, body: Body) -> RequestResult:
+    """One streamed POST; its connection goes back to the pool when the response ended cleanly."""
     result = RequestResult(start=time.perf_counter())
-    host, port = url.removeprefix("http://").rstrip("/").split(":")
     payload = json.dumps(body).encode()
     request = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nhost: {pool.host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
     ).encode() + payload
-    writer = None
+    connection, reusable = None, False
     try:
-        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 20)
+        connection = await pool.acquire()
+        reader, writer = connection
         writer.write(request)
         result.status, headers = await _read_head(reader)
         result.server = server_timing(headers.get("server-timing", ""))
@@ -103,12 +134,13 @@ async def stream_completion(url: str, path: str, body: Body) -> RequestResult:
             for event in events:
                 _read_event(result, event.decode())
         result.ok = result.status == 200 and result.finished and result.error is None
+        reusable = headers.get("connection") != "close"
     except (OSError, asyncio.IncompleteReadError, HttpError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"
     finally:
         result.e2e_s = time.perf_counter() - result.start
-        if writer is not None:
-            writer.close()
+        if connection is not None:
+            pool.release(connection, reusable)
     return result
 
 
@@ -147,34 +179,43 @@ async def run_load(
     Poisson arrivals of `rate` per second (open loop). Returns the results and the wall time."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency and rate")
+    pool = ConnectionPool(url)
     started = time.perf_counter()
-    if concurrency is not None:
-        results = await _closed_loop(url, path, make_body, num_requests, concurrency)
-    else:
-        results = await _open_loop(url, path, make_body, num_requests, rate or 1.0, random.Random(seed))
+    try:
+        if concurrency is not None:
+            results = await _closed_loop(pool, path, make_body, num_requests, concurrency)
+        else:
+            results = await _open_loop(pool, path, make_body, num_requests, rate or 1.0, random.Random(seed))
+    finally:
+        pool.close()
     return results, time.perf_counter() - started
 
 
 async def _closed_loop(
-    url: str, path: str, make_body: Callable[[int], Body], num_requests: int, concurrency: int
+    pool: ConnectionPool, path: str, make_body: Callable[[int], Body], num_requests: int, concurrency: int
 ) -> list[RequestResult]:
     indexes = iter(range(num_requests))
     results: list[RequestResult] = []
 
     async def worker() -> None:
         for index in indexes:
-            results.append(await stream_completion(url, path, make_body(index)))
+            results.append(await stream_completion(pool, path, make_body(index)))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
 
 
 async def _open_loop(
-    url: str, path: str, make_body: Callable[[int], Body], num_requests: int, rate: float, rng: random.Random
+    pool: ConnectionPool,
+    path: str,
+    make_body: Callable[[int], Body],
+    num_requests: int,
+    rate: float,
+    rng: random.Random,
 ) -> list[RequestResult]:
     tasks = []
     for index in range(num_requests):
-        tasks.append(asyncio.create_task(stream_completion(url, path, make_body(index))))
+        tasks.append(asyncio.create_task(stream_completion(pool, path, make_body(index))))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 

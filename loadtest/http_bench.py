@@ -1,13 +1,15 @@
 """HTTP serving benchmark on the simulated device (10 ms a step, 32 slots): what the HTTP layer costs.
 
-Side by side in one run, the same workload (closed loop, `--concurrency` fixed-length streamed
-completions):
-1. the engine alone, in this process, no HTTP: its own token rate;
-2. the real server (`inf2serve serve`, a separate process) driven over loopback by the streaming client.
-Reported: HTTP tokens/s divided by the engine's own rate (goal >= 0.95); the server process's CPU time
-(from /proc) per streamed token (goal <= 200 us); time to first token seen by the client minus the
-server's own queue + prefill time (its `Server-Timing: ttft`), p50 (goal <= 5 ms); `/ping` latency under
-the full load (SageMaker allows 2 s). The machine may be shared: the load average is recorded.
+Side by side in one run, the same workload (`--num-requests` fixed-length streamed completions):
+1. the engine alone, in this process, no HTTP, `--concurrency` requests in flight: its own token rate;
+2. the real server (`inf2serve serve`, a separate process) driven over loopback by the streaming client
+   (`loadtest/client.py`) with the same concurrency;
+3. the same server under Poisson arrivals at 75% of the engine's capacity.
+Reported: HTTP tokens/s (2) divided by the engine's own rate (1) (goal >= 0.95); the server process's
+CPU time (from /proc) per streamed token in (2) (goal <= 200 us); time to first token seen by the client
+minus the server's own queue + prefill time (its `Server-Timing: ttft`), p50, in (3) (goal <= 5 ms; in
+(2) too, where 32 requests arrive at once at each wave); `/ping` latency under load (SageMaker allows 2 s).
+The machine may be shared: the load average is recorded.
 
     .venv/bin/python -m loadtest.http_bench [--concurrency 32] [--num-requests 128] [--max-tokens 128]
 """
@@ -92,13 +94,13 @@ async def ping_latencies(url: str, stop: asyncio.Event) -> list[float]:
     return latencies
 
 
-async def http_run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    make_body = completion_body(PROMPT, args.max_tokens)
-    await run_load(url, completion_body(PROMPT, 8), args.concurrency, concurrency=args.concurrency)  # warm-up
+async def measured_run(url: str, pid: int, args: argparse.Namespace, **mode: Any) -> dict[str, Any]:
+    """One load run (`concurrency=` or `rate=`) with the server's CPU time and /ping latency measured."""
     stop = asyncio.Event()
     pinger = asyncio.create_task(ping_latencies(url, stop))
     cpu_before, client_cpu_before = cpu_seconds(pid), time.process_time()
-    results, wall_s = await run_load(url, make_body, args.num_requests, concurrency=args.concurrency)
+    make_body = completion_body(PROMPT, args.max_tokens)
+    results, wall_s = await run_load(url, make_body, args.num_requests, **mode)
     cpu_s, client_cpu_s = cpu_seconds(pid) - cpu_before, time.process_time() - client_cpu_before
     stop.set()
     pings = await pinger
@@ -106,6 +108,7 @@ async def http_run(url: str, pid: int, args: argparse.Namespace) -> dict[str, An
     ok = [r for r in results if r.ok]
     overheads = [r.ttft_s - r.server["ttft"] for r in ok if r.ttft_s is not None and "ttft" in r.server]
     return {
+        "mode": mode,
         **summary,
         "server_cpu_s": cpu_s,
         "server_cpu_us_per_token": cpu_s / max(1, summary["completion_tokens"]) * 1e6,
@@ -115,6 +118,18 @@ async def http_run(url: str, pid: int, args: argparse.Namespace) -> dict[str, An
         "server_ttft_s": percentiles([r.server["ttft"] for r in ok if "ttft" in r.server]),
         "ping_s": percentiles(pings),
     }
+
+
+async def http_runs(
+    url: str, pid: int, args: argparse.Namespace, engine_tokens_per_s: float
+) -> dict[str, Any]:
+    """Closed loop at `--concurrency` (all slots busy, arrivals in waves), then Poisson arrivals at
+    `--poisson-load` of the engine's request capacity (arrivals spread out)."""
+    await run_load(url, completion_body(PROMPT, 8), args.concurrency, concurrency=args.concurrency)  # warm-up
+    closed = await measured_run(url, pid, args, concurrency=args.concurrency)
+    rate = args.poisson_load * engine_tokens_per_s / args.max_tokens
+    poisson = await measured_run(url, pid, args, rate=rate)
+    return {"closed_loop": closed, "poisson": poisson}
 
 
 def start_server(artifact_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
@@ -147,21 +162,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         server = start_server(artifact, args.port, root / "server.log")
         try:
             wait_ready(url, server)
-            http = asyncio.run(http_run(url, server.pid, args))
+            http = asyncio.run(http_runs(url, server.pid, args, engine["tokens_per_s"]))
         finally:
             server.terminate()
             server.wait(60)
-    ratio = http["tokens_per_s"] / engine["tokens_per_s"]
+    closed, poisson = http["closed_loop"], http["poisson"]
     return {
         "config": {**vars(args), "device": "sim, 10 ms decode step, 5 ms prefill per sequence"},
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "engine_only": engine,
         "http": http,
         "results": {
-            "http_over_engine_rate": ratio,
-            "server_cpu_us_per_token": http["server_cpu_us_per_token"],
-            "ttft_overhead_p50_ms": http["ttft_overhead_s"].get("p50", float("nan")) * 1000,
-            "ping_max_ms": http["ping_s"].get("max", float("nan")) * 1000,
+            "http_over_engine_rate": closed["tokens_per_s"] / engine["tokens_per_s"],
+            "server_cpu_us_per_token": closed["server_cpu_us_per_token"],
+            "engine_only_cpu_us_per_token": engine["cpu_us_per_token"],
+            "ttft_overhead_p50_ms": poisson["ttft_overhead_s"].get("p50", float("nan")) * 1000,
+            "ttft_overhead_p50_ms_closed_loop": closed["ttft_overhead_s"].get("p50", float("nan")) * 1000,
+            "ping_max_ms": max(run["ping_s"].get("max", float("nan")) for run in (closed, poisson)) * 1000,
+            "failed_requests": closed["failed"] + poisson["failed"],
         },
         "goals": GOALS,
     }
@@ -172,6 +190,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="streams in flight = compiled slots")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--poisson-load", type=float, default=0.75, help="fraction of engine capacity")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()

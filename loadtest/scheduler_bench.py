@@ -142,6 +142,27 @@ def duty_cycle(tokenizer: Tokenizer, step_s: float, seconds: float, rng: random.
         "goal_host_gap_fraction": 0.02,
         "sim_lateness_p50_ms": percentile(lateness, 0.5) * 1e3,
         "sim_lateness_p99_ms": percentile(lateness, 0.99) * 1e3,
+        "control_device_alone": device_alone(step_s, min(seconds, 2.0)),
+    }
+
+
+def device_alone(step_s: float, seconds: float) -> dict[str, float]:
+    """Control: the sim device called back to back by one thread, no engine. Its busy / wall and lateness
+    are what this machine's timers and CPU contention cost by themselves."""
+    spec = BackendSpec("sim", 1, "fp32", NEURON_GRID)
+    backend = SimBackend.create(spec, CostModel(decode_fixed_s=step_s), 512, (1, 2), record_timeline=True)
+    slots, sampling = tuple(range(SLOTS)), (SamplingParams(),) * SLOTS
+    backend.prefill(PrefillBatch(slots, ((5,),) * SLOTS, sampling, 128))
+    for position in range(1, min(int(seconds / step_s), 2000)):
+        bucket = NEURON_GRID.token_bucket(position + 1)
+        backend.decode(DecodeBatch(slots, (5,) * SLOTS, (position,) * SLOTS, sampling, SLOTS, bucket))
+    records = list(backend.timeline)[1:]
+    lateness = [r.returned - r.end for r in records]
+    return {
+        "raw_duty_cycle_busy_over_wall": sum(r.end - r.start for r in records)
+        / (records[-1].end - records[0].start),
+        "sim_lateness_p50_ms": percentile(lateness, 0.5) * 1e3,
+        "sim_lateness_p99_ms": percentile(lateness, 0.99) * 1e3,
     }
 
 
@@ -238,6 +259,12 @@ def print_report(report: dict[str, Any]) -> None:
             f"raw busy/wall {raw:.4f}); host gap between steps p50 {gap_p50:.3f} ms = {gap:.2%} "
             f"of the step (goal <= 2%), p99 {gap_p99:.3f} ms; sim lateness p50 "
             f"{run['sim_lateness_p50_ms']:.3f} ms, p99 {run['sim_lateness_p99_ms']:.3f} ms"
+        )
+        alone = run["control_device_alone"]
+        print(
+            f"  control, the sim device alone @ {step:.0f} ms: raw busy/wall "
+            f"{alone['raw_duty_cycle_busy_over_wall']:.4f}, lateness p50 "
+            f"{alone['sim_lateness_p50_ms']:.3f} ms, p99 {alone['sim_lateness_p99_ms']:.3f} ms"
         )
     cpu = ", ".join(f"{c['sequences']}: {c['per_sequence_us']:.2f}" for c in report["scheduler_cpu"])
     print(f"scheduler CPU per sequence (us): {cpu} (goal <= 15, flat)")

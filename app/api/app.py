@@ -2,8 +2,8 @@
 the background (the listener is up at once, so `/health` answers and `/ready`/`/ping` say 503 until the
 artifact is loaded, warmed and checked) and releases it on shutdown, after in-flight requests finish.
 
-A startup failure is logged with its phase and reported through `on_fatal` (the server then exits
-non-zero); without one (tests) the app stays up with `/health` at 503 and the error in the log.
+A startup failure is logged (after the "started" line of the phase that failed) and reported through
+`on_fatal` (the server then exits non-zero); without one (tests) the app stays up with `/health` at 503.
 """
 
 from __future__ import annotations

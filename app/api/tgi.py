@@ -51,7 +51,7 @@ class GenerateRenderer:
         self.job = job
         self.details_wanted = params.details
         self.prefix = prompt_text if params.return_full_text else ""
-        self.sampled = wants_sampling(params)
+        self.sampled = job.requests[0].params.sampling.temperature > 0
 
     def finish_reason(self, output: ChoiceOutput) -> str:
         """TGI's names: length, eos_token or stop_sequence."""

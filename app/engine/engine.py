@@ -10,6 +10,7 @@ and hands each request's deltas to the event loop that asked for them, while the
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from app.backends.base import Backend, DecodeBatch, PrefillBatch, SampledToken
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
 from app.engine.output import CallTiming, OutputProcessor, OutputState, RequestStream, StepReport
-from app.engine.request import Request
+from app.engine.request import Request, RequestState
 from app.engine.scheduler import BatchPlan, Scheduler
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from app.tokenizer import Tokenizer
 
 __all__ = ["EngineConfig", "LLMEngine"]
+
+FINISHED = RequestState.FINISHED
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class LLMEngine:
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
         self._decode_rules = DecodeRules.of(tokenizer)
         self._scheduler = Scheduler(self.grid, self.config)
-        self._output = OutputProcessor(stop_request=self._text_stops_append, forget=self._forget)
+        self._output = OutputProcessor(stop_request=self._stop_by_text, forget=self._forget)
         self._lock = threading.Lock()  # guards admission: _live, _inbox, the waiting count
         self._live: dict[str, Request] = {}  # admitted, final delta not yet published
         self._inbox: deque[Request] = deque()
@@ -76,8 +79,13 @@ class LLMEngine:
     # --- the caller's side (any thread; generate on the event loop that will read the outputs) ---
 
     def start(self) -> None:
+        """Start the step loop and the output thread. Everything allocated so far (model, tokenizer,
+        modules) is frozen out of the garbage collector first: a full collection over that heap stalls
+        every thread for hundreds of milliseconds, and nothing in it is ever garbage."""
         if self._thread is not None:
             raise RuntimeError("the engine was already started")
+        gc.collect()
+        gc.freeze()
         self._output.start()
         self._thread = threading.Thread(target=self._run, name="inf2serve-engine", daemon=True)
         self._thread.start()
@@ -97,30 +105,28 @@ class LLMEngine:
         loop = asyncio.get_running_loop()
         prompt = tuple(prompt_token_ids)
         self._validate(prompt, params)
-        stream = RequestStream(request_id, loop, self.abort)
-        output = OutputState(
-            stream,
-            IncrementalDetokenizer(self._decode_rules, self._decode_rules.continues_text(prompt)),
-            StopStringMatcher.of(params.stop_strings),
-        )
+        continues_text = self._decode_rules.continues_text(prompt)
+        stop_ids = stop_token_ids(params, self._eos_token_ids)
         with self._lock:
             self._check_admission(request_id)
             now = time.monotonic()
             deadline = params.deadline
             if deadline is None and self.config.request_timeout_s is not None:
                 deadline = now + self.config.request_timeout_s
-            request = Request(
-                request_id, prompt, params, now, stop_token_ids(params, self._eos_token_ids), deadline, output
-            )
+            stream = RequestStream(request_id, loop, self.abort)
+            detokenizer = IncrementalDetokenizer(self._decode_rules, continues_text)
+            output = OutputState(stream, detokenizer, StopStringMatcher.of(params.stop_strings))
+            request = Request(request_id, prompt, params, now, stop_ids, deadline, output)
             self._live[request_id] = request
             self._inbox.append(request)
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (client gone); its slot is free at the next step. Unknown ids are ignored."""
+        """Cancel a request (client gone); its slot is free at the next step. Unknown ids are ignored.
+        Takes no lock (a dropped stream calls it from the garbage collector): a request to abort keeps
+        the loop busy, and the loop drains aborts every step."""
         self._aborts.append(request_id)
-        self._wake.set()
 
     @property
     def is_alive(self) -> bool:
@@ -266,7 +272,7 @@ class LLMEngine:
             else:
                 error = GenerationError(f"the device step failed: {outcome.error}")
                 self._scheduler.fail(group.requests, error, now)
-            records.extend((r, r.num_output_tokens, r.is_finished) for r in group.requests)
+            records += [(r, len(r.output_token_ids), r.state is FINISHED) for r in group.requests]
         step_s = sum(o.seconds for o in outcomes)
         self._step_s += (step_s - self._step_s) * (EWMA_WEIGHT if self._step_s else 1.0)
         self._report(records, tuple(CallTiming(o.batch, o.seconds) for o in outcomes), now)
@@ -281,10 +287,9 @@ class LLMEngine:
             )
             self._output.submit(report)
 
-    def _text_stops_append(self, request: Request) -> None:
+    def _stop_by_text(self, request: Request) -> None:
         """From the output thread: a stop string ended `request`; free its slot at the next step."""
         self._text_stops.append(request)
-        self._wake.set()
 
     def _forget(self, request: Request) -> None:
         """From the output thread: the request's final delta is out."""
@@ -304,8 +309,10 @@ class LLMEngine:
         )
         reason = FinishReason.ABORT if self._failure is None else FinishReason.ERROR
         now = time.monotonic()
-        self._report(_final_records(self._scheduler.finish_all(reason, now, error)), (), now)
-        self._output.close()
+        try:
+            self._report(_final_records(self._scheduler.finish_all(reason, now, error)), (), now)
+        finally:
+            self._output.close()
 
 
 def _final_records(requests: list[Request]) -> list[tuple[Request, int, bool]]:

@@ -147,9 +147,9 @@ class OutputProcessor:
 
     def _run(self) -> None:
         while (report := self._reports.get()) is not None:
-            self.process(report)
+            self._process(report)
 
-    def process(self, report: StepReport) -> None:
+    def _process(self, report: StepReport) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         num_generated = 0
         for request, num_tokens, finished in report.records:

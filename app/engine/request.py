@@ -60,6 +60,7 @@ class Request:
         "slot",
         "state",
         "stop_token_ids",
+        "token_limit",
     )
 
     def __init__(
@@ -84,6 +85,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.samples: list[SampledToken] = []
         self.num_tokens = len(prompt_token_ids)  # prompt + generated
+        self.token_limit = len(prompt_token_ids) + params.max_tokens  # num_tokens that ends it (LENGTH)
         self.last_token_id = prompt_token_ids[-1] if prompt_token_ids else -1
         self.finish_reason: FinishReason | None = None
         self.error: Inf2ServeError | None = None

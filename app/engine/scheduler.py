@@ -32,6 +32,8 @@ from app.engine.types import FinishReason
 from app.errors import DeadlineExceededError, Inf2ServeError
 from app.shapes import ShapeGrid
 
+FINISHED = RequestState.FINISHED
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillGroup:
@@ -83,6 +85,7 @@ class Scheduler:
         return len(self._free_slots)
 
     def add(self, request: Request) -> None:
+        request.token_limit = min(request.token_limit, self.grid.max_positions)  # the position limit
         self._waiting.append(request)
         self._num_waiting += 1
         if request.deadline is not None:
@@ -96,12 +99,11 @@ class Scheduler:
 
     def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
         """Hand each request the token a backend call produced for it, and apply token-level stops."""
-        max_positions = self.grid.max_positions
         for request, sample in zip(requests, samples, strict=True):
-            if request.is_finished:  # aborted or stopped (stop string) while the call ran
+            if request.state is FINISHED:  # aborted or stopped (stop string) while the call ran
                 continue
             request.append_token(sample, now)
-            reason = token_stop_reason(request, max_positions)
+            reason = token_stop_reason(request)
             if reason is not None:
                 self.finish(request, reason, now)
 
@@ -169,20 +171,15 @@ class Scheduler:
         return expired
 
     def _decode_group(self) -> DecodeGroup | None:
-        running = self._running = [r for r in self._running if not r.is_finished]
+        running = self._running = [r for r in self._running if r.state is not FINISHED]
         if not running:
             return None
-        slots, last_tokens, positions, sampling = [], [], [], []
-        for request in running:
-            slots.append(request.slot)
-            last_tokens.append(request.last_token_id)
-            positions.append(request.num_tokens - 1)
-            sampling.append(request.params.sampling)
+        positions = tuple([r.num_tokens - 1 for r in running])
         batch = DecodeBatch(
-            tuple(slots),
-            tuple(last_tokens),
-            tuple(positions),
-            tuple(sampling),
+            slots=tuple([r.slot for r in running]),
+            last_tokens=tuple([r.last_token_id for r in running]),
+            positions=positions,
+            sampling=tuple([r.params.sampling for r in running]),
             batch_bucket=self.grid.batch_bucket(len(running)),
             token_bucket=self.grid.token_bucket(max(positions) + 1),
         )

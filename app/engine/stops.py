@@ -20,11 +20,12 @@ def stop_token_ids(params: GenerationParams, eos_token_ids: Iterable[int]) -> fr
     return frozenset(params.stop_token_ids).union(eos)
 
 
-def token_stop_reason(request: Request, max_positions: int) -> FinishReason | None:
-    """Why the request ends with the token it just received, if it does."""
+def token_stop_reason(request: Request) -> FinishReason | None:
+    """Why the request ends with the token it just received, if it does. `token_limit` is where
+    `max_tokens` or the compiled position limit, whichever comes first, ends it."""
     if request.last_token_id in request.stop_token_ids:
         return FinishReason.STOP
-    if request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= max_positions:
+    if request.num_tokens >= request.token_limit:
         return FinishReason.LENGTH
     return None
 

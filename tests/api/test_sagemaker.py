@@ -10,13 +10,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.app import create_app
-from app.api.serving import ChoiceOutput
-from app.api.tgi import GenerateRenderer
+from app.api.protocol import GenerateParameters
+from app.api.serving import ChoiceOutput, Job, Serving, fan_out
+from app.api.tgi import GenerateRenderer, sampling
 from app.engine.types import FinishReason
 from app.errors import ArtifactError
 from app.settings import ServerSettings
 
-from .fakes import EOS, expected_text
+from .fakes import EOS, expected_text, fake_runtime
 
 
 def invoke(client, body):
@@ -103,8 +104,10 @@ def test_invocations_without_a_known_body(client):
 
 
 def test_eos_finish_is_named_like_tgi():
-    renderer = GenerateRenderer.__new__(GenerateRenderer)
-    renderer.eos_token_ids = frozenset({EOS})
+    serving = Serving(fake_runtime(), ServerSettings())
+    params = GenerateParameters()
+    job = Job(serving.engine, "r", fan_out([[1]], 1, None, sampling(params), [1]))
+    renderer = GenerateRenderer(serving, job, params, "")
     eos = ChoiceOutput(0, 0, token_ids=[5, EOS], finish_reason=FinishReason.STOP)
     stop = ChoiceOutput(0, 0, token_ids=[5, 6], finish_reason=FinishReason.STOP)
     assert (renderer.finish_reason(eos), renderer.finish_reason(stop)) == ("eos_token", "stop_sequence")

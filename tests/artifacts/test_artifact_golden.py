@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -71,8 +72,6 @@ class ScriptedBackend(Backend):
 def test_golden_round_trips_in_the_pinned_format() -> None:
     text = GOLDEN.dumps()
     assert Golden.loads(text) == GOLDEN
-    import json
-
     data = json.loads(text)
     assert set(data) == {"prompts", "num_top_logprobs"}
     assert set(data["prompts"][0]) == {"prompt", "prompt_token_ids", "token_ids", "top_logprobs"}

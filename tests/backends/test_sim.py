@@ -22,7 +22,9 @@ def sim(**kwargs: object) -> SimBackend:
     return SimBackend.create(SPEC, vocab_size=50, eos_ids=(2,), spin_s=0.0, **kwargs)  # type: ignore[arg-type]
 
 
-def prefill(backend: SimBackend, slots: tuple[int, ...], prompts: tuple[tuple[int, ...], ...], seeds: tuple[int, ...]):
+def prefill(
+    backend: SimBackend, slots: tuple[int, ...], prompts: tuple[tuple[int, ...], ...], seeds: tuple[int, ...]
+):
     sampling = tuple(SamplingParams(seed=s) for s in seeds)
     return backend.prefill(PrefillBatch(slots, prompts, sampling, 8))
 
@@ -33,7 +35,9 @@ def test_tokens_depend_on_seed_position_and_previous_token_only() -> None:
     batched = prefill(backend, (2, 1), ((9,), (5, 6, 7)), (4, 1))
     assert batched[1] == alone[0]
     assert alone[0] == backend.sample_token(1, 3, 7)
-    decoded = backend.decode(DecodeBatch((1, 2), (alone[0].token_id, 3), (3, 1), (SamplingParams(seed=1), GREEDY), 2, 16))
+    decoded = backend.decode(
+        DecodeBatch((1, 2), (alone[0].token_id, 3), (3, 1), (SamplingParams(seed=1), GREEDY), 2, 16)
+    )
     assert decoded[0] == backend.sample_token(1, 4, alone[0].token_id)
     tokens = {backend.sample_token(s, 3, 7).token_id for s in range(200)}
     assert tokens <= set(range(50)) - {2} and len(tokens) > 30  # valid ids, never EOS, spread out
@@ -46,7 +50,9 @@ def test_eos_probability_one_always_ends() -> None:
 def test_top_logprobs_are_sorted_and_led_by_the_token() -> None:
     sample = sim().sample_token(3, 4, 5, num_top_logprobs=3)
     assert sample.top_logprobs[0] == (sample.token_id, sample.logprob)
-    assert [lp for _, lp in sample.top_logprobs] == sorted((lp for _, lp in sample.top_logprobs), reverse=True)
+    assert [lp for _, lp in sample.top_logprobs] == sorted(
+        (lp for _, lp in sample.top_logprobs), reverse=True
+    )
 
 
 def test_cost_is_charged_on_the_padded_shape() -> None:
@@ -89,7 +95,9 @@ def test_refuses_what_a_device_could_not_run(batch: DecodeBatch | PrefillBatch, 
 def test_warmup_runs_every_shape_and_leaves_the_slots_empty() -> None:
     backend = SimBackend.create(SPEC, spin_s=0.0, record_timeline=True)
     backend.warmup()
-    assert len(backend.timeline) == len(GRID.context_buckets) + len(GRID.batch_buckets) * len(GRID.token_buckets)
+    assert len(backend.timeline) == len(GRID.context_buckets) + len(GRID.batch_buckets) * len(
+        GRID.token_buckets
+    )
     with pytest.raises(ValueError, match="holds 0 tokens"):
         backend.decode(DecodeBatch((0,), (5,), (4,), (GREEDY,), 1, 16))
 

@@ -38,7 +38,9 @@ def make_backend(
 
 
 @contextmanager
-def running_engine(tokenizer: Tokenizer, backend: SimBackend | None = None, **config: Any) -> Iterator[LLMEngine]:
+def running_engine(
+    tokenizer: Tokenizer, backend: SimBackend | None = None, **config: Any
+) -> Iterator[LLMEngine]:
     engine = LLMEngine(backend or make_backend(), tokenizer, EngineConfig(**config))
     engine.start()
     try:

@@ -15,7 +15,9 @@ BYTE_IDS = st.integers(3, 258)  # <0x00>..<0xFF>
 EURO_BYTES = st.sampled_from([0xE2 + 3, 0x82 + 3, 0xAC + 3])  # the UTF-8 bytes of "€"
 TOKEN_IDS = st.lists(st.one_of(st.integers(0, VOCAB - 1), BYTE_IDS, EURO_BYTES), max_size=24)
 CHUNKS = st.lists(st.integers(1, 4), min_size=24, max_size=24)
-PROFILE = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+PROFILE = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,13 @@ from app.backends.base import DecodeBatch, PrefillBatch, SampledToken
 from app.backends.sim import CostModel, SimBackend
 from app.engine.engine import LLMEngine
 from app.engine.types import FinishReason, RequestOutput
-from app.errors import DeadlineExceededError, GenerationError, InvalidRequestError, NotReadyError, OverloadedError
+from app.errors import (
+    DeadlineExceededError,
+    GenerationError,
+    InvalidRequestError,
+    NotReadyError,
+    OverloadedError,
+)
 from app.tokenizer import Tokenizer
 from tests.engine.helpers import (
     EOS_IDS,
@@ -128,9 +134,11 @@ def test_a_stop_string_across_tokens_is_cut_out_of_the_stream(tokenizer: Tokeniz
 
 def test_admission_refuses_what_cannot_fit_naming_the_numbers(tokenizer: Tokenizer) -> None:
     async def main(engine: LLMEngine) -> None:
-        with pytest.raises(InvalidRequestError, match=r"\(60 tokens\) plus max_tokens \(80\) is 140.*128 positions"):
+        with pytest.raises(
+            InvalidRequestError, match=r"\(60 tokens\) plus max_tokens \(80\) is 140.*128 positions"
+        ):
             engine.generate("long", [5] * 60, params(80))
-        with pytest.raises(InvalidRequestError, match="70 tokens.*largest compiled context bucket \\(64\\)"):
+        with pytest.raises(InvalidRequestError, match=r"70 tokens.*largest compiled context bucket \(64\)"):
             engine.generate("prompt", [5] * 70, params(4))
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
             engine.generate("vocab", [5, 9999], params(4))
@@ -202,7 +210,9 @@ def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer) -> None:
     rng = random.Random(11)
 
     async def client(engine: LLMEngine, index: int) -> tuple[str, list[RequestOutput]]:
-        stream = engine.generate(f"r{index}", [5 + index % 50] * rng.randint(1, 60), params(rng.randint(1, 60), index))
+        stream = engine.generate(
+            f"r{index}", [5 + index % 50] * rng.randint(1, 60), params(rng.randint(1, 60), index)
+        )
         outputs, give_up = [], rng.choice([0, 1, 3, None])
         async for out in stream:
             outputs.append(out)
@@ -267,7 +277,9 @@ class FlakySim(SimBackend):
 def test_a_failing_prefill_fails_only_its_requests(tokenizer: Tokenizer) -> None:
     async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
         prompts = [[5] * 20, [6] * 3, [7] * 3, [8] * 3]  # one step: bucket 32 (fails), then bucket 16
-        return await asyncio.gather(*(collect(engine, f"r{i}", p, params(6, i)) for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(collect(engine, f"r{i}", p, params(6, i)) for i, p in enumerate(prompts))
+        )
 
     with running_engine(tokenizer, make_backend(cls=FlakySim), max_prefills_per_step=4) as engine:
         results = run(main(engine))
@@ -319,8 +331,7 @@ def test_metrics_are_recorded(tokenizer: Tokenizer) -> None:
     before = (value("request_success_total", {"finished_reason": "length"}), value("generation_tokens_total"))
     with running_engine(tokenizer) as engine:
         run(collect(engine, "m", [5, 6, 7], params(9)))
-        check_idle(engine)
-        engine._output.close()  # flush the output thread's metrics
+    # stopped: the output thread has recorded everything
     assert value("request_success_total", {"finished_reason": "length"}) == before[0] + 1
     assert value("generation_tokens_total") == before[1] + 9
     assert value("step_duration_seconds_count", {"phase": "prefill", "bucket": "16"}) >= 1

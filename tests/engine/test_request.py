@@ -28,7 +28,9 @@ def test_a_waiting_request_can_be_cancelled() -> None:
     assert request.is_finished
 
 
-@pytest.mark.parametrize("move", ["token_while_waiting", "prefill_twice", "finish_twice", "token_after_finish"])
+@pytest.mark.parametrize(
+    "move", ["token_while_waiting", "prefill_twice", "finish_twice", "token_after_finish"]
+)
 def test_rejects_edges_the_machine_does_not_have(move: str) -> None:
     request = make_request(0)
     if move != "token_while_waiting":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -50,7 +52,7 @@ def test_no_stop_strings_means_no_matcher() -> None:
 )
 def test_streaming_equals_cutting_the_whole_text(text: str, stops: list[str], cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     emitted, hit = stream(StopStringMatcher(stops), pieces)
     first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     assert hit == (first >= 0)

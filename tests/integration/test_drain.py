@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.client import RequestResult, completion_body, stream_completion
+from loadtest.client import ConnectionPool, RequestResult, completion_body, stream_completion
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
 
 from .server import BIN, ServerProcess, free_port
@@ -50,9 +50,10 @@ async def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
 
 
 async def drain_scenario(server: ServerProcess) -> tuple[list[RequestResult], list[RequestResult], int]:
+    pool = ConnectionPool(server.url)
     async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(120, connect=10)) as client:
         streams = [
-            asyncio.create_task(stream_completion(server.url, "/v1/completions", body))
+            asyncio.create_task(stream_completion(pool, "/v1/completions", body))
             for body in map(completion_body("Once upon a time", STREAM_TOKENS), range(IN_FLIGHT))
         ]
 
@@ -72,7 +73,7 @@ async def drain_scenario(server: ServerProcess) -> tuple[list[RequestResult], li
         await wait_until(not_ready, "readiness did not fail after SIGTERM")
         late = []
         for body in map(completion_body("A late request", 20), range(LATE_REQUESTS)):
-            late.append(asyncio.create_task(stream_completion(server.url, "/v1/completions", body)))
+            late.append(asyncio.create_task(stream_completion(pool, "/v1/completions", body)))
             await asyncio.sleep(DRAIN_S / 2 / LATE_REQUESTS)  # all arrive in the first half of the window
         results = await asyncio.gather(*streams, *late)
     exit_code = await asyncio.to_thread(server.wait, 120)
