@@ -28,7 +28,7 @@ system-deps:
 
 run: install
 	$(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1 > .last-artifact
-	$(VENV)/bin/inf2serve serve --artifact "$$(cat .last-artifact)" --port $(PORT)
+	$(VENV)/bin/inf2serve serve --artifact "$$(cat .last-artifact)" --host 127.0.0.1 --port $(PORT)
 
 test: install system-deps
 	$(PY) -m pytest -q

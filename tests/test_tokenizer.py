@@ -38,5 +38,39 @@ def test_a_base_model_gets_the_plain_chat_template(tokenizer: Tokenizer) -> None
 
 
 def test_a_directory_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot load a tokenizer"):
+    with pytest.raises(ConfigError, match="cannot load a tokenizer.*tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+TEXTS = ["Once upon a time", " leading space", "digits 12345 and\ttabs\nnewlines", "café €, 日本語 🙂", ""]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Tell me a story"},
+]
+
+
+@pytest.fixture(scope="module")
+def random_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from compile.random_checkpoint import write_random_llama
+
+    return write_random_llama(tmp_path_factory.mktemp("random-tiny"), "tiny")
+
+
+@pytest.mark.parametrize("model", ["stories260k", "random_tokenizer_dir"])
+def test_encoding_and_chat_template_match_transformers(model: str, request: pytest.FixtureRequest) -> None:
+    from transformers import AutoTokenizer
+
+    path = request.getfixturevalue(model)
+    ours, reference = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    for text in TEXTS:
+        assert ours.encode(text) == list(reference.encode(text)), text
+        assert ours.encode(text, add_special_tokens=False) == list(
+            reference.encode(text, add_special_tokens=False)
+        ), text
+    rendered = reference.apply_chat_template(
+        CONVERSATION, chat_template=ours.chat_template, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.apply_chat_template(CONVERSATION) == list(reference.encode(rendered, add_special_tokens=False))
+    assert ours.vocab_size == len(reference) and ours.bos_token_id == reference.bos_token_id

@@ -22,6 +22,7 @@ from app.api.middleware import RequestContextMiddleware
 from app.api.serving import Serving
 from app.api.startup import build_runtime
 from app.api.state import Runtime, ServerState
+from app.device_metrics import DeviceMetrics
 from app.errors import Inf2ServeError
 from app.settings import ServerSettings
 
@@ -46,6 +47,8 @@ def create_app(
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             metrics.record_ready(False)
+            if state.device_metrics is not None:
+                await state.device_metrics.stop()
             if state.runtime is not None:
                 await asyncio.to_thread(state.runtime.close)
 
@@ -74,6 +77,8 @@ async def _start(
         return
     state.artifact_id = runtime.artifact_id
     app.state.serving = Serving(runtime, settings)
+    state.device_metrics = DeviceMetrics.for_backend(runtime.backend_name)
+    state.device_metrics.start()
     state.runtime = runtime
     metrics.record_ready(not state.draining)
     log.info("ready", extra={"artifact_id": runtime.artifact_id, "model": runtime.model_name})

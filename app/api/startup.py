@@ -104,6 +104,7 @@ async def build_runtime(settings: ServerSettings) -> Runtime:
         tokenizer=tokenizer,
         model_name=settings.served_model_name or manifest.model_name,
         artifact_id=manifest.artifact_id,
+        backend_name=manifest.spec.backend,
         grid=manifest.spec.grid,
         close=close,
     )

@@ -14,6 +14,7 @@ from app.engine.types import EngineClient
 from app.shapes import ShapeGrid
 
 if TYPE_CHECKING:
+    from app.device_metrics import DeviceMetrics
     from app.tokenizer import Tokenizer
 
 
@@ -25,6 +26,7 @@ class Runtime:
     tokenizer: Tokenizer
     model_name: str
     artifact_id: str
+    backend_name: str
     grid: ShapeGrid
     close: Callable[[], None]
 
@@ -34,6 +36,7 @@ class ServerState:
         self.runtime: Runtime | None = None
         self.artifact_id = ""
         self.startup_error: str | None = None
+        self.device_metrics: DeviceMetrics | None = None
         self.draining = False
 
     @property

@@ -129,6 +129,10 @@ class Backend(ABC):
     @abstractmethod
     def decode(self, batch: DecodeBatch) -> list[SampledToken]: ...
 
+    def check_sampling(self, params: SamplingParams) -> None:  # noqa: B027  (most backends honour all)
+        """Raise InvalidRequestError (naming the parameter) for sampling this backend cannot honour.
+        Called at admission, so a request is refused before it reaches a step."""
+
     def warmup(self) -> None:
         """Run every compiled shape once (and capture graphs where the backend has them)."""
         grid = self.spec.grid

@@ -37,7 +37,7 @@ class DecodeRules:
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> DecodeRules:
-        anchor = tokenizer.hf.encode("a", add_special_tokens=False)[-1:]
+        anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
         anchor_text = tokenizer.decode(anchor)
         if not anchor_text or REPLACEMENT_CHAR in anchor_text or anchor_text[0].isspace():
             raise ConfigError(f"the tokenizer has no plain-text token for 'a' (got {anchor_text!r})")

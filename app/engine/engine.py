@@ -164,6 +164,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
             )
+        self.backend.check_sampling(params.sampling)
         vocab = self.backend.model.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             bad = next(t for t in prompt if not 0 <= t < vocab)

@@ -106,6 +106,7 @@ def fake_runtime(engine: FakeEngine | None = None) -> Runtime:
         tokenizer=FakeTokenizer(),  # type: ignore[arg-type]
         model_name="fake-model",
         artifact_id="fake-model/0123456789ab",
+        backend_name="sim",
         grid=GRID,
         close=lambda: None,
     )

@@ -177,6 +177,9 @@ def test_metrics_parse_and_pass_promtool(sagemaker_server):
     phases = {s.labels["phase"] for s in families["inf2serve_startup_phase_seconds"].samples}
     assert {"backend", "warmup", "golden"} <= phases
     assert families["inf2serve_ready"].samples[0].value == 1
+    # Without a Neuron device the utilization gauge carries the engine's busy fraction, labelled so.
+    utilization = families["inf2serve_neuroncore_utilization_ratio"].samples
+    assert [s.labels for s in utilization] == [{"core": "all", "source": "engine"}]
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make system-deps` installs Debian's prometheus package"
     check = subprocess.run(

@@ -151,7 +151,8 @@ def link_compiled_view(artifact_dir: Path, view: Path) -> None:
 
 class NxdiBackend(Backend):
     """On-device sampling draws from the device's generator: a seed is honoured on greedy rows only, and
-    top_k at most `max_top_k` (the sampler's global top-k); admission should refuse larger ones."""
+    top_k at most `max_top_k` (the sampler's global top-k); `check_sampling` refuses larger ones at
+    admission."""
 
     name = "neuron-nxdi"
 
@@ -188,6 +189,9 @@ class NxdiBackend(Backend):
             view.cleanup()
             raise
         return cls(neuron_model, sampling.prepare_sampling_params, spec, info, view)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        sampling_row(params, self.max_top_k)
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
         tokens: list[SampledToken] = []

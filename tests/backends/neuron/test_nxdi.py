@@ -82,9 +82,14 @@ def test_logprobs_come_from_the_returned_logits_without_vocab_padding(nxdi: Nxdi
     assert all(token < 512 for token, _ in sampled.top_logprobs)
 
 
-def test_top_k_beyond_the_device_candidates_is_refused(nxdi: NxdiBackend) -> None:
+def test_top_k_beyond_the_device_candidates_is_refused_at_admission(nxdi: NxdiBackend) -> None:
+    too_wide = SamplingParams(temperature=1.0, top_k=300)
+    with pytest.raises(InvalidRequestError, match="256") as refused:
+        nxdi.check_sampling(too_wide)
+    assert refused.value.param == "top_k"
+    nxdi.check_sampling(SamplingParams(temperature=1.0, top_k=256))
     with pytest.raises(InvalidRequestError, match="256"):
-        nxdi.prefill(PrefillBatch((0,), ((1, 403),), (SamplingParams(temperature=1.0, top_k=300),), 16))
+        nxdi.prefill(PrefillBatch((0,), ((1, 403),), (too_wide,), 16))
 
 
 @pytest.mark.parametrize(
