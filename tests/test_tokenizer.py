@@ -38,7 +38,7 @@ def test_a_base_model_gets_the_plain_chat_template(tokenizer: Tokenizer) -> None
 
 
 def test_a_directory_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot load a tokenizer.*tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"cannot load a tokenizer.*tokenizer\.json"):
         Tokenizer.from_dir(tmp_path)
 
 
@@ -63,7 +63,10 @@ def test_encoding_and_chat_template_match_transformers(model: str, request: pyte
     from transformers import AutoTokenizer
 
     path = request.getfixturevalue(model)
-    ours, reference = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    ours, reference = (
+        Tokenizer.from_dir(path),
+        AutoTokenizer.from_pretrained(str(path), local_files_only=True),
+    )
     for text in TEXTS:
         assert ours.encode(text) == list(reference.encode(text)), text
         assert ours.encode(text, add_special_tokens=False) == list(
@@ -72,5 +75,7 @@ def test_encoding_and_chat_template_match_transformers(model: str, request: pyte
     rendered = reference.apply_chat_template(
         CONVERSATION, chat_template=ours.chat_template, tokenize=False, add_generation_prompt=True
     )
-    assert ours.apply_chat_template(CONVERSATION) == list(reference.encode(rendered, add_special_tokens=False))
+    assert ours.apply_chat_template(CONVERSATION) == list(
+        reference.encode(rendered, add_special_tokens=False)
+    )
     assert ours.vocab_size == len(reference) and ours.bos_token_id == reference.bos_token_id
