@@ -1,7 +1,8 @@
 """The loader the server runs at startup: artifact URI or alias -> a verified local directory.
 
-An S3 artifact is downloaded into a cache directory (`<cache>/<model-name>/<config-hash prefix>`) with
-concurrent ranged GETs, hashed while downloading and checked against the manifest before its final
+An S3 artifact is downloaded into a cache directory (`<cache>/<model-name>/<config-hash prefix>`), a few
+files at a time, each on one GET or on concurrent ranged GETs where its first part shows the connection
+is the bottleneck (`storage`), hashed while downloading and checked against the manifest before its final
 rename; a restart reuses the verified cache (a record of each file's size and mtime taken at
 verification) and resumes partial files. A local directory, such as SageMaker's `/opt/ml/model`, is
 verified in place and used as is, without copying. Every load first checks the manifest against the

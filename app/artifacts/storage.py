@@ -3,15 +3,32 @@
 
 S3 goes through boto3 with the standard AWS configuration: credential chain, region, and
 `AWS_ENDPOINT_URL_S3` for an S3-compatible endpoint. API calls are retried with backoff by botocore's
-standard retry mode; a body that breaks or comes back short mid-stream is retried here, per range.
-Large objects are read with concurrent ranged GETs pinned to one ETag, delivered to the caller in order,
-so it can hash while downloading. Nothing is written under a final name until it is complete.
+standard retry mode; a body that breaks or comes back short mid-stream is retried here, from the last
+byte received. Every GET of one object is pinned to the ETag seen first, bytes reach the caller in order
+(so it hashes while downloading), and nothing is written under a final name until it is complete.
+
+How an object is read (`TransferConfig`): one GET for everything from `start` to the end, consumed in
+the caller's thread (no hand-off: receiving, hashing and writing one chunk stay on one core), timed over
+its first part. Then one of two things:
+- carry on with that GET to the end, or
+- close it and fetch the rest as ranged GETs of `part_bytes`, `concurrency` in flight, read by worker
+  threads into memory and handed over in order (memory: at most concurrency x part_bytes per object);
+whichever `split_pays` estimates is sooner from the first part's timing: the request latency (time to
+first byte, which every new GET pays again), the seconds spent waiting on the connection, and the seconds
+spent in the sink (hashing and writing, which no number of connections shortens). Why measure rather than
+fix a rule: S3 caps one connection at roughly 100 MB/s, so a large object needs several (the first part
+shows mostly waiting), while other S3-compatible servers serve one stream faster than the client hashes
+and writes it but pay a lot per request (moto reads the whole object for every GET, ranged or not: there a
+fixed 8 MiB split made a 285 MiB load 15 times slower); the timing tells these apart without knowing
+the server. `concurrency` 1 never splits; objects of up to two parts stay on one GET unless
+`ranges="always"`, which splits after the first part whatever its timing.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import random
 import shutil
@@ -22,7 +39,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from itertools import islice
@@ -31,7 +48,9 @@ from queue import SimpleQueue
 from typing import Any
 
 from app.artifacts.manifest import FileEntry
-from app.errors import ArtifactError, StorageError
+from app.errors import ArtifactError, ConfigError, StorageError
+
+logger = logging.getLogger(__name__)
 
 S3_SCHEME = "s3://"
 PARTIAL_SUFFIX = ".partial"
@@ -43,25 +62,79 @@ NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
 Sink = Callable[[bytes], object]
 
 
+RANGE_POLICIES = ("auto", "always")
+
+
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    """How S3 reads are cut up: `part_bytes` per ranged GET (8 MiB, as AWS recommends), `concurrency`
-    GETs in flight per object (memory: at most concurrency x part_bytes per object). Environment:
-    INF2SERVE_S3_PART_MB, INF2SERVE_S3_CONCURRENCY."""
+    """How S3 reads are cut up (the policy is in the module docstring): `part_bytes` is the first part,
+    timed, and the size of every ranged GET after a split (8 MiB, as AWS recommends); `concurrency` the
+    ranged GETs in flight per object after a split (1: never split); `ranges` "auto" (split where it pays)
+    or "always" (split after the first part). Environment: INF2SERVE_S3_PART_MB,
+    INF2SERVE_S3_CONCURRENCY, INF2SERVE_S3_RANGES."""
 
     part_bytes: int = 8 * 1024 * 1024
     concurrency: int = 8
+    ranges: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.part_bytes < 1 or self.concurrency < 1:
+            raise ConfigError(
+                f"S3 part size ({self.part_bytes} bytes) and concurrency ({self.concurrency}) must be >= 1"
+            )
+        if self.ranges not in RANGE_POLICIES:
+            raise ConfigError(f"INF2SERVE_S3_RANGES is {self.ranges!r}; expected one of {RANGE_POLICIES}")
 
     @classmethod
     def from_env(cls) -> TransferConfig:
         return cls(
             part_bytes=int(float(os.environ.get("INF2SERVE_S3_PART_MB", "8")) * 1024 * 1024),
             concurrency=int(os.environ.get("INF2SERVE_S3_CONCURRENCY", "8")),
+            ranges=os.environ.get("INF2SERVE_S3_RANGES", "auto"),
         )
 
 
 DEFAULT_TRANSFER = TransferConfig.from_env()
 STREAM_CHUNK_BYTES = 1024 * 1024  # what one read from a response body or a local file hands over
+
+
+@dataclass(slots=True)
+class Pace:
+    """How one GET went so far: `latency` until its first chunk arrived (the round trip and the server's
+    time to first byte, which every new GET pays again), then seconds `waiting` on the connection and
+    seconds `working` in the sink, over `received` bytes."""
+
+    latency: float = 0.0
+    waiting: float = 0.0
+    working: float = 0.0
+    received: int = 0
+
+    def record(self, size: int, waited: float, worked: float) -> None:
+        if self.received:
+            self.waiting += waited
+        else:
+            self.latency = waited
+        self.working += worked
+        self.received += size
+
+
+def split_pays(pace: Pace, remaining: int, transfer: TransferConfig) -> bool:
+    """Whether the `remaining` bytes arrive sooner as ranged GETs than by carrying on with the GET that
+    measured `pace`. Carrying on costs its observed seconds per byte. Split, each of `concurrency`
+    connections pays a new latency plus a part at that pace for every part it takes, and the whole never
+    takes less than the sink's own time."""
+    if transfer.concurrency < 2:
+        return False
+    if transfer.ranges == "always":
+        return remaining > 0
+    if remaining <= transfer.part_bytes:
+        return False
+    per_byte = (pace.waiting + pace.working) / pace.received
+    parts = -(-remaining // transfer.part_bytes)
+    rounds = -(-parts // transfer.concurrency)
+    per_connection = rounds * (pace.latency + transfer.part_bytes * per_byte)
+    split = max(per_connection, remaining * pace.working / pace.received)
+    return split < remaining * per_byte
 
 
 def max_attempts() -> int:
@@ -293,14 +366,44 @@ class S3Store(Store):
         return self._head(key)[0]
 
     def stream(self, key: str, sink: Sink, start: int = 0, expected_size: int | None = None) -> int:
-        """Concurrent ranged GETs of `part_bytes` each, `concurrency` in flight, all pinned to the ETag
-        seen first; the part at the head streams straight to `sink`, later parts wait in memory."""
+        """One GET from `start`, consumed in this thread; after its first part, either carried on to the
+        end or closed, the rest then coming as ranged GETs (the policy is in the module docstring)."""
         size, etag = self._head(key)
         _check_size(self.uri_of(key), size, expected_size)
-        step, concurrency = self.transfer.part_bytes, self.transfer.concurrency
-        pending = (_Part(offset, min(offset + step, size)) for offset in range(start, size, step))
+        if start < size:
+            offset = self._stream_one_get(key, etag, start, size, sink)
+            if offset < size:
+                self._stream_ranges(key, etag, offset, size, sink)
+        return size
+
+    def _stream_one_get(self, key: str, etag: str, start: int, size: int, sink: Sink) -> int:
+        """Bytes from `start` to `sink` on one GET, timing its first part; returns where it stopped: at
+        the end, or at the end of the first part where `split_pays`."""
+        pace, offset, first_part_end, deciding = Pace(), start, start + self.transfer.part_bytes, True
+        with closing(self._chunks(key, etag, start, size)) as chunks:
+            mark = time.perf_counter()
+            for chunk in chunks:
+                arrived = time.perf_counter()
+                sink(chunk)
+                done = time.perf_counter()
+                pace.record(len(chunk), waited=arrived - mark, worked=done - arrived)
+                mark, offset = done, offset + len(chunk)
+                if deciding and offset >= first_part_end:
+                    deciding = False
+                    split = split_pays(pace, size - offset, self.transfer)
+                    choice = "ranged GETs" if split else "one GET"
+                    logger.debug("%s: first part %s: %s for the rest", self.uri_of(key), pace, choice)
+                    if split:
+                        return offset
+        return offset
+
+    def _stream_ranges(self, key: str, etag: str, begin: int, end: int, sink: Sink) -> None:
+        """Ranged GETs of `part_bytes`, `concurrency` in flight, read by worker threads; the part at the
+        head goes to `sink` as it arrives, later parts wait in memory."""
+        step = self.transfer.part_bytes
+        pending = (_Part(offset, min(offset + step, end)) for offset in range(begin, end, step))
         cancelled = threading.Event()
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="s3-range") as pool:
+        with ThreadPoolExecutor(self.transfer.concurrency, thread_name_prefix="s3-range") as pool:
             window: deque[_Part] = deque()
 
             def launch(count: int) -> None:
@@ -308,7 +411,7 @@ class S3Store(Store):
                     pool.submit(self._read_part, key, etag, part, cancelled)
                     window.append(part)
 
-            launch(concurrency)
+            launch(self.transfer.concurrency)
             try:
                 while window:
                     part = window.popleft()
@@ -319,37 +422,44 @@ class S3Store(Store):
                     launch(1)
             finally:
                 cancelled.set()
-        return size
 
     def _read_part(self, key: str, etag: str, part: _Part, cancelled: threading.Event) -> None:
         try:
-            self._read_range(key, etag, part, cancelled)
+            with closing(self._chunks(key, etag, part.begin, part.end)) as chunks:
+                for chunk in chunks:
+                    if cancelled.is_set():
+                        return
+                    part.chunks.put(chunk)
             part.chunks.put(None)
         except BaseException as error:  # handed to the consumer, which raises it in order
             part.chunks.put(error)
 
-    def _read_range(self, key: str, etag: str, part: _Part, cancelled: threading.Event) -> None:
-        """Bytes [begin, end) of one version of the object, in order. A broken, failed or short read is
-        retried with backoff from the last byte received."""
+    def _chunks(self, key: str, etag: str, begin: int, end: int) -> Iterator[bytes]:
+        """Bytes [begin, end) of one version of the object, in order, in chunks of at most
+        STREAM_CHUNK_BYTES and `part_bytes`. A broken, failed or short read is retried with backoff from
+        the last byte received; closing the iterator early closes the connection."""
         from botocore.exceptions import BotoCoreError
 
-        uri, attempts, offset = self.uri_of(key), max_attempts(), part.begin
+        uri, attempts, offset = self.uri_of(key), max_attempts(), begin
+        chunk_bytes = min(STREAM_CHUNK_BYTES, self.transfer.part_bytes)
         for attempt in range(1, attempts + 1):
             try:
                 with s3_errors("reading", uri):
-                    byte_range = f"bytes={offset}-{part.end - 1}"
+                    byte_range = f"bytes={offset}-{end - 1}"
                     response = s3_client().get_object(
                         Bucket=self.bucket, Key=self._key(key), Range=byte_range, IfMatch=etag
                     )
-                    for chunk in response["Body"].iter_chunks(STREAM_CHUNK_BYTES):
-                        if cancelled.is_set():
-                            response["Body"].close()
-                            return
-                        part.chunks.put(chunk)
-                        offset += len(chunk)
-                if offset >= part.end:
+                    body = response["Body"]
+                    try:
+                        while offset < end and (chunk := body.read(min(chunk_bytes, end - offset))):
+                            offset += len(chunk)
+                            yield chunk
+                    finally:
+                        if offset < end:  # stopped early or broken: this connection is not reused
+                            body.close()
+                if offset >= end:
                     return
-                problem = f"the body ended {part.end - offset} bytes short"
+                problem = f"the body ended {end - offset} bytes short"
             except _Transient as error:
                 problem = str(error)
             except BotoCoreError as error:  # the body broke mid-stream (reset, timeout, incomplete read)
@@ -357,7 +467,7 @@ class S3Store(Store):
             if attempt < attempts:
                 time.sleep(backoff_seconds(attempt))
         raise StorageError(
-            f"reading {uri} bytes {part.begin}-{part.end - 1} failed after {attempts} attempts: {problem}"
+            f"reading {uri} bytes {begin}-{end - 1} failed after {attempts} attempts: {problem}"
         )
 
 

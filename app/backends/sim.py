@@ -121,7 +121,7 @@ PRESETS: dict[str, CostModel] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built as a call returns, and a frozen __init__ costs 3x
 class StepRecord:
     """One call on the virtual device: `end` is the nominal end (start + cost), `returned` the real one."""
 

@@ -22,9 +22,16 @@ from typing import TYPE_CHECKING
 from app.backends.base import Backend, DecodeBatch, PrefillBatch, SampledToken
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
-from app.engine.output import CallTiming, OutputProcessor, OutputState, RequestStream, StepReport
-from app.engine.request import Request, RequestState
-from app.engine.scheduler import BatchPlan, Scheduler
+from app.engine.output import (
+    EWMA_WEIGHT,
+    CallTiming,
+    OutputProcessor,
+    OutputState,
+    RequestStream,
+    StepReport,
+)
+from app.engine.request import FINISHED, Request
+from app.engine.scheduler import BatchPlan, DecodeGroup, PrefillGroup, Scheduler
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
 from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
@@ -34,24 +41,21 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineConfig", "LLMEngine"]
 
-FINISHED = RequestState.FINISHED
-
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
-EWMA_WEIGHT = 0.1
 DEFAULT_STEP_S = 0.05  # retry-after estimates before any step was measured
 DEFAULT_REQUEST_TOKENS = 128
 
 
-@dataclass(frozen=True, slots=True)
-class CallOutcome:
-    """One backend call: its tokens, or the exception it raised."""
+# Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
+@dataclass(slots=True)
+class CallOutcome(CallTiming):
+    """One backend call: its tokens, or the exception it raised; its timing goes on to the step report."""
 
-    batch: PrefillBatch | DecodeBatch
+    requests: tuple[Request, ...]
     samples: Sequence[SampledToken]
     error: Exception | None
-    seconds: float
 
 
 class LLMEngine:
@@ -73,7 +77,6 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._failure: BaseException | None = None
-        self._step_s = 0.0  # EWMA of a step's device time
         self._request_tokens = float(DEFAULT_REQUEST_TOKENS)  # EWMA of tokens per finished request
 
     # --- the caller's side (any thread; generate on the event loop that will read the outputs) ---
@@ -149,12 +152,12 @@ class LLMEngine:
     @property
     def step_time_estimate_s(self) -> float:
         """Recent device time of one engine step (0.0 before the first step)."""
-        return self._step_s
+        return self._output.step_s
 
     def retry_after_s(self) -> float:
         """When a slot is likely to free up for a request queued now: the queue ahead drains
         `num_slots` requests per request lifetime (measured tokens per request x step time)."""
-        step_s = self._step_s or DEFAULT_STEP_S
+        step_s = self._output.step_s or DEFAULT_STEP_S
         return step_s * self._request_tokens * (self.num_waiting / self.grid.num_slots + 1)
 
     def _validate(self, prompt: tuple[int, ...], params: GenerationParams) -> None:
@@ -203,15 +206,15 @@ class LLMEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._wake.clear()
                 finished = self._take_inbox()
                 plan = self._scheduler.schedule(time.monotonic())
                 if plan.has_work:
                     outcomes = self._execute(plan)
-                    self._update(plan, outcomes, finished)
+                    self._update(outcomes, [*finished, *plan.expired])
                 else:
                     self._report(_final_records([*finished, *plan.expired]), (), time.monotonic())
                     self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()  # not every step: whoever set it had filled the inbox first
         except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
             logger.exception("the engine loop failed")
             self._failure = exc
@@ -239,16 +242,17 @@ class LLMEngine:
 
     def _execute(self, plan: BatchPlan) -> list[CallOutcome]:
         """Run the plan on the backend: prefills first, then the decode."""
-        outcomes = [self._call(self.backend.prefill, group.batch) for group in plan.prefills]
+        outcomes = [self._call(self.backend.prefill, group) for group in plan.prefills]
         if plan.decode is not None:
-            outcomes.append(self._call(self.backend.decode, plan.decode.batch))
+            outcomes.append(self._call(self.backend.decode, plan.decode))
         return outcomes
 
     @staticmethod
     def _call(
         run: Callable[[PrefillBatch], list[SampledToken]] | Callable[[DecodeBatch], list[SampledToken]],
-        batch: PrefillBatch | DecodeBatch,
+        group: PrefillGroup | DecodeGroup,
     ) -> CallOutcome:
+        batch = group.batch
         start = time.perf_counter()
         try:
             samples = run(batch)  # type: ignore[arg-type]
@@ -260,26 +264,23 @@ class LLMEngine:
         except Exception as exc:
             logger.exception("a %s call failed", type(batch).__name__)
             samples, error = (), exc
-        return CallOutcome(batch, samples, error, time.perf_counter() - start)
+        return CallOutcome(batch, time.perf_counter() - start, group.requests, samples, error)
 
-    def _update(self, plan: BatchPlan, outcomes: list[CallOutcome], finished: list[Request]) -> None:
+    def _update(self, outcomes: list[CallOutcome], finished: list[Request]) -> None:
         """Hand every request its token (or its call's error), then the step to the output thread."""
         now = time.monotonic()
-        groups = [*plan.prefills, plan.decode] if plan.decode is not None else plan.prefills
-        records = _final_records([*finished, *plan.expired])
-        for group, outcome in zip(groups, outcomes, strict=True):
+        records = _final_records(finished) if finished else []
+        for outcome in outcomes:
             if outcome.error is None:
-                self._scheduler.apply(group.requests, outcome.samples, now)
+                self._scheduler.apply(outcome.requests, outcome.samples, now)
             else:
                 error = GenerationError(f"the device step failed: {outcome.error}")
-                self._scheduler.fail(group.requests, error, now)
-            records += [(r, len(r.output_token_ids), r.state is FINISHED) for r in group.requests]
-        step_s = sum(o.seconds for o in outcomes)
-        self._step_s += (step_s - self._step_s) * (EWMA_WEIGHT if self._step_s else 1.0)
-        self._report(records, tuple(CallTiming(o.batch, o.seconds) for o in outcomes), now)
+                self._scheduler.fail(outcome.requests, error, now)
+            records += [(r, len(r.output_token_ids), r.state is FINISHED) for r in outcome.requests]
+        self._report(records, outcomes, now)
 
     def _report(
-        self, records: list[tuple[Request, int, bool]], calls: tuple[CallTiming, ...], now: float
+        self, records: list[tuple[Request, int, bool]], calls: Sequence[CallTiming], now: float
     ) -> None:
         if records or calls:
             scheduler = self._scheduler

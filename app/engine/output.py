@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from app import metrics
@@ -31,6 +31,7 @@ from app.errors import GenerationError, Inf2ServeError
 logger = logging.getLogger(__name__)
 
 BUSY_WINDOW_S = 1.0
+EWMA_WEIGHT = 0.1
 
 
 class RequestStream:
@@ -105,7 +106,8 @@ class OutputState:
         self.done = False
 
 
-@dataclass(frozen=True, slots=True)
+# Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
+@dataclass(slots=True)
 class CallTiming:
     """One backend call of a step, for the step metrics."""
 
@@ -113,13 +115,13 @@ class CallTiming:
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepReport:
     """What one engine step hands the output thread."""
 
     time: float  # time.monotonic() when the step's tokens arrived
     records: list[tuple[Request, int, bool]]  # (request, output tokens so far, finished)
-    calls: tuple[CallTiming, ...] = ()
+    calls: Sequence[CallTiming] = ()
     num_running: int = 0
     num_waiting: int = 0
     num_slots: int = 1
@@ -133,6 +135,7 @@ class OutputProcessor:
         self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
         self._busy_s = 0.0
         self._busy_since = time.perf_counter()
+        self.step_s = 0.0  # EWMA of a step's device time (0.0 before the first step)
 
     def start(self) -> None:
         self._thread.start()
@@ -274,6 +277,9 @@ class OutputProcessor:
         )
 
     def _record_step(self, report: StepReport) -> None:
+        if report.calls:
+            step_s = sum([call.seconds for call in report.calls])
+            self.step_s += (step_s - self.step_s) * (EWMA_WEIGHT if self.step_s else 1.0)
         stall = 0.0
         for call in report.calls:
             usage = batch_usage(call.batch)

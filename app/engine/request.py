@@ -28,6 +28,10 @@ class RequestState(Enum):
     FINISHED = "finished"
 
 
+# Module constants: looking a member up on an Enum class costs a call in CPython 3.11, per token here.
+WAITING, PREFILLING = RequestState.WAITING, RequestState.PREFILLING
+DECODING, FINISHED = RequestState.DECODING, RequestState.FINISHED
+
 _NEXT_STATES: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
     RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED}),
@@ -111,7 +115,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.state is RequestState.FINISHED
+        return self.state is FINISHED
 
     def start_prefill(self, slot: int, now: float) -> None:
         self._move(RequestState.PREFILLING)
@@ -119,11 +123,11 @@ class Request:
         self.scheduled_time = now
 
     def append_token(self, sample: SampledToken, now: float) -> None:
-        if self.state is RequestState.PREFILLING:
-            self._move(RequestState.DECODING)
+        if self.state is not DECODING:
+            if self.state is not PREFILLING:
+                raise InvalidTransitionError(f"{self!r} received a token")
+            self._move(DECODING)
             self.first_token_time = now
-        elif self.state is not RequestState.DECODING:
-            raise InvalidTransitionError(f"{self!r} received a token")
         self.output_token_ids.append(sample.token_id)
         self.samples.append(sample)
         self.last_token_id = sample.token_id

@@ -24,30 +24,39 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.backends.base import DecodeBatch, PrefillBatch, SampledToken
+from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.engine.config import EngineConfig
-from app.engine.request import Request, RequestState
+from app.engine.request import FINISHED, WAITING, Request
 from app.engine.stops import token_stop_reason
 from app.engine.types import FinishReason
 from app.errors import DeadlineExceededError, Inf2ServeError
 from app.shapes import ShapeGrid
 
-FINISHED = RequestState.FINISHED
 
-
-@dataclass(frozen=True, slots=True)
+# Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
+@dataclass(slots=True)
 class PrefillGroup:
     requests: tuple[Request, ...]
     batch: PrefillBatch
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """What a decode batch keeps from step to step until a sequence joins or leaves."""
+
+    requests: tuple[Request, ...]
+    slots: tuple[int, ...]
+    sampling: tuple[SamplingParams, ...]
+    batch_bucket: int
+
+
+@dataclass(slots=True)
 class DecodeGroup:
     requests: tuple[Request, ...]
     batch: DecodeBatch
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BatchPlan:
     """One engine step: prefills (one per context bucket), then one decode of every running slot."""
 
@@ -66,7 +75,9 @@ class Scheduler:
         self.config = config
         self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
         self._num_waiting = 0
-        self._running: list[Request] = []  # holding a slot; finished entries are dropped each step
+        self._running: list[Request] = []  # holding a slot; finished entries are dropped lazily
+        self._rows: DecodeRows | None = None  # the running requests' rows; None once one joined or left
+        self._token_bucket = 0  # of the last decode: positions only grow while the rows stay
         self._slot_owner: list[Request | None] = [None] * grid.num_slots
         self._free_slots = list(range(grid.num_slots - 1, -1, -1))  # pop() hands out the lowest
         self._deadlines: list[tuple[float, int, Request]] = []
@@ -89,12 +100,15 @@ class Scheduler:
         self._waiting.append(request)
         self._num_waiting += 1
         if request.deadline is not None:
+            if len(self._deadlines) > 2 * (self._num_waiting + self.num_running) + 64:
+                self._deadlines = [entry for entry in self._deadlines if not entry[2].is_finished]
+                heapq.heapify(self._deadlines)  # dropped the finished entries
             heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))
 
     def schedule(self, now: float) -> BatchPlan:
         expired = self._expire(now)
         decode = self._decode_group()
-        prefills = self._admit(now)
+        prefills = self._admit(now) if self._free_slots and self._waiting else ()
         return BatchPlan(prefills, decode, expired)
 
     def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
@@ -118,11 +132,12 @@ class Scheduler:
         """End a request in any state; its slot is free for the next schedule."""
         state = request.state
         request.finish(reason, now, error)
-        if state is RequestState.WAITING:
+        if state is WAITING:
             self._num_waiting -= 1
         elif self._slot_owner[request.slot] is request:
             self._slot_owner[request.slot] = None
             self._free_slots.append(request.slot)
+            self._rows = None
 
     def finish_all(self, reason: FinishReason, now: float, error: Inf2ServeError) -> list[Request]:
         """End every unfinished request (engine shutdown); returns them."""
@@ -132,9 +147,12 @@ class Scheduler:
         return unfinished
 
     def _expire(self, now: float) -> tuple[Request, ...]:
-        expired = self._expire_deadlines(now)
-        expired.extend(self._expire_queue_waits(now))
-        return tuple(expired)
+        deadlines, waiting, max_wait = self._deadlines, self._waiting, self.config.max_queue_wait_s
+        deadline_due = bool(deadlines) and deadlines[0][0] <= now
+        wait_due = bool(waiting) and max_wait is not None and now - waiting[0].arrival_time >= max_wait
+        if not (deadline_due or wait_due):  # most steps; the queue's head arrived first
+            return ()
+        return (*self._expire_deadlines(now), *self._expire_queue_waits(now))
 
     def _expire_deadlines(self, now: float) -> list[Request]:
         expired: list[Request] = []
@@ -147,9 +165,6 @@ class Scheduler:
                 )
                 self.finish(request, FinishReason.ERROR, now, error)
                 expired.append(request)
-        if len(deadlines) > 2 * (self._num_waiting + self.num_running) + 64:  # drop finished entries
-            self._deadlines = [entry for entry in deadlines if not entry[2].is_finished]
-            heapq.heapify(self._deadlines)
         return expired
 
     def _expire_queue_waits(self, now: float) -> list[Request]:
@@ -171,19 +186,35 @@ class Scheduler:
         return expired
 
     def _decode_group(self) -> DecodeGroup | None:
-        running = self._running = [r for r in self._running if r.state is not FINISHED]
-        if not running:
+        rows = self._rows if self._rows is not None else self._decode_rows()
+        requests = rows.requests
+        if not requests:
             return None
-        positions = tuple([r.num_tokens - 1 for r in running])
+        positions = tuple([r.num_tokens - 1 for r in requests])
+        span = max(positions) + 1
+        if span > self._token_bucket:
+            self._token_bucket = self.grid.token_bucket(span)
         batch = DecodeBatch(
-            slots=tuple([r.slot for r in running]),
-            last_tokens=tuple([r.last_token_id for r in running]),
+            slots=rows.slots,
+            last_tokens=tuple([r.last_token_id for r in requests]),
             positions=positions,
+            sampling=rows.sampling,
+            batch_bucket=rows.batch_bucket,
+            token_bucket=self._token_bucket,
+        )
+        return DecodeGroup(requests, batch)
+
+    def _decode_rows(self) -> DecodeRows:
+        """Rebuilt only in a step after a sequence joined or left: most steps just decode the same rows."""
+        running = self._running = [r for r in self._running if r.state is not FINISHED]
+        self._token_bucket = 0
+        self._rows = DecodeRows(
+            requests=tuple(running),
+            slots=tuple([r.slot for r in running]),
             sampling=tuple([r.params.sampling for r in running]),
             batch_bucket=self.grid.batch_bucket(len(running)),
-            token_bucket=self.grid.token_bucket(max(positions) + 1),
         )
-        return DecodeGroup(tuple(running), batch)
+        return self._rows
 
     def _admission_limit(self) -> tuple[int, int | None]:
         """(sequences, padded prompt tokens) that may enter this step."""
@@ -220,6 +251,7 @@ class Scheduler:
         self._slot_owner[slot] = request
         request.start_prefill(slot, now)
         self._running.append(request)
+        self._rows = None
 
     @staticmethod
     def _prefill_group(bucket: int, requests: list[Request]) -> PrefillGroup:

@@ -1,7 +1,8 @@
 """Stop rules. Token-level rules (EOS, stop token ids, `max_tokens`, the compiled position limit) are
 checked by the scheduler as each token arrives; stop strings are matched on the streamed text, across
 token boundaries, by `StopStringMatcher`, which holds back any suffix that could begin a stop string and
-cuts the text before the first match (the stop string itself is never emitted)."""
+cuts the text before the stop string that completes first (the stop string itself is never emitted), so
+the result does not depend on where token boundaries fall."""
 
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ class StopStringMatcher:
     def push(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found)."""
         text = self._held + piece
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        hits = [(i + len(s), i) for s in self._stops if (i := text.find(s)) >= 0]  # (end, start)
         if hits:
             self._held = ""
-            return text[: min(hits)], True
+            return text[: min(hits)[1]], True
         keep = self._partial_match_length(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False

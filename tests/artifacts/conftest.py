@@ -24,10 +24,12 @@ def artifact_files() -> dict[str, bytes]:
 
 @pytest.fixture
 def small_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
-    """64 KiB ranged GETs, 3 in flight: a 300 KB file takes several out-of-order ranges."""
+    """64 KiB parts, split after the first whatever its timing, 3 ranged GETs in flight: a 300 KB file
+    takes one GET for its first part, then several out-of-order ranges."""
     from app.artifacts import storage
 
-    monkeypatch.setattr(storage, "DEFAULT_TRANSFER", storage.TransferConfig(part_bytes=65536, concurrency=3))
+    transfer = storage.TransferConfig(part_bytes=65536, concurrency=3, ranges="always")
+    monkeypatch.setattr(storage, "DEFAULT_TRANSFER", transfer)
 
 
 @pytest.fixture

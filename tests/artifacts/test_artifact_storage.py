@@ -11,13 +11,16 @@ import pytest
 
 from app.artifacts.storage import (
     LocalStore,
+    Pace,
     S3Store,
+    TransferConfig,
     atomic_file,
     download_file,
     hash_object,
     open_store,
+    split_pays,
 )
-from app.errors import ArtifactError, StorageError
+from app.errors import ArtifactError, ConfigError, StorageError
 from tests.s3_server import fault_proxy, free_port, start_s3_server, use_endpoint
 
 
@@ -49,6 +52,59 @@ def test_s3_store_reads_writes_lists_and_streams_in_order(s3, bucket, small_rang
     assert len(chunks) == 5 and b"".join(chunks) == data[1000:]
     entry = hash_object(store, "a/b.bin", expected_size=300_000)
     assert entry.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_a_fast_stream_stays_on_one_get(s3_server, monkeypatch, bucket) -> None:
+    """The default policy on a server that streams faster than the client consumes (loopback): the first
+    part's timing shows no waiting worth a new request, so the rest comes on the same GET."""
+    data = os.urandom(300_000)
+    s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
+    store = S3Store(bucket, "p", TransferConfig(part_bytes=65536, concurrency=3))
+    with fault_proxy(s3_server.endpoint_url, ["count"] * 10) as proxy:  # counts ranged GETs, no faults
+        use_endpoint(monkeypatch, proxy.endpoint_url)
+        chunks: list[bytes] = []
+        assert store.stream("w.bin", chunks.append) == 300_000
+    assert b"".join(chunks) == data
+    assert len(proxy.served_faults) == 1
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("pace", "remaining", "transfer", "expected"),
+    [
+        # S3: 30 ms to first byte, then ~100 MB/s on one connection: 8 connections are much sooner
+        (Pace(0.03, 0.074, 0.006, 8 * MIB), 1024 * MIB, TransferConfig(), True),
+        (Pace(0.03, 0.074, 0.006, 8 * MIB), 24 * MIB, TransferConfig(), True),
+        # a server that reads the whole object per request (0.2 s to first byte) and then streams
+        # faster than the client hashes: every extra GET costs more than the whole rest of the stream
+        (Pace(0.2, 0.001, 0.010, 8 * MIB), 277 * MIB, TransferConfig(), False),
+        # consumer-bound (no waiting): more connections cannot help
+        (Pace(0.001, 0.0, 0.010, 8 * MIB), 1024 * MIB, TransferConfig(), False),
+        # one part left, or one connection allowed: nothing to gain
+        (Pace(0.03, 0.074, 0.006, 8 * MIB), 8 * MIB, TransferConfig(), False),
+        (Pace(0.03, 0.074, 0.006, 8 * MIB), 1024 * MIB, TransferConfig(concurrency=1), False),
+        # "always" splits whatever the timing, as long as anything is left and concurrency allows
+        (Pace(0.2, 0.001, 0.010, 8 * MIB), 277 * MIB, TransferConfig(ranges="always"), True),
+        (Pace(0.2, 0.001, 0.010, 8 * MIB), 0, TransferConfig(ranges="always"), False),
+        (Pace(0.2, 0.001, 0.010, 8 * MIB), 277 * MIB, TransferConfig(concurrency=1, ranges="always"), False),
+    ],
+)
+def test_split_pays_where_connections_are_the_bottleneck(pace, remaining, transfer, expected) -> None:
+    assert split_pays(pace, remaining, transfer) is expected
+
+
+def test_transfer_config_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("INF2SERVE_S3_PART_MB", "16")
+    monkeypatch.setenv("INF2SERVE_S3_CONCURRENCY", "4")
+    monkeypatch.setenv("INF2SERVE_S3_RANGES", "always")
+    assert TransferConfig.from_env() == TransferConfig(16 * MIB, 4, "always")
+    monkeypatch.setenv("INF2SERVE_S3_RANGES", "sometimes")
+    with pytest.raises(ConfigError, match="INF2SERVE_S3_RANGES is 'sometimes'"):
+        TransferConfig.from_env()
+    with pytest.raises(ConfigError, match="concurrency"):
+        TransferConfig(concurrency=0)
 
 
 def test_write_new_never_overwrites(s3, bucket, tmp_path) -> None:
@@ -106,14 +162,14 @@ def test_access_denied_is_a_clear_error(monkeypatch) -> None:
         server.stop()
 
 
-def test_transient_errors_and_broken_bodies_are_retried(
-    s3_server, monkeypatch, bucket, small_ranges, tmp_path
-):
+@pytest.mark.parametrize("ranges", ["auto", "always"])
+def test_transient_errors_and_broken_bodies_are_retried(s3_server, monkeypatch, bucket, tmp_path, ranges):
     data = os.urandom(300_000)
     s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
+    store = S3Store(bucket, "p", TransferConfig(part_bytes=65536, concurrency=3, ranges=ranges))
     with fault_proxy(s3_server.endpoint_url, ["503", "truncate", "503", "truncate"]) as proxy:
         use_endpoint(monkeypatch, proxy.endpoint_url, max_attempts=3)
-        entry = download_file(open_store(f"s3://{bucket}/p"), "w.bin", tmp_path / "w.bin")
+        entry = download_file(store, "w.bin", tmp_path / "w.bin")
     assert proxy.served_faults == ["503", "truncate", "503", "truncate"]
     assert entry.sha256 == hashlib.sha256(data).hexdigest()
     assert (tmp_path / "w.bin").read_bytes() == data
@@ -126,7 +182,7 @@ def test_retries_give_up_with_a_clear_error_and_no_file(
     with fault_proxy(s3_server.endpoint_url, ["truncate"] * 20) as proxy:
         use_endpoint(monkeypatch, proxy.endpoint_url, max_attempts=2)
         with pytest.raises(
-            StorageError, match=r"reading s3://.*/p/w.bin bytes 0-65535 failed after 2 attempts"
+            StorageError, match=r"reading s3://.*/p/w.bin bytes \d+-99999 failed after 2 attempts"
         ):
             download_file(open_store(f"s3://{bucket}/p"), "w.bin", tmp_path / "w.bin")
     assert list(tmp_path.iterdir()) == []

@@ -41,6 +41,12 @@ def test_the_earliest_of_several_stop_strings_wins() -> None:
     assert hit and emitted == ["hel"]
 
 
+def test_the_stop_string_that_ends_first_wins_wherever_tokens_split() -> None:
+    for pieces in (["baa"], ["ba", "a"]):  # "a" completes before "baa", which starts earlier
+        emitted, hit = stream(StopStringMatcher(["a", "baa"]), pieces)
+        assert hit and "".join(emitted) == "b"
+
+
 def test_no_stop_strings_means_no_matcher() -> None:
     assert StopStringMatcher.of(()) is None and StopStringMatcher.of(("",)) is None
 
@@ -54,9 +60,9 @@ def test_streaming_equals_cutting_the_whole_text(text: str, stops: list[str], cu
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     emitted, hit = stream(StopStringMatcher(stops), pieces)
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    assert hit == (first >= 0)
-    assert "".join(emitted) == (text[:first] if hit else text)
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]  # generation ends at the first to end
+    assert hit == bool(hits)
+    assert "".join(emitted) == (text[: min(hits)[1]] if hit else text)
 
 
 def test_stop_token_ids_include_eos_unless_ignored() -> None:
