@@ -148,7 +148,7 @@ def run_show(args: argparse.Namespace) -> None:
 def run_verify(args: argparse.Namespace) -> None:
     store = resolve(args.uri)
     manifest = read_manifest(store)
-    verify_files(store, manifest)
+    verify_files(store, manifest, every_digest=True)
     print(f"verified {len(manifest.files)} files, {manifest.total_bytes} bytes: {store.uri}")
 
 

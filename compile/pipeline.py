@@ -200,7 +200,7 @@ def checkpoint_files(checkpoint: Path) -> list[Path]:
 def checkpoint_sha256(checkpoint: Path) -> str:
     """One checksum over every checkpoint file the artifact is built from (names and contents)."""
     source = LocalStore(checkpoint)
-    entries = [hash_object(source, path.name) for path in checkpoint_files(checkpoint)]
+    entries = [hash_object(source, path.name, digests=("sha256",)) for path in checkpoint_files(checkpoint)]
     listing = [[entry.path, entry.sha256] for entry in entries]
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 

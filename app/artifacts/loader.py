@@ -2,11 +2,12 @@
 
 An S3 artifact is downloaded into a cache directory (`<cache>/<model-name>/<config-hash prefix>`), a few
 files at a time, each on one GET or on concurrent ranged GETs where its first part shows the connection
-is the bottleneck (`storage`), hashed while downloading and checked against the manifest before its final
-rename; a restart reuses the verified cache (a record of each file's size and mtime taken at
-verification) and resumes partial files. A local directory, such as SageMaker's `/opt/ml/model`, is
-verified in place and used as is, without copying. Every load first checks the manifest against the
-running stack, so a mismatch is one precise error before any byte is downloaded.
+is the bottleneck (`storage`), hashed while downloading and checked against the manifest (BLAKE3 where it
+records one, else sha256: `digest`) before its final rename; a restart reuses the verified cache (a
+record of each file's size and mtime taken at verification) and resumes partial files. A local directory,
+such as SageMaker's `/opt/ml/model`, is verified in place and used as is, without copying. Every load
+first checks the manifest against the running stack, so a mismatch is one precise error before any byte
+is downloaded.
 """
 
 from __future__ import annotations
@@ -23,16 +24,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from app.artifacts.manifest import MANIFEST_NAME, FileEntry, Manifest, check_against_stack
-from app.artifacts.storage import (
-    LocalStore,
-    Store,
-    check_entry,
-    download_file,
-    hash_object,
-    open_store,
-    progress_bar,
-)
+from app.artifacts.digest import check_entry, verified_digests
+from app.artifacts.manifest import DIGESTS, MANIFEST_NAME, FileEntry, Manifest, check_against_stack
+from app.artifacts.storage import LocalStore, Store, download_file, hash_object, open_store, progress_bar
 from app.errors import ArtifactError
 
 ALIASES_DIR = "aliases"
@@ -125,12 +119,15 @@ def load_artifact(uri: str, cache_dir: Path | None = None) -> LocalArtifact:
     return LocalArtifact(uri, root, manifest, timings, manifest.total_bytes, downloaded)
 
 
-def verify_files(store: Store, manifest: Manifest) -> None:
-    """Re-read every file of the artifact at `store` and check its size and sha256."""
+def verify_files(store: Store, manifest: Manifest, every_digest: bool = False) -> None:
+    """Re-read every file of the artifact at `store` and check its size and the digests a load checks
+    (`verified_digests`), or with `every_digest` all that the manifest records."""
     with progress_bar(manifest.total_bytes, f"verify {manifest.artifact_id}") as bar:
 
         def verify(entry: FileEntry) -> None:
-            check_entry(hash_object(store, entry.path, entry.size), entry, store.uri_of(entry.path))
+            digests = DIGESTS if every_digest else verified_digests(entry)
+            found = hash_object(store, entry.path, entry.size, digests)
+            check_entry(found, entry, store.uri_of(entry.path))
             bar.update(entry.size)
 
         _for_each(verify, manifest.files)
@@ -174,7 +171,8 @@ def _verified_in_place(root: Path, entry: FileEntry) -> bool:
         return False
     if path.stat().st_size == entry.size:
         try:
-            check_entry(hash_object(LocalStore(root), entry.path), entry, str(path))
+            found = hash_object(LocalStore(root), entry.path, digests=verified_digests(entry))
+            check_entry(found, entry, str(path))
             return True
         except ArtifactError:
             pass

@@ -20,7 +20,9 @@ from app.backends.base import BackendSpec
 from app.backends.neuron.runtime import NEURON_PINNED_VERSIONS, RUNTIME_PACKAGE, runtime_version
 from app.errors import ArtifactError, ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: files carry a BLAKE3 digest as well as their sha256
+READABLE_SCHEMA_VERSIONS = (1, 2)
+DIGESTS = ("sha256", "blake3")  # FileEntry fields, in the order they are checked
 MANIFEST_NAME = "manifest.json"
 GOLDEN_NAME = "golden.json"
 HASH_PREFIX_LENGTH = 12  # hex digits of the config hash in an artifact's key and id
@@ -43,11 +45,12 @@ VERSION_PROBES: dict[str, Callable[[], str | None]] = {  # library -> probe, for
 
 @dataclass(frozen=True, slots=True)
 class FileEntry:
-    """One artifact file, by its path relative to the artifact root."""
+    """One artifact file, by its path relative to the artifact root, with its digests (hex)."""
 
     path: str
     size: int
     sha256: str
+    blake3: str | None = None  # from schema 2 on
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,7 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["spec"] = self.spec.to_dict()
-        data["files"] = [asdict(entry) for entry in self.files]
+        data["files"] = [{k: v for k, v in asdict(entry).items() if v is not None} for entry in self.files]
         data["validation"] = asdict(self.validation)
         data["validation"]["failures"] = list(self.validation.failures)
         return {"artifact_id": self.artifact_id, **data}
@@ -120,10 +123,11 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         schema = data.get("schema_version")
-        if schema != SCHEMA_VERSION:
+        if schema not in READABLE_SCHEMA_VERSIONS:
             raise ArtifactError(
                 f"manifest schema version {schema!r} is not supported by inf2serve {__version__} "
-                f"(it reads schema version {SCHEMA_VERSION}); recompile the artifact or upgrade the server"
+                f"(it reads schema versions {_listed(READABLE_SCHEMA_VERSIONS)}); recompile the artifact "
+                "or upgrade the server"
             )
         try:
             fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
@@ -178,10 +182,10 @@ def significant(version_string: str, parts: int | None) -> str:
 
 def check_against_stack(manifest: Manifest) -> None:
     """Raise ArtifactError naming the first way `manifest` does not fit the running stack."""
-    if manifest.schema_version != SCHEMA_VERSION:
+    if manifest.schema_version not in READABLE_SCHEMA_VERSIONS:
         raise ArtifactError(
             f"artifact {manifest.artifact_id} has manifest schema version {manifest.schema_version}; "
-            f"this server reads schema version {SCHEMA_VERSION}"
+            f"this server reads schema versions {_listed(READABLE_SCHEMA_VERSIONS)}"
         )
     backend = manifest.spec.backend
     if backend not in PINNED_VERSIONS:
@@ -203,6 +207,10 @@ def check_against_stack(manifest: Manifest) -> None:
                 f"artifact {manifest.artifact_id} was compiled with {library} {recorded}, but this "
                 f"server runs {library} {running}; recompile the artifact for this stack"
             )
+
+
+def _listed(versions: tuple[int, ...]) -> str:
+    return ", ".join(str(v) for v in versions)
 
 
 def config_hash(source_sha256: str, spec: BackendSpec, versions: dict[str, str]) -> str:

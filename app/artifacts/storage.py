@@ -7,8 +7,8 @@ standard retry mode; a body that breaks or comes back short mid-stream is retrie
 byte received. Every GET of one object is pinned to the ETag seen first, bytes reach the caller in order
 (so it hashes while downloading), and nothing is written under a final name until it is complete.
 
-How an object is read (`TransferConfig`): one GET for everything from `start` to the end, consumed in
-the caller's thread (no hand-off: receiving, hashing and writing one chunk stay on one core), timed over
+How an object is read (`TransferConfig`): one GET for everything from `start` to the end, received in
+the caller's thread (a download's sink hands each chunk on to a writer and a hasher thread), timed over
 its first part. Then one of two things:
 - carry on with that GET to the end, or
 - close it and fetch the rest as ranged GETs of `part_bytes`, `concurrency` in flight, read by worker
@@ -27,7 +27,6 @@ the server. `concurrency` 1 never splits; objects of up to two parts stay on one
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import random
@@ -37,7 +36,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -47,7 +46,8 @@ from pathlib import Path, PurePosixPath
 from queue import SimpleQueue
 from typing import Any
 
-from app.artifacts.manifest import FileEntry
+from app.artifacts.digest import Digests, PipelinedSink, check_entry, reserve, verified_digests
+from app.artifacts.manifest import DIGESTS, FileEntry
 from app.errors import ArtifactError, ConfigError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -548,51 +548,45 @@ def atomic_file(path: Path) -> Iterator[Any]:
         raise
 
 
-def hash_object(store: Store, key: str, expected_size: int | None = None) -> FileEntry:
-    """Read an object through and return its size and sha256 (nothing is written)."""
-    digest = hashlib.sha256()
-    size = store.stream(key, digest.update, expected_size=expected_size)
-    return FileEntry(key, size, digest.hexdigest())
-
-
-def check_entry(found: FileEntry, expected: FileEntry, where: str) -> None:
-    if found.sha256 != expected.sha256:
-        raise ArtifactError(
-            f"checksum mismatch for {where}: expected sha256 {expected.sha256}, got {found.sha256} "
-            "(a corrupt or modified file)"
-        )
+def hash_object(
+    store: Store, key: str, expected_size: int | None = None, digests: Iterable[str] = DIGESTS
+) -> FileEntry:
+    """Read an object through and return its size and `digests` (nothing is written)."""
+    running = Digests(digests)
+    size = store.stream(key, running.update, expected_size=expected_size)
+    return running.entry(key, size)
 
 
 def download_file(
     store: Store, key: str, dest: Path, expected: FileEntry | None = None, resume: bool = True
 ) -> FileEntry:
-    """Download `key` to `dest`, hashing while downloading, through `<dest>.partial`.
+    """Download `key` to `dest` through `<dest>.partial`, writing and hashing on threads of their own
+    while the next bytes arrive (`PipelinedSink`).
 
-    With `expected`, the size and sha256 are checked before the rename; a mismatch deletes the partial
-    file. A partial file left by an interrupted run is resumed from its end (it always holds a prefix:
-    it is written in order); if a resumed download then mismatches, it is downloaded again from zero.
+    With `expected`, the size and the digests a load verifies (`verified_digests`) are checked before
+    the rename, and a mismatch deletes the partial file; without it, every digest is computed. A
+    partial file left by an interrupted run is resumed from its end (it always holds a prefix: it is
+    written in order); if a resumed download then mismatches, it is downloaded again from zero.
     """
     partial = dest.with_name(dest.name + PARTIAL_SUFFIX)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
+    digests = Digests(verified_digests(expected) if expected else DIGESTS)
     start = 0
     if resume and partial.exists():
         with partial.open("rb") as handle:
             while chunk := handle.read(8 * STREAM_CHUNK_BYTES):
-                digest.update(chunk)
+                digests.update(chunk)
                 start += len(chunk)
     expected_size = expected.size if expected else None
     try:
         if expected_size is not None and start > expected_size:
             raise ArtifactError(f"{partial} is longer than {store.uri_of(key)}")
         with partial.open("ab" if start else "wb") as handle:
-
-            def sink(chunk: bytes) -> None:
-                digest.update(chunk)
-                handle.write(chunk)
-
-            size = store.stream(key, sink, start=start, expected_size=expected_size)
-        found = FileEntry(key, size, digest.hexdigest())
+            if expected_size is not None:
+                reserve(handle.fileno(), start, expected_size - start)
+            with PipelinedSink(handle.write, digests) as sink:
+                size = store.stream(key, sink, start=start, expected_size=expected_size)
+        found = digests.entry(key, size)
         if expected is not None:
             check_entry(found, expected, store.uri_of(key))
     except ArtifactError:

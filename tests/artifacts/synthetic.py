@@ -7,6 +7,8 @@ import hashlib
 import os
 from pathlib import Path
 
+import blake3
+
 from app.artifacts.manifest import SCHEMA_VERSION, FileEntry, Manifest, ValidationReport, stack_versions
 from app.backends.base import BackendSpec
 from app.shapes import ShapeGrid
@@ -16,8 +18,16 @@ REPORT = ValidationReport(True, "test", "fp32", 2e-3, 1, 1, 0, 0, 0.0)
 
 
 def synthetic_manifest(files: dict[str, bytes], **overrides: object) -> Manifest:
+    """A manifest of the current schema, or of `schema_version=1` (files with sha256 alone)."""
+    with_blake3 = overrides.get("schema_version", SCHEMA_VERSION) != 1
     entries = tuple(
-        FileEntry(path, len(data), hashlib.sha256(data).hexdigest()) for path, data in files.items()
+        FileEntry(
+            path,
+            len(data),
+            hashlib.sha256(data).hexdigest(),
+            blake3.blake3(data).hexdigest() if with_blake3 else None,
+        )
+        for path, data in files.items()
     )
     fields: dict[str, object] = {
         "schema_version": SCHEMA_VERSION,

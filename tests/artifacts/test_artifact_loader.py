@@ -86,7 +86,7 @@ def test_a_corrupted_object_fails_and_leaves_no_file(
     corrupt = bytearray(artifact_files[WEIGHTS])
     corrupt[-1] ^= 0xFF
     s3.client().put_object(Bucket=bucket, Key=f"root/{manifest.artifact_id}/{WEIGHTS}", Body=bytes(corrupt))
-    with pytest.raises(ArtifactError, match=f"checksum mismatch for {uri}/{WEIGHTS}: expected sha256"):
+    with pytest.raises(ArtifactError, match=f"checksum mismatch for {uri}/{WEIGHTS}: expected blake3"):
         load_artifact(uri, cache_dir)
     assert not any(path.startswith(f"{manifest.artifact_id}/weights") for path in cache_files(cache_dir))
     assert not (cache_dir / manifest.artifact_id / "manifest.json").exists()
