@@ -30,7 +30,7 @@ import blake3
 from app.artifacts.manifest import DIGESTS, FileEntry
 from app.errors import ArtifactError
 
-PENDING_CHUNKS = 1  # per stage: at most this many chunks (1 MiB each) wait in memory
+PENDING_CHUNKS = 4  # per stage: at most this many chunks (1 MiB each) wait in memory
 FALLOC_FL_KEEP_SIZE = 1
 
 
