@@ -3,7 +3,11 @@ output thread, detokenizer) against a virtual device that charges calibrated tim
 
 Reports, printed and as JSON (`loadtest/reports/scheduler_bench.json`, or `--out`):
 - duty cycle (device busy / wall) at saturation with a 25 ms and a 5 ms step; goals >= 0.97 and >= 0.90;
-- host gap between steps (end of a step's decode to the start of the next step), p50 <= 2 % of the step;
+- host gap between steps (the device idle from the end of a step's decode to the start of the next
+  step), p50 <= 2 % of the step;
+  both with the engine running ahead (the default: step n+1 launched before step n's tokens are back)
+  and, side by side in the same run, without (`run_ahead=False`: each step completed before the next
+  is scheduled);
 - scheduler CPU per sequence (schedule + update), swept from 8 to 256 sequences; goal <= 15 us, flat;
 - padding waste (rows and tokens, prefill and decode) next to the analytic bound of the bucket grid;
 - continuous vs run-to-completion static batching on the same trace and device, against the analytic
@@ -80,17 +84,39 @@ def run_trace(
     cost: CostModel,
     trace: Sequence[TraceRequest],
     static: bool = False,
+    run_ahead: bool = True,
+    eos_probability: float = 0.0,
 ) -> list[StepRecord]:
-    """Submit the whole trace at once, stream every output to the end; the device's call log."""
-    backend = SimBackend.create(BackendSpec("sim", 1, "fp32", grid), cost, 512, (1, 2), record_timeline=True)
-    config = EngineConfig(max_waiting=len(trace), max_queue_wait_s=None, static_batching=static)
+    """Submit the whole trace at once, stream every output to the end; the device's call log. With an
+    `eos_probability`, requests end at the device's EOS (output_len is then only their cap)."""
+    return run_trace_counted(tokenizer, grid, cost, trace, static, run_ahead, eos_probability)[0]
+
+
+def run_trace_counted(
+    tokenizer: Tokenizer,
+    grid: ShapeGrid,
+    cost: CostModel,
+    trace: Sequence[TraceRequest],
+    static: bool = False,
+    run_ahead: bool = True,
+    eos_probability: float = 0.0,
+) -> tuple[list[StepRecord], int]:
+    """`run_trace`, and the number of tokens the requests received."""
+    spec = BackendSpec("sim", 1, "fp32", grid)
+    backend = SimBackend.create(spec, cost, 512, (1, 2), eos_probability, record_timeline=True)
+    config = EngineConfig(
+        max_waiting=len(trace), max_queue_wait_s=None, static_batching=static, run_ahead=run_ahead
+    )
     engine = LLMEngine(backend, tokenizer, config)
+    received = 0
 
     async def consume(index: int, request: TraceRequest) -> None:
+        nonlocal received
         prompt = [1] + [3 + (index * 7 + k) % 500 for k in range(request.prompt_len - 1)]
-        params = GenerationParams(SamplingParams(seed=index), request.output_len, ignore_eos=True)
-        async for _ in engine.generate(f"r{index}", prompt, params):
-            pass
+        ignore_eos = eos_probability == 0.0
+        params = GenerationParams(SamplingParams(seed=index), request.output_len, ignore_eos=ignore_eos)
+        async for output in engine.generate(f"r{index}", prompt, params):
+            received += len(output.token_ids)
 
     async def main() -> None:
         await asyncio.gather(*(consume(i, r) for i, r in enumerate(trace)))
@@ -100,7 +126,7 @@ def run_trace(
         asyncio.run(main())
     finally:
         engine.stop()
-    return list(backend.timeline)
+    return list(backend.timeline), received
 
 
 def saturated(records: list[StepRecord]) -> list[StepRecord]:
@@ -114,22 +140,32 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def duty_cycle(tokenizer: Tokenizer, step_s: float, seconds: float, rng: random.Random) -> dict[str, Any]:
-    """Busy time over busy plus host time. A call's host gap runs from when it returned to when the next
-    call started; the sim's lateness in returning (timer and OS wake-up jitter, which a real device's
-    completion does not have) is reported apart, and the raw busy / wall ratio next to it."""
+def host_gap(record: StepRecord, following: StepRecord) -> float:
+    """How long the device sat idle between two calls because of the host. A call launched before the
+    one ahead of it was waited for starts when that one ends: the gap is measured from that end. A call
+    launched after it was waited for is measured from when the wait returned, so the sim's lateness in
+    returning (timer and OS wake-up jitter, which a real device's completion does not have) is not
+    counted; it is reported apart."""
+    after_wait = following.start >= record.returned
+    return following.start - (record.returned if after_wait else record.end)
+
+
+def duty_cycle(
+    tokenizer: Tokenizer, step_s: float, seconds: float, rng: random.Random, run_ahead: bool
+) -> dict[str, Any]:
+    """Busy time over busy plus host time, and the host gap between decode steps."""
     count = max(SLOTS * 2, int(seconds / step_s * SLOTS / MEAN_OUTPUT))
     cost = CostModel(decode_fixed_s=step_s, prefill_points=((128, step_s / 4),))
-    records = saturated(
-        run_trace(tokenizer, NEURON_GRID, cost, exponential_trace(rng, count, 100, MEAN_OUTPUT))
-    )
+    trace = exponential_trace(rng, count, 100, MEAN_OUTPUT)
+    records = saturated(run_trace(tokenizer, NEURON_GRID, cost, trace, run_ahead=run_ahead))
     pairs = list(itertools.pairwise(records))
     busy = sum(r.end - r.start for r in records)
-    host = sum(nxt.start - r.returned for r, nxt in pairs)
-    step_gaps = [nxt.start - r.returned for r, nxt in pairs if isinstance(r.batch, DecodeBatch)]
+    host = sum(host_gap(r, nxt) for r, nxt in pairs)
+    step_gaps = [host_gap(r, nxt) for r, nxt in pairs if isinstance(r.batch, DecodeBatch)]
     lateness = [r.returned - r.end for r in records]
     return {
         "step_ms": step_s * 1e3,
+        "run_ahead": run_ahead,
         "requests": count,
         "calls": len(records),
         "wall_s": records[-1].end - records[0].start,
@@ -245,6 +281,26 @@ def analytic_gain(trace: Sequence[TraceRequest], step_s: float, prefill_s: float
     return (tokens / continuous_s) / (tokens / static_s)
 
 
+def run_ahead_cost(tokenizer: Tokenizer, step_s: float, rng: random.Random) -> dict[str, Any]:
+    """What running ahead costs where requests end at EOS (geometric lengths, mean MEAN_OUTPUT): the rows
+    spent on requests that had already ended (one per request), against the host gaps it removes;
+    useful tokens per second of wall time, both ways, side by side on the same trace."""
+    cost = CostModel(decode_fixed_s=step_s, prefill_points=((128, step_s / 4),))
+    trace = exponential_trace(rng, SLOTS * 8, 100, 1024)  # output_len: only a cap here
+    report: dict[str, Any] = {"step_ms": step_s * 1e3, "requests": len(trace)}
+    for mode, run_ahead in (("ahead", True), ("in_step", False)):
+        records, received = run_trace_counted(
+            tokenizer, NEURON_GRID, cost, trace, run_ahead=run_ahead, eos_probability=1 / MEAN_OUTPUT
+        )
+        rows = sum(len(r.batch.slots) for r in records)
+        report[f"{mode}_dropped_row_fraction"] = 1 - received / rows
+        report[f"{mode}_tokens_per_s"] = received / (records[-1].end - records[0].start)
+    report["throughput_ratio_ahead_over_in_step"] = (
+        report["ahead_tokens_per_s"] / report["in_step_tokens_per_s"]
+    )
+    return report
+
+
 def print_report(report: dict[str, Any]) -> None:
     print(f"machine: {report['machine']}")
     for run in report["duty_cycle"]:
@@ -254,8 +310,9 @@ def print_report(report: dict[str, Any]) -> None:
             run["host_gap_between_steps_p50_ms"],
             run["host_gap_between_steps_p99_ms"],
         )
+        mode = "running ahead" if run["run_ahead"] else "not running ahead"
         print(
-            f"duty cycle @ {step:.0f} ms step: {run['duty_cycle']:.4f} (goal >= {goal}; "
+            f"duty cycle @ {step:.0f} ms step, {mode}: {run['duty_cycle']:.4f} (goal >= {goal}; "
             f"raw busy/wall {raw:.4f}); host gap between steps p50 {gap_p50:.3f} ms = {gap:.2%} "
             f"of the step (goal <= 2%), p99 {gap_p99:.3f} ms; sim lateness p50 "
             f"{run['sim_lateness_p50_ms']:.3f} ms, p99 {run['sim_lateness_p99_ms']:.3f} ms"
@@ -282,6 +339,13 @@ def print_report(report: dict[str, Any]) -> None:
         f"{cmp['analytic_gain_for_trace']:.2f}x (H_32 = {cmp['analytic_gain_H32']:.2f}); ratio "
         f"{cmp['gain_ratio']:.2f} (goal >= 0.9)"
     )
+    cost = report["run_ahead_cost"]
+    print(
+        f"running ahead where requests end at EOS @ {cost['step_ms']:.0f} ms: rows dropped "
+        f"{cost['ahead_dropped_row_fraction']:.1%} (in step {cost['in_step_dropped_row_fraction']:.1%}); "
+        f"{cost['ahead_tokens_per_s']:.0f} vs {cost['in_step_tokens_per_s']:.0f} useful tok/s = "
+        f"{cost['throughput_ratio_ahead_over_in_step']:.3f}x"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -295,10 +359,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.from_dir(args.tokenizer)
     report = {
         "machine": {"cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
-        "duty_cycle": [duty_cycle(tokenizer, step, args.seconds, rng) for step in (0.025, 0.005)],
+        "duty_cycle": [
+            duty_cycle(tokenizer, step, args.seconds, rng, run_ahead)
+            for step in (0.025, 0.005)
+            for run_ahead in (True, False)
+        ],
         "scheduler_cpu": [scheduler_cpu(n, iterations=max(20, 4000 // n)) for n in (8, 16, 32, 64, 128, 256)],
         "padding": padding(tokenizer, rng),
         "continuous_vs_static": continuous_vs_static(tokenizer, 0.004, rng),
+        "run_ahead_cost": run_ahead_cost(tokenizer, 0.005, rng),
     }
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,17 +16,27 @@ returned token is the one for position `positions[i] + 1`.
 Sampling happens inside the step, on the device. A sampled token is a pure function of the logits, the
 request's `seed` and the position of the token being generated, so the same seed gives the same tokens
 whatever else shares the batch. Full logits leave the device only when `num_top_logprobs > 0`.
+
+Running ahead: the engine starts a call with `launch`, which returns a function that waits for its tokens.
+By default `launch` runs the call at once. A backend whose device runs calls asynchronously, in order, and
+keeps each slot's last sampled token on the device (`feeds_back_tokens`, as NxD Inference's async mode
+does with on-device sampling) lets the engine launch step n+1 before step n's tokens are back: a decode
+row whose last token is `FED_BACK` continues from the token the device sampled last for that slot. The
+host's work between steps then overlaps the device instead of idling it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from app.shapes import ShapeGrid
 
 DTYPES = ("fp32", "bf16", "fp16")
+FED_BACK = -1  # a decode row's last token: the one the device sampled last for the slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +121,16 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
+Tokens = Callable[[], list["SampledToken"]]  # waits for a launched call's tokens
+
+
 class Backend(ABC):
     """A device running one compiled model over slots. Not thread-safe: one caller (the engine loop)."""
 
     name: str
     spec: BackendSpec
     model: ModelInfo
+    feeds_back_tokens: ClassVar[bool] = False  # decode rows may carry FED_BACK (module docstring)
 
     @classmethod
     @abstractmethod
@@ -128,6 +142,11 @@ class Backend(ABC):
 
     @abstractmethod
     def decode(self, batch: DecodeBatch) -> list[SampledToken]: ...
+
+    def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
+        """Start a call; the returned function waits for its tokens. Here the call runs at once."""
+        tokens = self.prefill(batch) if isinstance(batch, PrefillBatch) else self.decode(batch)
+        return lambda: tokens
 
     def check_sampling(self, params: SamplingParams) -> None:  # noqa: B027  (most backends honour all)
         """Raise InvalidRequestError (naming the parameter) for sampling this backend cannot honour.

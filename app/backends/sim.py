@@ -6,10 +6,13 @@ EOS with probability `eos_probability` (geometric output lengths), otherwise a n
 
 Time is charged on the padded shape, as the hardware does: a decode call costs
 `T(B, L) = a + b*B + c*B*L` for batch bucket B and token bucket L, a prefill call costs `T_pre(C)` per
-sequence for context bucket C (piecewise linear between calibration points). A call returns at its
-absolute deadline `start + T`: it sleeps to just short of it and spins the rest (`spin_s`), so sleep
-overshoot is not reported as host overhead between steps. Presets come from published inf2 numbers
-(research/perf-anchors.md sections 2 and 3).
+sequence for context bucket C (piecewise linear between calibration points). Calls run in order, as on a
+device queue: a call starts when it is launched or when the call before it ends, whichever is later, and
+its tokens are ready at the absolute deadline `start + T`. Waiting for them sleeps to just short of it and
+spins the rest (`spin_s`), so sleep overshoot is not reported as host overhead between steps. The device
+keeps each slot's last sampled token, so a decode row may leave its last token to it (`FED_BACK`) and the
+engine may launch a step before the previous one's tokens are back. Presets come from published inf2
+numbers (research/perf-anchors.md sections 2 and 3).
 
 The sim also checks what it is given, as a strict device would: shapes from the grid, distinct slots, and
 that each decode continues its slot exactly where the slot's sequence ended (which catches a slot used
@@ -30,11 +33,22 @@ import json
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
-from app.backends.base import Backend, BackendSpec, DecodeBatch, ModelInfo, PrefillBatch, SampledToken
+from app.backends.base import (
+    FED_BACK,
+    Backend,
+    BackendSpec,
+    DecodeBatch,
+    ModelInfo,
+    PrefillBatch,
+    SampledToken,
+    Tokens,
+)
 from app.errors import ConfigError
 
 COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"
@@ -142,6 +156,7 @@ def sim_hash(seed: int, position: int, previous_token: int) -> int:
 @dataclass(eq=False)
 class SimBackend(Backend):
     name: ClassVar[str] = "sim"
+    feeds_back_tokens: ClassVar[bool] = True
     spec: BackendSpec
     model: ModelInfo
     cost_model: CostModel = field(default_factory=CostModel)
@@ -160,6 +175,8 @@ class SimBackend(Backend):
                 f"the sim needs EOS ids and other ids within the vocab of {self.model.vocab_size}"
             )
         self._kv_len = [0] * self.spec.grid.num_slots  # tokens written per slot
+        self._last_token = [-1] * self.spec.grid.num_slots  # sampled last per slot (-1: none)
+        self._busy_until = 0.0  # when the last queued call ends
         self._check_positions = True
 
     def warmup(self) -> None:
@@ -170,6 +187,7 @@ class SimBackend(Backend):
         finally:
             self._check_positions = True
             self._kv_len = [0] * self.spec.grid.num_slots
+            self._last_token = [-1] * self.spec.grid.num_slots
 
     @classmethod
     def create(
@@ -204,27 +222,52 @@ class SimBackend(Backend):
         )
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
-        start = time.perf_counter()
+        return self.launch(batch)()
+
+    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
+        return self.launch(batch)()
+
+    def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
+        """Queue a call: it starts when the device is free (now, or when the call before it ends) and its
+        tokens are ready at start + cost; the returned function waits for them."""
+        start = max(time.perf_counter(), self._busy_until)
+        if isinstance(batch, PrefillBatch):
+            tokens = self._prefill_tokens(batch)
+            cost = self.cost_model.prefill_s(batch.context_bucket, len(batch.slots))
+        else:
+            tokens = self._decode_tokens(batch)
+            cost = self.cost_model.decode_s(batch.batch_bucket, batch.token_bucket)
+        self._busy_until = end = start + cost
+        return partial(self._wait, batch, start, end, tokens)
+
+    def _prefill_tokens(self, batch: PrefillBatch) -> list[SampledToken]:
         self._check_prefill(batch)
         tokens = [
             self.sample_token(params.seed, len(prompt), prompt[-1], params.num_top_logprobs)
             for prompt, params in zip(batch.prompts, batch.sampling, strict=True)
         ]
-        for slot, prompt in zip(batch.slots, batch.prompts, strict=True):
+        for slot, prompt, token in zip(batch.slots, batch.prompts, tokens, strict=True):
             self._kv_len[slot] = len(prompt)
-        self._finish(batch, start, self.cost_model.prefill_s(batch.context_bucket, len(batch.slots)))
+            self._last_token[slot] = token.token_id
         return tokens
 
-    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
-        start = time.perf_counter()
+    def _decode_tokens(self, batch: DecodeBatch) -> list[SampledToken]:
         self._check_decode(batch)
+        last_token = self._last_token
         tokens = [
-            self.sample_token(params.seed, position + 1, last, params.num_top_logprobs)
-            for last, position, params in zip(batch.last_tokens, batch.positions, batch.sampling, strict=True)
+            self.sample_token(
+                params.seed,
+                position + 1,
+                last_token[slot] if last == FED_BACK else last,
+                params.num_top_logprobs,
+            )
+            for slot, last, position, params in zip(
+                batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True
+            )
         ]
-        for slot, position in zip(batch.slots, batch.positions, strict=True):
+        for slot, position, token in zip(batch.slots, batch.positions, tokens, strict=True):
             self._kv_len[slot] = position + 1
-        self._finish(batch, start, self.cost_model.decode_s(batch.batch_bucket, batch.token_bucket))
+            last_token[slot] = token.token_id
         return tokens
 
     def sample_token(
@@ -241,15 +284,17 @@ class SimBackend(Backend):
         top = tuple(((token + i) % vocab, logprob - i) for i in range(min(num_top_logprobs, vocab)))
         return SampledToken(token, logprob, top)
 
-    def _finish(self, batch: PrefillBatch | DecodeBatch, start: float, cost_s: float) -> None:
-        deadline = start + cost_s
-        remaining = deadline - time.perf_counter()
+    def _wait(
+        self, batch: PrefillBatch | DecodeBatch, start: float, end: float, tokens: list[SampledToken]
+    ) -> list[SampledToken]:
+        remaining = end - time.perf_counter()
         if remaining > self.spin_s:
             time.sleep(remaining - self.spin_s)
-        while time.perf_counter() < deadline:
+        while time.perf_counter() < end:
             pass
         if self.record_timeline:
-            self.timeline.append(StepRecord(batch, start, deadline, time.perf_counter()))
+            self.timeline.append(StepRecord(batch, start, end, time.perf_counter()))
+        return tokens
 
     def _check_prefill(self, batch: PrefillBatch) -> None:
         grid = self.spec.grid
@@ -274,8 +319,11 @@ class SimBackend(Backend):
             f"{len(batch.slots)} rows in batch bucket {batch.batch_bucket}",
         )
         self._check_slots(batch.slots)
-        self._check_ids(batch.last_tokens)
-        for slot, position in zip(batch.slots, batch.positions, strict=True):
+        self._check_ids([t for t in batch.last_tokens if t != FED_BACK])
+        for slot, position, last in zip(batch.slots, batch.positions, batch.last_tokens, strict=True):
+            _require(
+                last != FED_BACK or self._last_token[slot] >= 0, f"slot {slot} has no token to feed back"
+            )
             _require(
                 position == self._kv_len[slot] or not self._check_positions,
                 f"slot {slot} holds {self._kv_len[slot]} tokens but decode writes position {position}",
@@ -288,8 +336,11 @@ class SimBackend(Backend):
         _require(len(set(slots)) == len(slots), f"a slot appears twice in {slots}")
         _require(all(0 <= s < self.spec.grid.num_slots for s in slots), f"slots {slots} outside the grid")
 
-    def _check_ids(self, token_ids: tuple[int, ...]) -> None:
-        _require(min(token_ids) >= 0 and max(token_ids) < self.model.vocab_size, "token id outside the vocab")
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        _require(
+            not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.model.vocab_size),
+            "token id outside the vocab",
+        )
 
 
 def _require(condition: bool, message: str) -> None:

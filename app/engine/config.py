@@ -22,6 +22,9 @@ class EngineConfig:
     """Deadline of a request that brings none (`GenerationParams.deadline`); None: no deadline."""
     static_batching: bool = False
     """Run-to-completion batches (admit only into an empty engine): the baseline for benchmarks."""
+    run_ahead: bool = True
+    """Launch step n+1 before step n's tokens are back, where the backend feeds tokens back on the device
+    (`Backend.feeds_back_tokens`), so the host's work overlaps the device's instead of idling it."""
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_prefills_per_step", "max_prefill_tokens_per_step"):

@@ -2,9 +2,16 @@
 
 Three threads meet here. The caller's (the uvicorn event loop) runs `generate` and `abort`, which only
 validate, admit into an inbox and return at once. The engine thread runs the step loop, schedule ->
-execute -> update, calling the backend inline so that nothing but the scheduler sits between two device
+launch -> complete, calling the backend inline so that nothing but the scheduler sits between two device
 steps. The output thread (`app/engine/output.py`) detokenizes, matches stop strings, records metrics
 and hands each request's deltas to the event loop that asked for them, while the next step runs.
+
+Running ahead (`EngineConfig.run_ahead`, on backends that feed tokens back on the device): each
+iteration schedules and launches step n+1, then completes step n (waits for its tokens, applies them,
+reports them). The device starts step n+1 as soon as step n ends, so the host's work between steps
+overlaps the device instead of idling it; the cost is a dropped row for each request that step n ends
+and a slot refilled one step later (`scheduler`). Elsewhere each step is completed as soon as it is
+launched.
 """
 
 from __future__ import annotations
@@ -15,11 +22,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.backends.base import Backend, DecodeBatch, PrefillBatch, SampledToken
+from app.backends.base import Backend, SampledToken, Tokens
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
 from app.engine.output import (
@@ -48,7 +55,17 @@ DEFAULT_STEP_S = 0.05  # retry-after estimates before any step was measured
 DEFAULT_REQUEST_TOKENS = 128
 
 
-# Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
+# Built every step: not frozen, as a frozen dataclass's __init__ costs 3x.
+@dataclass(slots=True)
+class LaunchedCall:
+    """A backend call under way: `tokens` waits for its result (None when the launch itself raised)."""
+
+    group: PrefillGroup | DecodeGroup
+    tokens: Tokens | None
+    error: Exception | None
+    launched: float  # time.perf_counter()
+
+
 @dataclass(slots=True)
 class CallOutcome(CallTiming):
     """One backend call: its tokens, or the exception it raised; its timing goes on to the step report."""
@@ -67,6 +84,8 @@ class LLMEngine:
         self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
         self._decode_rules = DecodeRules.of(tokenizer)
         self._scheduler = Scheduler(self.grid, self.config)
+        self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
+        self._last_done = 0.0  # when the last call's tokens were back (time.perf_counter())
         self._output = OutputProcessor(stop_request=self._stop_by_text, forget=self._forget)
         self._lock = threading.Lock()  # guards admission: _live, _inbox, the waiting count
         self._live: dict[str, Request] = {}  # admitted, final delta not yet published
@@ -204,22 +223,35 @@ class LLMEngine:
     # --- the engine thread ---
 
     def _run(self) -> None:
+        in_flight: list[LaunchedCall] = []
         try:
             while not self._stopping:
-                finished = self._take_inbox()
+                ended = [*self._take_inbox()]
                 plan = self._scheduler.schedule(time.monotonic())
-                if plan.has_work:
-                    outcomes = self._execute(plan)
-                    self._update(outcomes, [*finished, *plan.expired])
-                else:
-                    self._report(_final_records([*finished, *plan.expired]), (), time.monotonic())
+                ended += plan.expired
+                if ended:
+                    self._report(_final_records(ended), (), time.monotonic())
+                completed, in_flight = in_flight, self._launch(plan)
+                if completed:
+                    self._complete(completed)
+                if in_flight and not self._stays_in_flight(in_flight):
+                    self._complete(in_flight)
+                    in_flight = []
+                if not plan.has_work and not completed:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()  # not every step: whoever set it had filled the inbox first
+            if in_flight:
+                self._complete(in_flight)
         except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
             logger.exception("the engine loop failed")
             self._failure = exc
         finally:
             self._shut_down()
+
+    def _stays_in_flight(self, calls: list[LaunchedCall]) -> bool:
+        """Whether the next step may be launched before these calls' tokens are back: when running ahead
+        and every launch went through (a refused one is applied before anything else is scheduled)."""
+        return self._run_ahead and all(call.error is None for call in calls)
 
     def _take_inbox(self) -> list[Request]:
         """Admit new requests; apply aborts and stop-string stops. Returns the requests it finished."""
@@ -240,36 +272,25 @@ class LLMEngine:
                 self._scheduler.finish(request, FinishReason.STOP, now)
         return finished
 
-    def _execute(self, plan: BatchPlan) -> list[CallOutcome]:
-        """Run the plan on the backend: prefills first, then the decode."""
-        outcomes = [self._call(self.backend.prefill, group) for group in plan.prefills]
-        if plan.decode is not None:
-            outcomes.append(self._call(self.backend.decode, plan.decode))
-        return outcomes
+    def _launch(self, plan: BatchPlan) -> list[LaunchedCall]:
+        """Start the plan's calls on the backend: prefills first, then the decode."""
+        groups = [*plan.prefills, plan.decode] if plan.decode is not None else plan.prefills
+        return [self._launch_call(group) for group in groups]
 
-    @staticmethod
-    def _call(
-        run: Callable[[PrefillBatch], list[SampledToken]] | Callable[[DecodeBatch], list[SampledToken]],
-        group: PrefillGroup | DecodeGroup,
-    ) -> CallOutcome:
-        batch = group.batch
-        start = time.perf_counter()
+    def _launch_call(self, group: PrefillGroup | DecodeGroup) -> LaunchedCall:
+        launched = time.perf_counter()
         try:
-            samples = run(batch)  # type: ignore[arg-type]
-            error = None
-            if len(samples) != len(batch.slots):
-                error = RuntimeError(
-                    f"the backend returned {len(samples)} tokens for {len(batch.slots)} sequences"
-                )
+            return LaunchedCall(group, self.backend.launch(group.batch), None, launched)
         except Exception as exc:
-            logger.exception("a %s call failed", type(batch).__name__)
-            samples, error = (), exc
-        return CallOutcome(batch, time.perf_counter() - start, group.requests, samples, error)
+            logger.exception("launching a %s failed", type(group.batch).__name__)
+            return LaunchedCall(group, None, exc, launched)
 
-    def _update(self, outcomes: list[CallOutcome], finished: list[Request]) -> None:
-        """Hand every request its token (or its call's error), then the step to the output thread."""
+    def _complete(self, calls: list[LaunchedCall]) -> None:
+        """Wait for each call's tokens in launch order, then hand every request its token (or its call's
+        error) and the step to the output thread."""
+        outcomes = [self._wait(call) for call in calls]
         now = time.monotonic()
-        records = _final_records(finished) if finished else []
+        records: list[tuple[Request, int, bool]] = []
         for outcome in outcomes:
             if outcome.error is None:
                 self._scheduler.apply(outcome.requests, outcome.samples, now)
@@ -278,6 +299,24 @@ class LLMEngine:
                 self._scheduler.fail(outcome.requests, error, now)
             records += [(r, len(r.output_token_ids), r.state is FINISHED) for r in outcome.requests]
         self._report(records, outcomes, now)
+
+    def _wait(self, call: LaunchedCall) -> CallOutcome:
+        """The call's tokens, or why there are none; its device time runs from when it could start (its
+        launch, or the end of the call before it) to when its tokens were back."""
+        batch, samples, error = call.group.batch, [], call.error
+        if call.tokens is not None:
+            try:
+                samples = call.tokens()
+                if len(samples) != len(batch.slots):
+                    error = RuntimeError(
+                        f"the backend returned {len(samples)} tokens for {len(batch.slots)} sequences"
+                    )
+            except Exception as exc:
+                logger.exception("a %s call failed", type(batch).__name__)
+                samples, error = [], exc
+        done = time.perf_counter()
+        seconds, self._last_done = done - max(call.launched, self._last_done), done
+        return CallOutcome(batch, seconds, call.group.requests, samples, error)
 
     def _report(
         self, records: list[tuple[Request, int, bool]], calls: Sequence[CallTiming], now: float

@@ -57,6 +57,7 @@ class Request:
         "output",
         "output_token_ids",
         "params",
+        "pending",
         "prompt_token_ids",
         "request_id",
         "samples",
@@ -89,6 +90,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.samples: list[SampledToken] = []
         self.num_tokens = len(prompt_token_ids)  # prompt + generated
+        self.pending = 0  # tokens of launched calls not applied yet (1 while the engine runs ahead)
         self.token_limit = len(prompt_token_ids) + params.max_tokens  # num_tokens that ends it (LENGTH)
         self.last_token_id = prompt_token_ids[-1] if prompt_token_ids else -1
         self.finish_reason: FinishReason | None = None

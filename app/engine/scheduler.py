@@ -14,6 +14,12 @@ The engine runs the prefills first, then the decode, in one engine step: a new s
 token from its prefill and decodes from the next step on, and running decodes wait for at most the
 bounded prefills. With `static_batching` (the run-to-completion baseline) admission waits until every
 slot is free.
+
+Running ahead: the engine may schedule step n+1 before step n's tokens are applied (`Request.pending`
+counts a request's launched, unapplied tokens). A decode row then continues one position further from the
+token the device keeps (`FED_BACK`), a request whose pending token reaches its token limit decodes no
+more, and a slot freed by what step n brings (EOS, a stop id) is refilled one step later; the row that
+step n+1 spent on it is dropped.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, SamplingParams
+from app.backends.base import FED_BACK, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.engine.config import EngineConfig
 from app.engine.request import FINISHED, WAITING, Request
 from app.engine.stops import token_stop_reason
@@ -77,6 +83,7 @@ class Scheduler:
         self._num_waiting = 0
         self._running: list[Request] = []  # holding a slot; finished entries are dropped lazily
         self._rows: DecodeRows | None = None  # the running requests' rows; None once one joined or left
+        self._rows_uses_left = 0  # schedules the rows serve before one of them reaches its token limit
         self._token_bucket = 0  # of the last decode: positions only grow while the rows stay
         self._slot_owner: list[Request | None] = [None] * grid.num_slots
         self._free_slots = list(range(grid.num_slots - 1, -1, -1))  # pop() hands out the lowest
@@ -106,15 +113,20 @@ class Scheduler:
             heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))
 
     def schedule(self, now: float) -> BatchPlan:
+        """The next step's calls; each request in them has one more pending token until `apply`."""
         expired = self._expire(now)
         decode = self._decode_group()
         prefills = self._admit(now) if self._free_slots and self._waiting else ()
+        for group in (*prefills, decode) if decode is not None else prefills:
+            for request in group.requests:
+                request.pending += 1
         return BatchPlan(prefills, decode, expired)
 
     def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
         """Hand each request the token a backend call produced for it, and apply token-level stops."""
         for request, sample in zip(requests, samples, strict=True):
-            if request.state is FINISHED:  # aborted or stopped (stop string) while the call ran
+            request.pending -= 1
+            if request.state is FINISHED:  # aborted, stopped or failed while the call ran: dropped
                 continue
             request.append_token(sample, now)
             reason = token_stop_reason(request)
@@ -123,6 +135,7 @@ class Scheduler:
 
     def fail(self, requests: Sequence[Request], error: Inf2ServeError, now: float) -> None:
         for request in requests:
+            request.pending -= 1
             if not request.is_finished:
                 self.finish(request, FinishReason.ERROR, now, error)
 
@@ -186,17 +199,18 @@ class Scheduler:
         return expired
 
     def _decode_group(self) -> DecodeGroup | None:
-        rows = self._rows if self._rows is not None else self._decode_rows()
+        rows = self._rows if self._rows is not None and self._rows_uses_left else self._decode_rows()
         requests = rows.requests
         if not requests:
             return None
-        positions = tuple([r.num_tokens - 1 for r in requests])
+        self._rows_uses_left -= 1
+        positions = tuple([r.num_tokens - 1 + r.pending for r in requests])
         span = max(positions) + 1
         if span > self._token_bucket:
             self._token_bucket = self.grid.token_bucket(span)
         batch = DecodeBatch(
             slots=rows.slots,
-            last_tokens=tuple([r.last_token_id for r in requests]),
+            last_tokens=tuple([FED_BACK if r.pending else r.last_token_id for r in requests]),
             positions=positions,
             sampling=rows.sampling,
             batch_bucket=rows.batch_bucket,
@@ -205,8 +219,12 @@ class Scheduler:
         return DecodeGroup(requests, batch)
 
     def _decode_rows(self) -> DecodeRows:
-        """Rebuilt only in a step after a sequence joined or left: most steps just decode the same rows."""
-        running = self._running = [r for r in self._running if r.state is not FINISHED]
+        """Rebuilt only in a step after a sequence joined or left, or when one's pending token is its last
+        (running ahead): most steps just decode the same rows."""
+        self._running = [r for r in self._running if r.state is not FINISHED]
+        headroom = {r: r.token_limit - r.num_tokens - r.pending for r in self._running}
+        running = [r for r in self._running if headroom[r] > 0]
+        self._rows_uses_left = min([headroom[r] for r in running], default=0)
         self._token_bucket = 0
         self._rows = DecodeRows(
             requests=tuple(running),

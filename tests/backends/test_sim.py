@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.backends import backend_class
-from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.base import FED_BACK, GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.sim import COST_MODEL_ENV, PRESETS, CostModel, SimBackend
 from app.errors import ConfigError
 from app.shapes import ShapeGrid
@@ -115,3 +115,33 @@ def test_loads_from_an_artifact_directory(tmp_path: Path, monkeypatch: pytest.Mo
     assert SimBackend.load(tmp_path, SPEC).cost_model == PRESETS["zero"]
     bare = SimBackend.load(tmp_path / "nothing-here", SPEC)
     assert (bare.model.vocab_size, bare.model.eos_token_ids, bare.cost_model) == (32000, (2,), CostModel())
+
+
+def test_a_fed_back_row_continues_from_the_token_the_device_sampled_last() -> None:
+    backend = sim()
+    first = prefill(backend, (0, 1), ((5, 6, 7), (9,)), (1, 2))
+    rows = (SamplingParams(seed=1), SamplingParams(seed=2))
+    fed_back = backend.decode(DecodeBatch((0, 1), (FED_BACK, FED_BACK), (3, 1), rows, 2, 16))
+    assert fed_back == [
+        backend.sample_token(1, 4, first[0].token_id),
+        backend.sample_token(2, 2, first[1].token_id),
+    ]
+    again = backend.decode(DecodeBatch((0,), (FED_BACK,), (4,), rows[:1], 1, 16))
+    assert again[0] == backend.sample_token(1, 5, fed_back[0].token_id)
+
+
+def test_feeding_back_a_slot_that_never_sampled_is_refused() -> None:
+    with pytest.raises(ValueError, match="slot 3 has no token to feed back"):
+        sim().decode(DecodeBatch((3,), (FED_BACK,), (0,), (GREEDY,), 1, 16))
+
+
+def test_launched_calls_queue_behind_each_other() -> None:
+    backend = sim(cost_model=CostModel(0.02, prefill_points=((8, 0.03),)), record_timeline=True)
+    first = backend.launch(PrefillBatch((0,), ((5,),), (GREEDY,), 8))
+    second = backend.launch(DecodeBatch((0,), (FED_BACK,), (1,), (GREEDY,), 1, 16))
+    tokens = first(), second()
+    assert [len(t) for t in tokens] == [1, 1]
+    prefill_call, decode_call = backend.timeline
+    assert decode_call.start == prefill_call.end  # launched while the prefill ran: it waited its turn
+    assert decode_call.end == pytest.approx(decode_call.start + 0.02)
+    assert decode_call.returned >= decode_call.end

@@ -8,11 +8,12 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import pytest
 
 from app import metrics
-from app.backends.base import DecodeBatch, PrefillBatch, SampledToken
+from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, Tokens
 from app.backends.sim import CostModel, SimBackend
 from app.engine.engine import LLMEngine
 from app.engine.types import FinishReason, RequestOutput
@@ -34,6 +35,8 @@ from tests.engine.helpers import (
     run,
     running_engine,
 )
+
+RUN_AHEAD = pytest.mark.parametrize("run_ahead", [True, False], ids=["ahead", "in-step"])
 
 
 def joined(outputs: list[RequestOutput]) -> tuple[list[int], str]:
@@ -63,7 +66,8 @@ def check_idle(engine: LLMEngine) -> None:
     assert engine.is_alive
 
 
-def test_tokens_arrive_in_order_whatever_shares_the_batch(tokenizer: Tokenizer) -> None:
+@RUN_AHEAD
+def test_tokens_arrive_in_order_whatever_shares_the_batch(tokenizer: Tokenizer, run_ahead: bool) -> None:
     backend = make_backend()
     prompts = [tokenizer.encode(t) for t in ("Once upon a time", "The cat", "Lily and Ben went", "A")]
 
@@ -72,7 +76,7 @@ def test_tokens_arrive_in_order_whatever_shares_the_batch(tokenizer: Tokenizer) 
             *(collect(engine, f"r{i}", p, params(20 + i, seed=i)) for i, p in enumerate(prompts))
         )
 
-    with running_engine(tokenizer, backend) as engine:
+    with running_engine(tokenizer, backend, run_ahead=run_ahead) as engine:
         results = run(main())
         check_idle(engine)
     for i, (prompt, outputs) in enumerate(zip(prompts, results, strict=True)):
@@ -86,10 +90,11 @@ def test_tokens_arrive_in_order_whatever_shares_the_batch(tokenizer: Tokenizer) 
         assert 0 <= timings.queue_s <= timings.time_to_first_token_s <= timings.total_s  # type: ignore[operator]
 
 
-def test_eos_stops_with_the_token_counted_but_not_shown(tokenizer: Tokenizer) -> None:
+@RUN_AHEAD
+def test_eos_stops_with_the_token_counted_but_not_shown(tokenizer: Tokenizer, run_ahead: bool) -> None:
     backend = make_backend(eos_probability=0.2)
     prompt = tokenizer.encode("Once upon a time")
-    with running_engine(tokenizer, backend) as engine:
+    with running_engine(tokenizer, backend, run_ahead=run_ahead) as engine:
         stopped = run(collect(engine, "eos", prompt, params(60, seed=3)))
         ignored = run(collect(engine, "ignore", prompt, params(60, seed=3, ignore_eos=True)))
     token_ids, text = joined(stopped)
@@ -206,7 +211,8 @@ def test_overload_is_served_first_come_first_served(tokenizer: Tokenizer) -> Non
     assert all(r[-1].finish_reason is FinishReason.LENGTH for r in results)
 
 
-def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer) -> None:
+@RUN_AHEAD
+def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer, run_ahead: bool) -> None:
     rng = random.Random(11)
 
     async def client(engine: LLMEngine, index: int) -> tuple[str, list[RequestOutput]]:
@@ -230,7 +236,7 @@ def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer) -> None:
             await asyncio.sleep(0)
         return await asyncio.gather(*tasks)
 
-    with running_engine(tokenizer, max_waiting=200, max_prefills_per_step=2) as engine:
+    with running_engine(tokenizer, max_waiting=200, max_prefills_per_step=2, run_ahead=run_ahead) as engine:
         results = run(main(engine))
         check_idle(engine)
     for how, outputs in results:
@@ -240,14 +246,15 @@ def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer) -> None:
     assert any(o[-1].finish_reason is FinishReason.ABORT for how, o in results if how == "finished")
 
 
-def test_deadlines_fail_requests_and_free_their_slots(tokenizer: Tokenizer) -> None:
+@RUN_AHEAD
+def test_deadlines_fail_requests_and_free_their_slots(tokenizer: Tokenizer, run_ahead: bool) -> None:
     async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
         soon = time.monotonic() + 0.05
         coros = [collect(engine, f"d{i}", [5, 6], params(120, seed=i, deadline=soon)) for i in range(6)]
         return await asyncio.gather(*coros, collect(engine, "free", [7], params(3)))
 
     slow = make_backend(cost_model=CostModel(0.002))
-    with running_engine(tokenizer, slow) as engine:
+    with running_engine(tokenizer, slow, run_ahead=run_ahead) as engine:
         *doomed, free = run(main(engine))
         check_idle(engine)
     for outputs in doomed:
@@ -258,30 +265,37 @@ def test_deadlines_fail_requests_and_free_their_slots(tokenizer: Tokenizer) -> N
 
 
 class FlakySim(SimBackend):
-    """Fails every prefill of context bucket 32, and the decode calls it is told to."""
+    """Every prefill of context bucket 32 fails on the device (while the engine waits for its tokens,
+    possibly after it launched the next step); the decode calls it is told to are refused at launch."""
 
     decode_failures = 0
 
-    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
-        if batch.context_bucket == 32:
-            raise RuntimeError("prefill exploded")
-        return super().prefill(batch)
-
-    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
-        if self.decode_failures:
+    def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
+        if isinstance(batch, DecodeBatch) and self.decode_failures:
             self.decode_failures -= 1
             raise RuntimeError("decode exploded")
-        return super().decode(batch)
+        tokens = super().launch(batch)
+        if isinstance(batch, PrefillBatch) and batch.context_bucket == 32:
+            return partial(_explode, tokens)
+        return tokens
 
 
-def test_a_failing_prefill_fails_only_its_requests(tokenizer: Tokenizer) -> None:
+def _explode(tokens: Tokens) -> list[SampledToken]:
+    tokens()
+    raise RuntimeError("prefill exploded")
+
+
+@RUN_AHEAD
+def test_a_failing_prefill_fails_only_its_requests(tokenizer: Tokenizer, run_ahead: bool) -> None:
     async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
         prompts = [[5] * 20, [6] * 3, [7] * 3, [8] * 3]  # one step: bucket 32 (fails), then bucket 16
         return await asyncio.gather(
             *(collect(engine, f"r{i}", p, params(6, i)) for i, p in enumerate(prompts))
         )
 
-    with running_engine(tokenizer, make_backend(cls=FlakySim), max_prefills_per_step=4) as engine:
+    with running_engine(
+        tokenizer, make_backend(cls=FlakySim), max_prefills_per_step=4, run_ahead=run_ahead
+    ) as engine:
         results = run(main(engine))
         check_idle(engine)
     error = results[0][-1].error
@@ -290,14 +304,15 @@ def test_a_failing_prefill_fails_only_its_requests(tokenizer: Tokenizer) -> None
     assert [r[-1].finish_reason for r in results[1:]] == [FinishReason.LENGTH] * 3
 
 
-def test_the_engine_serves_on_after_a_failing_decode(tokenizer: Tokenizer) -> None:
+@RUN_AHEAD
+def test_the_engine_serves_on_after_a_failing_decode(tokenizer: Tokenizer, run_ahead: bool) -> None:
     backend = make_backend(cls=FlakySim)
     backend.decode_failures = 1
 
     async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
         return await asyncio.gather(*(collect(engine, f"r{i}", [5, i + 6], params(6, i)) for i in range(3)))
 
-    with running_engine(tokenizer, backend, max_prefills_per_step=4) as engine:
+    with running_engine(tokenizer, backend, max_prefills_per_step=4, run_ahead=run_ahead) as engine:
         failed = run(main(engine))
         served = run(collect(engine, "after", [9, 9], params(4)))
         check_idle(engine)
@@ -336,3 +351,61 @@ def test_metrics_are_recorded(tokenizer: Tokenizer) -> None:
     assert value("generation_tokens_total") == before[1] + 9
     assert value("step_duration_seconds_count", {"phase": "prefill", "bucket": "16"}) >= 1
     assert value("num_batched_tokens_padding_total", {"phase": "prefill", "bucket": "16"}) >= 13
+
+
+def test_running_ahead_gives_every_request_the_tokens_it_gets_in_step(tokenizer: Tokenizer) -> None:
+    """EOS ends requests while the next step is already launched: their rows are dropped and their slots
+    refilled, and each request still gets exactly what the device generates for it alone."""
+    prompts = [[5 + i % 40] * (1 + 5 * (i % 4)) for i in range(24)]
+
+    async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
+        return await asyncio.gather(
+            *(collect(engine, f"r{i}", p, params(2 + i % 12, i)) for i, p in enumerate(prompts))
+        )
+
+    results = {}
+    for run_ahead in (True, False):
+        backend = make_backend(eos_probability=0.1)
+        with running_engine(tokenizer, backend, max_prefills_per_step=2, run_ahead=run_ahead) as engine:
+            results[run_ahead] = run(main(engine))
+            check_idle(engine)
+    for i, (ahead, in_step) in enumerate(zip(results[True], results[False], strict=True)):
+        check_stream(ahead)
+        assert joined(ahead) == joined(in_step)
+        assert ahead[-1].finish_reason is in_step[-1].finish_reason
+        token_ids = joined(ahead)[0]
+        assert token_ids == expected_tokens(backend, prompts[i], seed=i, count=len(token_ids))
+    reasons = {outputs[-1].finish_reason for outputs in results[True]}
+    assert reasons == {FinishReason.STOP, FinishReason.LENGTH}
+
+
+class OrderLog(SimBackend):
+    """Logs when calls are launched and when their tokens are waited for."""
+
+    events: list[tuple[str, int]]
+
+    def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
+        index = sum(1 for kind, _ in self.events if kind == "launch")
+        self.events.append(("launch", index))
+        tokens = super().launch(batch)
+        return partial(self._logged, index, tokens)
+
+    def _logged(self, index: int, tokens: Tokens) -> list[SampledToken]:
+        self.events.append(("wait", index))
+        return tokens()
+
+
+@RUN_AHEAD
+def test_running_ahead_launches_each_step_before_waiting_for_the_one_before(
+    tokenizer: Tokenizer, run_ahead: bool
+) -> None:
+    backend = make_backend(cls=OrderLog)
+    backend.events = []
+    with running_engine(tokenizer, backend, run_ahead=run_ahead) as engine:
+        run(collect(engine, "r", [5, 6], params(6)))
+    launches = [i for kind, i in backend.events if kind == "launch"]
+    assert launches == list(range(6))  # one prefill, five decodes: no call more, none dropped
+    expected = ["launch 0"] + [f"launch {i + 1} wait {i}" for i in range(5)] + ["wait 5"]
+    if not run_ahead:
+        expected = [f"launch {i} wait {i}" for i in range(6)]
+    assert " ".join(f"{kind} {i}" for kind, i in backend.events) == " ".join(expected)

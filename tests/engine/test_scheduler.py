@@ -6,12 +6,13 @@ import random
 
 import pytest
 
+from app.backends.base import FED_BACK
 from app.engine.config import EngineConfig
 from app.engine.request import RequestState
 from app.engine.scheduler import BatchPlan, Scheduler
 from app.engine.types import FinishReason
 from app.errors import DeadlineExceededError, GenerationError
-from tests.engine.helpers import TINY_GRID, make_request, sample
+from tests.engine.helpers import EOS_IDS, TINY_GRID, make_request, sample
 
 
 def scheduler(**config: object) -> Scheduler:
@@ -187,4 +188,55 @@ def test_a_failed_call_fails_only_its_requests() -> None:
     s.apply(plan.prefills[0].requests[1:], [sample()], 0.0)
     failed, ok = plan.prefills[0].requests
     assert failed.finish_reason is FinishReason.ERROR and ok.state is RequestState.DECODING
+    check_slots(s)
+
+
+def test_running_ahead_continues_each_row_one_position_on_from_a_fed_back_token() -> None:
+    s = scheduler(max_prefills_per_step=2)
+    a, b = make_request(0, prompt_len=10, max_tokens=50), make_request(1, prompt_len=5, max_tokens=50)
+    s.add(a)
+    s.add(b)
+    first = s.schedule(0.0)
+    assert (a.pending, b.pending) == (1, 1)
+    second = s.schedule(0.0)  # launched before the prefill's tokens are back
+    assert second.decode is not None
+    assert second.decode.batch.positions == (10, 5)
+    assert second.decode.batch.last_tokens == (FED_BACK, FED_BACK)
+    execute(s, first)
+    assert (a.pending, a.num_tokens, a.num_output_tokens) == (1, 11, 1)
+    third = s.schedule(0.0)
+    assert third.decode is not None and third.decode.batch.positions == (11, 6)
+    execute(s, second)
+    execute(s, third)
+    assert (a.pending, a.num_output_tokens, b.num_output_tokens) == (0, 3, 3)
+
+
+def test_running_ahead_stops_decoding_a_request_whose_pending_token_is_its_last() -> None:
+    s = scheduler(max_prefills_per_step=2)
+    short, other = make_request(0, prompt_len=10, max_tokens=2), make_request(1, max_tokens=50)
+    s.add(short)
+    s.add(other)
+    first = s.schedule(0.0)
+    second = s.schedule(0.0)
+    execute(s, first)
+    third = s.schedule(0.0)  # short's token in flight is its last: it must not decode again
+    assert third.decode is not None and [r.request_id for r in third.decode.requests] == ["r1"]
+    execute(s, second)
+    assert short.finish_reason is FinishReason.LENGTH and short.num_output_tokens == 2
+    execute(s, third)
+    check_slots(s)
+    assert s.num_running == 1
+
+
+def test_running_ahead_drops_the_token_of_a_request_that_stopped_meanwhile() -> None:
+    s = scheduler()
+    request = make_request(0, max_tokens=50)
+    s.add(request)
+    first = s.schedule(0.0)
+    second = s.schedule(0.0)
+    execute(s, first, token_id=EOS_IDS[0])
+    assert request.finish_reason is FinishReason.STOP and request.num_output_tokens == 1
+    assert s.num_free_slots == TINY_GRID.num_slots  # freed at once; the next schedule may refill it
+    execute(s, second)  # the row launched ahead brings one more token: dropped
+    assert request.num_output_tokens == 1 and request.pending == 0
     check_slots(s)
