@@ -78,6 +78,10 @@ class ServerSettings(BaseSettings):
     request_timeout_s: float | None = Field(
         _ENGINE["request_timeout_s"], gt=0, description="Deadline of one request, queue included."
     )
+    run_ahead: bool = Field(
+        _ENGINE["run_ahead"],
+        description="Launch each step before the previous one's tokens are back, where the backend allows.",
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

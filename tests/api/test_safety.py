@@ -104,3 +104,12 @@ def test_serve_rejects_invalid_settings(capsys):
 def test_api_keys_are_not_a_flag(flag):
     with pytest.raises(SystemExit):
         parse_serve([flag, "secret"])
+
+
+def test_engine_settings_reach_the_engine_config(monkeypatch):
+    monkeypatch.setenv("INF2SERVE_RUN_AHEAD", "false")
+    monkeypatch.setenv("INF2SERVE_MAX_PREFILLS_PER_STEP", "2")
+    config = ServerSettings().engine_config()
+    assert config.run_ahead is False and config.max_prefills_per_step == 2
+    monkeypatch.delenv("INF2SERVE_RUN_AHEAD")
+    assert ServerSettings().engine_config().run_ahead is True
