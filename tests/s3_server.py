@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -135,14 +136,26 @@ def upload_tree(client: Any, local_dir: Path, bucket: str, prefix: str) -> None:
             client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local_dir).as_posix()}")
 
 
+@dataclass(frozen=True)
+class ProxiedRequest:
+    """What the proxy saw of one request: its method and path, and its Range and If-Match headers."""
+
+    method: str
+    path: str
+    range: str | None
+    if_match: str | None
+
+
 @dataclass
 class FaultProxy:
-    """An HTTP proxy to `upstream`; each ranged GET takes the next fault from `faults` (when any):
-    "503" answers 503 SlowDown, "truncate" sends the headers and half the body, then closes."""
+    """An HTTP proxy to `upstream` that records every request (`requests`); each GET of an object takes
+    the next fault from `faults` (when any): "503" answers 503 SlowDown, "truncate" sends the headers and
+    half the body, then closes (any other name serves the request as is, counted)."""
 
     upstream: str
     faults: list[str] = field(default_factory=list)
     served_faults: list[str] = field(default_factory=list)
+    requests: list[ProxiedRequest] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
     @property
@@ -150,8 +163,10 @@ class FaultProxy:
         assert self.server is not None
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def next_fault(self, method: str, headers: Any) -> str | None:
-        if method == "GET" and "Range" in headers and self.faults:
+    def next_fault(self, method: str, path: str, headers: Any) -> str | None:
+        self.requests.append(ProxiedRequest(method, path, headers.get("Range"), headers.get("If-Match")))
+        is_object = len(PurePosixPath(urlsplit(path).path).parts) > 2  # "/", bucket, key...
+        if method == "GET" and is_object and self.faults:
             fault = self.faults.pop(0)
             self.served_faults.append(fault)
             return fault
@@ -171,7 +186,7 @@ def fault_proxy(upstream: str, faults: list[str]) -> Iterator[FaultProxy]:
 
         def relay(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
-            fault = proxy.next_fault(self.command, self.headers)
+            fault = proxy.next_fault(self.command, self.path, self.headers)
             if fault == "503":
                 error = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
                 self.send_response(503)

@@ -4,8 +4,10 @@
 S3 goes through boto3 with the standard AWS configuration: credential chain, region, and
 `AWS_ENDPOINT_URL_S3` for an S3-compatible endpoint. API calls are retried with backoff by botocore's
 standard retry mode; a body that breaks or comes back short mid-stream is retried here, from the last
-byte received. Every GET of one object is pinned to the ETag seen first, bytes reach the caller in order
-(so it hashes while downloading), and nothing is written under a final name until it is complete.
+byte received. A read sends no HEAD: its first GET's response gives the object's size and ETag (a HEAD
+only where it starts at or past the end, which the server refuses), and every later GET of the object is
+pinned to that ETag (If-Match). Bytes reach the caller in order (so it hashes while downloading), and
+nothing is written under a final name until it is complete.
 
 How an object is read (`TransferConfig`): one GET for everything from `start` to the end, received in
 the caller's thread (a download's sink hands each chunk on to a writer and a hasher thread), timed over
@@ -27,6 +29,7 @@ the server. `concurrency` 1 never splits; objects of up to two parts stay on one
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import os
 import random
@@ -58,6 +61,7 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 ACCESS_DENIED_CODES = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled")
 CONDITION_FAILED_CODES = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
 NOT_FOUND_CODES = ("NoSuchKey", "404", "NotFound")
+RANGE_NOT_SATISFIABLE_CODES = ("InvalidRange", "416")
 
 Sink = Callable[[bytes], object]
 
@@ -355,11 +359,8 @@ class S3Store(Store):
                     yield item["Key"].removeprefix(root)
 
     def _head(self, key: str) -> tuple[int, str]:
-        try:
-            with s3_errors("reading", self.uri_of(key)):
-                head = s3_client().head_object(Bucket=self.bucket, Key=self._key(key))
-        except _NotFound as error:
-            raise ArtifactError(f"{self.uri_of(key)} is missing") from error
+        with _reading_object(self.uri_of(key)):
+            head = s3_client().head_object(Bucket=self.bucket, Key=self._key(key))
         return int(head["ContentLength"]), head["ETag"]
 
     def size(self, key: str) -> int:
@@ -367,20 +368,43 @@ class S3Store(Store):
 
     def stream(self, key: str, sink: Sink, start: int = 0, expected_size: int | None = None) -> int:
         """One GET from `start`, consumed in this thread; after its first part, either carried on to the
-        end or closed, the rest then coming as ranged GETs (the policy is in the module docstring)."""
-        size, etag = self._head(key)
-        _check_size(self.uri_of(key), size, expected_size)
-        if start < size:
-            offset = self._stream_one_get(key, etag, start, size, sink)
-            if offset < size:
-                self._stream_ranges(key, etag, offset, size, sink)
+        end or closed, the rest then coming as ranged GETs (the policy is in the module docstring). The
+        size is checked before any byte reaches `sink`."""
+        size, etag, body = self._open(key, start)
+        with closing(body):
+            _check_size(self.uri_of(key), size, expected_size)
+            if start < size:
+                offset = self._stream_one_get(key, etag, start, size, sink, body)
+                if offset < size:
+                    self._stream_ranges(key, etag, offset, size, sink)
         return size
 
-    def _stream_one_get(self, key: str, etag: str, start: int, size: int, sink: Sink) -> int:
-        """Bytes from `start` to `sink` on one GET, timing its first part; returns where it stopped: at
-        the end, or at the end of the first part where `split_pays`."""
+    def _open(self, key: str, start: int) -> tuple[int, str, Any]:
+        """The first GET, from `start` to the end (no Range header from 0, so an empty object reads too):
+        the object's size and ETag, and the unread body. Where `start` is at or past the end, the server
+        refuses the range (416); a HEAD then gives the size, and the body is empty."""
+        try:
+            with _reading_object(self.uri_of(key)):
+                response = self._get(key, start)
+        except _RangeNotSatisfiable:
+            return *self._head(key), io.BytesIO()
+        content_range = response.get("ContentRange")  # "bytes <first>-<last>/<size>" when ranged
+        size = int(content_range.rpartition("/")[2]) if content_range else int(response["ContentLength"])
+        return size, response["ETag"], response["Body"]
+
+    def _get(self, key: str, begin: int, end: int | None = None, etag: str | None = None) -> Any:
+        """GET bytes [begin, end) (to the end where `end` is None, with no Range header from 0), pinned
+        to `etag` where given."""
+        options = {"IfMatch": etag} if etag else {}
+        if begin or end is not None:
+            options["Range"] = f"bytes={begin}-{'' if end is None else end - 1}"
+        return s3_client().get_object(Bucket=self.bucket, Key=self._key(key), **options)
+
+    def _stream_one_get(self, key: str, etag: str, start: int, size: int, sink: Sink, body: Any) -> int:
+        """Bytes from `start` to `sink` on one GET (the open `body`, from `start`), timing its first part;
+        returns where it stopped: at the end, or at the end of the first part where `split_pays`."""
         pace, offset, first_part_end, deciding = Pace(), start, start + self.transfer.part_bytes, True
-        with closing(self._chunks(key, etag, start, size)) as chunks:
+        with closing(self._chunks(key, etag, start, size, body)) as chunks:
             mark = time.perf_counter()
             for chunk in chunks:
                 arrived = time.perf_counter()
@@ -434,10 +458,11 @@ class S3Store(Store):
         except BaseException as error:  # handed to the consumer, which raises it in order
             part.chunks.put(error)
 
-    def _chunks(self, key: str, etag: str, begin: int, end: int) -> Iterator[bytes]:
+    def _chunks(self, key: str, etag: str, begin: int, end: int, body: Any = None) -> Iterator[bytes]:
         """Bytes [begin, end) of one version of the object, in order, in chunks of at most
-        STREAM_CHUNK_BYTES and `part_bytes`. A broken, failed or short read is retried with backoff from
-        the last byte received; closing the iterator early closes the connection."""
+        STREAM_CHUNK_BYTES and `part_bytes`: from `body` where given (an open response at `begin`), else
+        from a GET of its own. A broken, failed or short read is retried with backoff from the last byte
+        received; closing the iterator early closes the connection."""
         from botocore.exceptions import BotoCoreError
 
         uri, attempts, offset = self.uri_of(key), max_attempts(), begin
@@ -445,11 +470,8 @@ class S3Store(Store):
         for attempt in range(1, attempts + 1):
             try:
                 with s3_errors("reading", uri):
-                    byte_range = f"bytes={offset}-{end - 1}"
-                    response = s3_client().get_object(
-                        Bucket=self.bucket, Key=self._key(key), Range=byte_range, IfMatch=etag
-                    )
-                    body = response["Body"]
+                    if body is None:
+                        body = self._get(key, offset, end, etag)["Body"]
                     try:
                         while offset < end and (chunk := body.read(min(chunk_bytes, end - offset))):
                             offset += len(chunk)
@@ -457,6 +479,7 @@ class S3Store(Store):
                     finally:
                         if offset < end:  # stopped early or broken: this connection is not reused
                             body.close()
+                        body = None  # a retry GETs from where this one stopped
                 if offset >= end:
                     return
                 problem = f"the body ended {end - offset} bytes short"
@@ -488,6 +511,10 @@ class _NotFound(StorageError):
     """A missing key (kept inside this module: callers see None, or an ArtifactError naming the key)."""
 
 
+class _RangeNotSatisfiable(StorageError):
+    """A ranged GET that starts at or past the end of the object (HTTP 416)."""
+
+
 class _Transient(StorageError):
     """A server error that survived botocore's retries on one range; the range is retried again."""
 
@@ -505,6 +532,8 @@ def s3_errors(action: str, uri: str) -> Iterator[None]:
         message = error.response.get("Error", {}).get("Message", "")
         if code in NOT_FOUND_CODES:
             raise _NotFound(f"{uri} does not exist") from error
+        if code in RANGE_NOT_SATISFIABLE_CODES:
+            raise _RangeNotSatisfiable(f"{uri}: {action} past its end") from error
         if code == "NoSuchBucket":
             raise StorageError(f"S3 bucket of {uri} does not exist") from error
         if code in ACCESS_DENIED_CODES or code == "403":
@@ -528,6 +557,16 @@ def s3_errors(action: str, uri: str) -> Iterator[None]:
         ) from error
     except S3UploadFailedError as error:
         raise StorageError(f"upload to {uri} failed: {error}") from error
+
+
+@contextmanager
+def _reading_object(uri: str) -> Iterator[None]:
+    """`s3_errors` for reading an object the manifest lists: a missing one is an ArtifactError."""
+    try:
+        with s3_errors("reading", uri):
+            yield
+    except _NotFound as error:
+        raise ArtifactError(f"{uri} is missing") from error
 
 
 @contextmanager

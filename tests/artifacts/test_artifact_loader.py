@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from app.artifacts.loader import VERIFIED_RECORD, load_artifact, resolve
-from app.artifacts.manifest import SCHEMA_VERSION, stack_versions
+from app.artifacts.loader import VERIFIED_RECORD, load_artifact, resolve, verify_files
+from app.artifacts.manifest import SCHEMA_VERSION, Manifest, check_against_stack, stack_versions
+from app.artifacts.storage import LocalStore, open_store
+from app.cli import main
 from app.errors import ArtifactError, StorageError
 from tests.artifacts.synthetic import write_artifact
 from tests.s3_server import s3_env, upload_tree
@@ -122,6 +126,85 @@ def test_an_unknown_schema_version_fails_before_downloading(s3, bucket, publishe
     with pytest.raises(ArtifactError, match=f"schema version {SCHEMA_VERSION + 7} is not supported"):
         load_artifact(uri, cache_dir)
     assert cache_files(cache_dir) == []
+
+
+def test_a_schema_3_manifest_is_refused_naming_the_readable_versions(tmp_path, artifact_files) -> None:
+    root = tmp_path / "future"
+    manifest = write_artifact(root, artifact_files)
+    (root / "manifest.json").write_text(json.dumps(json.loads(manifest.dumps()) | {"schema_version": 3}))
+    with pytest.raises(
+        ArtifactError, match=r"schema version 3 is not supported .*\(it reads schema versions 1, 2\)"
+    ):
+        load_artifact(str(root), tmp_path / "cache")
+    with pytest.raises(ArtifactError, match=r"schema version 3; this server reads schema versions 1, 2$"):
+        check_against_stack(replace(manifest, schema_version=3))
+
+
+def corrupted(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0xFF
+    return bytes(flipped)
+
+
+def test_a_schema_1_artifact_loads_from_s3_and_is_checked_with_sha256(
+    s3, bucket, tmp_path, artifact_files, small_ranges
+) -> None:
+    local = tmp_path / "v1"
+    manifest = write_artifact(local, artifact_files, schema_version=1)
+    assert '"blake3"' not in (local / "manifest.json").read_text()
+    prefix = f"root/{manifest.artifact_id}"
+    upload_tree(s3.client(), local, bucket, prefix)
+    uri = f"s3://{bucket}/{prefix}"
+    artifact = load_artifact(uri, tmp_path / "cache")
+    assert artifact.manifest == manifest and artifact.manifest.schema_version == 1
+    for path, data in artifact_files.items():
+        assert artifact.path(path).read_bytes() == data
+    s3.client().put_object(Bucket=bucket, Key=f"{prefix}/{WEIGHTS}", Body=corrupted(artifact_files[WEIGHTS]))
+    with pytest.raises(
+        ArtifactError, match=f"checksum mismatch for {re.escape(uri)}/{WEIGHTS}: expected sha256"
+    ):
+        load_artifact(uri, tmp_path / "another-cache")
+
+
+def test_a_schema_1_artifact_loads_from_a_local_directory_and_is_checked_with_sha256(
+    tmp_path, artifact_files, cache_dir
+) -> None:
+    root = tmp_path / "v1"
+    manifest = write_artifact(root, artifact_files, schema_version=1)
+    assert load_artifact(str(root), cache_dir).manifest == manifest
+    (root / WEIGHTS).write_bytes(corrupted(artifact_files[WEIGHTS]))
+    with pytest.raises(
+        ArtifactError, match=f"checksum mismatch for {re.escape(str(root))}/{WEIGHTS}: expected sha256"
+    ):
+        load_artifact(str(root), cache_dir)
+
+
+def test_a_load_checks_blake3_only_while_verify_checks_every_digest(
+    s3, bucket, tmp_path, artifact_files, cache_dir, capsys
+) -> None:
+    """A manifest whose sha256 of the weights is wrong while its BLAKE3 is right: a load (BLAKE3 only)
+    accepts it; `verify_files(every_digest=True)` and `inf2serve artifacts verify` refuse it."""
+    local = tmp_path / "a"
+    manifest = write_artifact(local, artifact_files)
+    wrong = tuple(replace(e, sha256="0" * 64) if e.path == WEIGHTS else e for e in manifest.files)
+    bad = replace(manifest, files=wrong)
+    (local / "manifest.json").write_text(bad.dumps())
+    prefix = f"root/{bad.artifact_id}"
+    upload_tree(s3.client(), local, bucket, prefix)
+    uri = f"s3://{bucket}/{prefix}"
+    for store in (LocalStore(local), open_store(uri)):
+        where = re.escape(store.uri_of(WEIGHTS))
+        with pytest.raises(
+            ArtifactError, match=f"checksum mismatch for {where}: expected sha256 0{{64}}, got"
+        ):
+            verify_files(store, bad, every_digest=True)
+        verify_files(store, bad)
+    assert load_artifact(str(local), cache_dir).manifest == bad
+    loaded = load_artifact(uri, cache_dir)
+    assert Manifest.loads(loaded.path("manifest.json").read_text()) == bad
+    assert loaded.path(WEIGHTS).read_bytes() == artifact_files[WEIGHTS]
+    assert main(["artifacts", "verify", uri]) == 1
+    assert f"checksum mismatch for {uri}/{WEIGHTS}: expected sha256 {'0' * 64}" in capsys.readouterr().err
 
 
 def test_a_stack_mismatch_fails_before_downloading(s3, bucket, tmp_path, artifact_files, cache_dir) -> None:

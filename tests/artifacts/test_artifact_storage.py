@@ -7,8 +7,10 @@ import json
 import os
 from pathlib import Path
 
+import blake3
 import pytest
 
+from app.artifacts.manifest import FileEntry
 from app.artifacts.storage import (
     LocalStore,
     Pace,
@@ -60,12 +62,92 @@ def test_a_fast_stream_stays_on_one_get(s3_server, monkeypatch, bucket) -> None:
     data = os.urandom(300_000)
     s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
     store = S3Store(bucket, "p", TransferConfig(part_bytes=65536, concurrency=3))
-    with fault_proxy(s3_server.endpoint_url, ["count"] * 10) as proxy:  # counts ranged GETs, no faults
+    with fault_proxy(s3_server.endpoint_url, []) as proxy:  # records the requests, no faults
         use_endpoint(monkeypatch, proxy.endpoint_url)
         chunks: list[bytes] = []
         assert store.stream("w.bin", chunks.append) == 300_000
     assert b"".join(chunks) == data
-    assert len(proxy.served_faults) == 1
+    assert [(request.method, request.range) for request in proxy.requests] == [("GET", None)]
+
+
+def test_a_read_sends_no_head_and_pins_later_gets_to_the_first_gets_etag(
+    s3_server, monkeypatch, bucket, small_ranges
+) -> None:
+    data = os.urandom(300_000)
+    etag = s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)["ETag"]
+    store = open_store(f"s3://{bucket}/p")
+    with fault_proxy(s3_server.endpoint_url, []) as proxy:
+        use_endpoint(monkeypatch, proxy.endpoint_url)
+        for start in (0, 1000):
+            chunks: list[bytes] = []
+            assert store.stream("w.bin", chunks.append, start=start) == 300_000
+            assert b"".join(chunks) == data[start:]
+    assert {request.method for request in proxy.requests} == {"GET"}
+    first_gets = [request.range for request in proxy.requests if request.if_match is None]
+    assert first_gets == [None, "bytes=1000-"]  # no Range from 0; the size comes from the response
+    later = [request for request in proxy.requests if request.if_match is not None]
+    assert len(later) >= 2 and all(request.if_match == etag and request.range for request in later)
+
+
+def test_an_object_replaced_during_a_read_is_refused(s3, bucket, small_ranges) -> None:
+    store = open_store(f"s3://{bucket}/p")
+    store.write_bytes("w.bin", os.urandom(300_000))
+    received: list[bytes] = []
+
+    def replace_once(chunk: bytes) -> None:
+        if not received:
+            store.write_bytes("w.bin", os.urandom(300_000))
+        received.append(chunk)
+
+    with pytest.raises(StorageError, match=r"s3://.*/p/w\.bin changed while it was being read"):
+        store.stream("w.bin", replace_once)
+    assert len(received) == 1  # the first part came on the first GET; every later GET was refused
+
+
+def test_reads_of_an_empty_object_and_from_or_past_the_end_deliver_nothing(s3, bucket) -> None:
+    store = open_store(f"s3://{bucket}/p")
+    store.write_bytes("w.bin", b"x" * 100)
+    store.write_bytes("empty.bin", b"")
+    for key, start, size in [
+        ("empty.bin", 0, 0),
+        ("empty.bin", 5, 0),
+        ("w.bin", 100, 100),
+        ("w.bin", 150, 100),
+    ]:
+        chunks: list[bytes] = []
+        assert store.stream(key, chunks.append, start=start, expected_size=size) == size
+        assert chunks == []
+    with pytest.raises(ArtifactError, match="is 100 bytes but the manifest records 200"):
+        store.stream("w.bin", chunks.append, start=150, expected_size=200)
+    with pytest.raises(ArtifactError, match="is 100 bytes but the manifest records 200"):
+        store.stream("w.bin", chunks.append, start=50, expected_size=200)
+    assert chunks == []
+
+
+def test_a_missing_object_is_reported_as_missing_from_any_start(s3, bucket) -> None:
+    store = open_store(f"s3://{bucket}/p")
+    for start in (0, 10):
+        with pytest.raises(ArtifactError, match=r"s3://.*/p/gone\.bin is missing"):
+            store.stream("gone.bin", [].append, start=start)
+
+
+def test_a_complete_partial_file_is_finished_without_reading_its_bytes_again(
+    s3_server, monkeypatch, bucket, tmp_path
+) -> None:
+    data = os.urandom(1000)
+    s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
+    dest = tmp_path / "w.bin"
+    dest.with_name("w.bin.partial").write_bytes(data)
+    expected = FileEntry("w.bin", 1000, hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest())
+    with fault_proxy(s3_server.endpoint_url, []) as proxy:
+        use_endpoint(monkeypatch, proxy.endpoint_url)
+        download_file(open_store(f"s3://{bucket}/p"), "w.bin", dest, expected)
+    assert dest.read_bytes() == data and not dest.with_name("w.bin.partial").exists()
+    # the server refuses a range from the end (416); a HEAD gives the size
+    assert [(request.method, request.range) for request in proxy.requests] == [
+        ("GET", "bytes=1000-"),
+        ("HEAD", None),
+    ]
 
 
 MIB = 1024 * 1024

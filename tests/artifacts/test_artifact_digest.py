@@ -1,0 +1,160 @@
+"""Digests, the pipelined download sink (a writer and a hasher thread behind the receiving one) and
+block reservation: failures reach the caller, threads never outlive the sink, bytes stay in order."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import blake3
+import pytest
+
+from app.artifacts.digest import (
+    PENDING_CHUNKS,
+    Digests,
+    PipelinedSink,
+    check_entry,
+    reserve,
+    verified_digests,
+)
+from app.artifacts.manifest import FileEntry
+from app.errors import ArtifactError
+
+SINK_THREAD_NAMES = ("artifact-write", "artifact-hash")
+
+
+def sink_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name in SINK_THREAD_NAMES}
+
+
+def no_space(chunk: bytes) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class BrokenDigests(Digests):
+    def update(self, chunk: bytes) -> None:
+        raise ValueError("the hasher broke")
+
+
+def test_every_chunk_is_written_and_hashed_in_order() -> None:
+    sizes = random.Random(7).choices(range(0, 5000), k=2000)
+    chunks = [os.urandom(size) for size in sizes]
+    data = b"".join(chunks)
+    written, digests = io.BytesIO(), Digests()
+    with PipelinedSink(written.write, digests) as sink:
+        for chunk in chunks:
+            sink(chunk)
+    assert written.getvalue() == data
+    entry = digests.entry("w.bin", len(data))
+    assert entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert entry.blake3 == blake3.blake3(data).hexdigest()
+
+
+def test_a_write_failure_is_raised_at_a_later_chunk_and_the_threads_are_joined() -> None:
+    failed = threading.Event()
+
+    def write(chunk: bytes) -> None:
+        failed.set()
+        no_space(chunk)
+
+    before = sink_threads()
+    sink = PipelinedSink(write, Digests())
+    assert len(sink_threads() - before) == 2
+    sink(b"first")
+    assert failed.wait(timeout=60)
+    # The writer records its failure before it takes another chunk, and at most PENDING_CHUNKS wait for
+    # it: within PENDING_CHUNKS + 2 more chunks, one finds the failure recorded.
+    with pytest.raises(OSError) as caught:
+        for _ in range(PENDING_CHUNKS + 2):
+            sink(b"later")
+    assert caught.value.errno == errno.ENOSPC
+    with pytest.raises(OSError, match="No space left"):
+        sink.close()
+    assert sink_threads() - before == set()
+
+
+def test_a_write_failure_on_the_last_chunk_is_raised_at_close() -> None:
+    written: list[bytes] = []
+
+    def write(chunk: bytes) -> None:
+        if chunk == b"last":
+            time.sleep(0.2)  # a slow last write: close() has to wait for it to see its failure
+            no_space(chunk)
+        written.append(chunk)
+
+    before = sink_threads()
+    sink = PipelinedSink(write, Digests())
+    for chunk in (b"a", b"b", b"last"):
+        sink(chunk)  # the failure comes after the last chunk is handed over: nothing to raise yet
+    with pytest.raises(OSError) as caught:
+        sink.close()
+    assert caught.value.errno == errno.ENOSPC
+    assert written == [b"a", b"b"]
+    assert sink_threads() - before == set()
+
+
+def test_a_hasher_failure_reaches_the_caller_and_the_threads_are_joined() -> None:
+    before = sink_threads()
+    with (
+        pytest.raises(ValueError, match="the hasher broke"),
+        PipelinedSink(io.BytesIO().write, BrokenDigests()) as sink,
+    ):
+        for _ in range(PENDING_CHUNKS + 2):
+            sink(b"chunk")
+    assert sink_threads() - before == set()
+
+
+def test_the_callers_own_error_wins_over_a_stage_failure() -> None:
+    failed = threading.Event()
+
+    def write(chunk: bytes) -> None:
+        failed.set()
+        no_space(chunk)
+
+    before = sink_threads()
+    with pytest.raises(RuntimeError, match="the download broke"), PipelinedSink(write, Digests()) as sink:
+        sink(b"chunk")
+        assert failed.wait(timeout=60)  # close() in __exit__ finds the writer's error recorded
+        raise RuntimeError("the download broke")
+    assert sink_threads() - before == set()
+
+
+def test_a_load_verifies_blake3_where_the_manifest_records_it_else_sha256() -> None:
+    assert verified_digests(FileEntry("a", 1, "0" * 64, "1" * 64)) == ("blake3",)
+    assert verified_digests(FileEntry("a", 1, "0" * 64)) == ("sha256",)
+
+
+def test_check_entry_needs_a_shared_digest_and_names_the_one_that_differs() -> None:
+    data = b"weights"
+    sha256, b3 = hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest()
+    with pytest.raises(ArtifactError, match=r"no digest of s3://b/w\.bin to check against the manifest"):
+        check_entry(FileEntry("w.bin", 7, "", b3), FileEntry("w.bin", 7, sha256), "s3://b/w.bin")
+    check_entry(FileEntry("w.bin", 7, "", b3), FileEntry("w.bin", 7, sha256, b3), "s3://b/w.bin")
+    with pytest.raises(ArtifactError, match=rf"checksum mismatch for s3://b/w\.bin: expected blake3 {b3}"):
+        check_entry(FileEntry("w.bin", 7, "", "0" * 64), FileEntry("w.bin", 7, sha256, b3), "s3://b/w.bin")
+
+
+def test_reserve_keeps_the_file_size_and_later_writes_work(tmp_path: Path) -> None:
+    path = tmp_path / "w.bin"
+    with path.open("wb") as handle:
+        handle.write(b"head")
+        handle.flush()
+        reserve(handle.fileno(), 4, 1024 * 1024)
+        assert os.fstat(handle.fileno()).st_size == 4
+        reserve(handle.fileno(), 4, 0)
+        handle.write(b"tail")
+    assert path.read_bytes() == b"headtail"
+
+
+def test_reserve_ignores_failures_other_than_no_space(tmp_path: Path) -> None:
+    path = tmp_path / "r.bin"
+    path.write_bytes(b"data")
+    with path.open("rb") as handle:  # fallocate on a read-only descriptor fails (EBADF): not an error
+        reserve(handle.fileno(), 4, 4096)
+    assert path.read_bytes() == b"data"
