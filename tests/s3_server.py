@@ -146,11 +146,15 @@ class ProxiedRequest:
     if_match: str | None
 
 
+SLOW_FIRST_BYTE_S = 0.3
+
+
 @dataclass
 class FaultProxy:
     """An HTTP proxy to `upstream` that records every request (`requests`); each GET of an object takes
     the next fault from `faults` (when any): "503" answers 503 SlowDown, "truncate" sends the headers and
-    half the body, then closes (any other name serves the request as is, counted)."""
+    half the body, then closes, "slow" answers after SLOW_FIRST_BYTE_S, as a distant server would (any
+    other name serves the request as is, counted)."""
 
     upstream: str
     faults: list[str] = field(default_factory=list)
@@ -187,6 +191,8 @@ def fault_proxy(upstream: str, faults: list[str]) -> Iterator[FaultProxy]:
         def relay(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
             fault = proxy.next_fault(self.command, self.path, self.headers)
+            if fault == "slow":
+                time.sleep(SLOW_FIRST_BYTE_S)
             if fault == "503":
                 error = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
                 self.send_response(503)

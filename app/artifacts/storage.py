@@ -370,11 +370,12 @@ class S3Store(Store):
         """One GET from `start`, consumed in this thread; after its first part, either carried on to the
         end or closed, the rest then coming as ranged GETs (the policy is in the module docstring). The
         size is checked before any byte reaches `sink`."""
+        requested = time.perf_counter()
         size, etag, body = self._open(key, start)
         with closing(body):
             _check_size(self.uri_of(key), size, expected_size)
             if start < size:
-                offset = self._stream_one_get(key, etag, start, size, sink, body)
+                offset = self._stream_one_get(key, etag, (start, size), sink, body, requested)
                 if offset < size:
                     self._stream_ranges(key, etag, offset, size, sink)
         return size
@@ -400,12 +401,16 @@ class S3Store(Store):
             options["Range"] = f"bytes={begin}-{'' if end is None else end - 1}"
         return s3_client().get_object(Bucket=self.bucket, Key=self._key(key), **options)
 
-    def _stream_one_get(self, key: str, etag: str, start: int, size: int, sink: Sink, body: Any) -> int:
-        """Bytes from `start` to `sink` on one GET (the open `body`, from `start`), timing its first part;
-        returns where it stopped: at the end, or at the end of the first part where `split_pays`."""
+    def _stream_one_get(
+        self, key: str, etag: str, span: tuple[int, int], sink: Sink, body: Any, requested: float
+    ) -> int:
+        """Bytes [start, size) to `sink` on one GET (the open `body`, sent at `requested`, so the latency
+        of its first part counts the server's time to first byte), timing its first part; returns where
+        it stopped: at the end, or at the end of the first part where `split_pays`."""
+        start, size = span
         pace, offset, first_part_end, deciding = Pace(), start, start + self.transfer.part_bytes, True
         with closing(self._chunks(key, etag, start, size, body)) as chunks:
-            mark = time.perf_counter()
+            mark = requested
             for chunk in chunks:
                 arrived = time.perf_counter()
                 sink(chunk)

@@ -25,6 +25,8 @@ from app.artifacts.storage import (
 from app.errors import ArtifactError, ConfigError, StorageError
 from tests.s3_server import fault_proxy, free_port, start_s3_server, use_endpoint
 
+MIB = 1024 * 1024
+
 
 def test_open_store_parses_s3_and_local_uris(tmp_path: Path) -> None:
     store = open_store("s3://bucket/some/prefix/")
@@ -66,6 +68,21 @@ def test_a_fast_stream_stays_on_one_get(s3_server, monkeypatch, bucket) -> None:
         use_endpoint(monkeypatch, proxy.endpoint_url)
         chunks: list[bytes] = []
         assert store.stream("w.bin", chunks.append) == 300_000
+    assert b"".join(chunks) == data
+    assert [(request.method, request.range) for request in proxy.requests] == [("GET", None)]
+
+
+def test_a_slow_first_byte_keeps_the_rest_on_the_same_get(s3_server, monkeypatch, bucket) -> None:
+    """A server that takes long to answer each GET but then streams fast (moto reads a whole object
+    before its first byte): the first part's timing counts that wait from when the GET was sent, so new
+    ranged GETs, which would each wait again, are not worth it."""
+    data = os.urandom(8 * MIB)
+    s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
+    store = S3Store(bucket, "p", TransferConfig(part_bytes=2 * MIB, concurrency=4))
+    with fault_proxy(s3_server.endpoint_url, ["slow"]) as proxy:
+        use_endpoint(monkeypatch, proxy.endpoint_url)
+        chunks: list[bytes] = []
+        assert store.stream("w.bin", chunks.append) == len(data)
     assert b"".join(chunks) == data
     assert [(request.method, request.range) for request in proxy.requests] == [("GET", None)]
 
@@ -148,9 +165,6 @@ def test_a_complete_partial_file_is_finished_without_reading_its_bytes_again(
         ("GET", "bytes=1000-"),
         ("HEAD", None),
     ]
-
-
-MIB = 1024 * 1024
 
 
 @pytest.mark.parametrize(
