@@ -12,7 +12,11 @@ server (moto's server mode, its own process), read side by side in one run, roun
   its timing: the previous default's 8 MiB x 8 pattern);
 - `loader_configured`: the same with the INF2SERVE_S3_* settings of this environment, where they differ
   from the defaults;
-- `warm_restart`: `load_artifact` again over the verified cache.
+- `warm_restart`: `load_artifact` again over the verified cache;
+- `write_control`: the artifact's size written from one reused buffer to a fresh file in a cache
+  directory, nothing received or hashed: what storing the bytes costs this machine by itself (on this
+  VM, page cache for new files comes back from the host slowly). `plain_get` then this write, one after
+  the other, would reach `serial_write_ceiling` of `plain_get`.
 The modes that split (`plain_ranged_get`, `loader_ranges_always`) run after all rounds of the others:
 each makes the server allocate and free gigabytes, and the cold load that followed one took four times
 the kernel time to write its cache (0.42 s against 0.10 s; this VM reports freed memory to its host).
@@ -104,6 +108,14 @@ def plain_ranged_get(server: S3Server, uri: str, manifest: Manifest) -> int:
         return sum(pool.map(lambda r: read(*r), ranges))
 
 
+def write_control(size: int, caches: Path) -> int:
+    block = bytes(MIB)
+    with (Path(tempfile.mkdtemp(dir=caches)) / "control.bin").open("wb") as handle:
+        for offset in range(0, size, MIB):
+            handle.write(block[: min(MIB, size - offset)])
+    return size
+
+
 def cold_load(uri: str, transfer: storage.TransferConfig, cache: Path) -> int:
     storage.DEFAULT_TRANSFER = transfer
     try:
@@ -177,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fast: dict[str, Mode] = {
                 "plain_get": lambda: plain_get(server, uri, manifest),
                 **cold_loads(uri, single, caches),
+                "write_control": lambda: write_control(manifest.total_bytes, caches),
             }
             slow: dict[str, Mode] = {
                 "plain_ranged_get": lambda: plain_ranged_get(server, uri, manifest),
@@ -239,6 +252,7 @@ def summarize(
         "ratio_loader_ranges_always_to_plain_ranged_get": (
             throughput["loader_ranges_always"] / throughput["plain_ranged_get"]
         ),
+        "serial_write_ceiling": 1 / (1 + plain / throughput["write_control"]),
         "warm_restart_seconds": median("warm_restart", "seconds"),
         "warm_restart_bytes_downloaded": max(sample["bytes"] for sample in samples["warm_restart"]),
         "goal": "loader >= 0.8 x plain_get",
@@ -258,6 +272,8 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  {name + ' / plain_get':42s} {ratio:.2f}{goal}")
     ratio = report["ratio_loader_ranges_always_to_plain_ranged_get"]
     print(f"  {'loader_ranges_always / plain_ranged_get':42s} {ratio:.2f}")
+    ceiling = report["serial_write_ceiling"]
+    print(f"  plain_get then write_control, as a ratio   {ceiling:.2f}")
     print(f"  warm restart                               {report['warm_restart_seconds']:.3f} s")
     before, after = report["load_average_before_after"]
     print(f"  load average before / after                {before[0]:.2f} / {after[0]:.2f}")
