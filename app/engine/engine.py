@@ -226,27 +226,31 @@ class LLMEngine:
         in_flight: list[LaunchedCall] = []
         try:
             while not self._stopping:
-                ended = [*self._take_inbox()]
-                plan = self._scheduler.schedule(time.monotonic())
-                ended += plan.expired
-                if ended:
-                    self._report(_final_records(ended), (), time.monotonic())
-                completed, in_flight = in_flight, self._launch(plan)
-                if completed:
-                    self._complete(completed)
-                if in_flight and not self._stays_in_flight(in_flight):
-                    self._complete(in_flight)
-                    in_flight = []
-                if not plan.has_work and not completed:
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()  # not every step: whoever set it had filled the inbox first
-            if in_flight:
-                self._complete(in_flight)
+                in_flight = self._step(in_flight)
+            self._complete(in_flight)
         except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
             logger.exception("the engine loop failed")
             self._failure = exc
         finally:
             self._shut_down()
+
+    def _step(self, in_flight: list[LaunchedCall]) -> list[LaunchedCall]:
+        """Schedule and launch a step, complete the one launched before it, and return what is still in
+        flight: the new step when running ahead, else nothing (it was completed at once)."""
+        ended = [*self._take_inbox()]
+        plan = self._scheduler.schedule(time.monotonic())
+        ended += plan.expired
+        if ended:
+            self._report(_final_records(ended), (), time.monotonic())
+        launched = self._launch(plan)
+        self._complete(in_flight)
+        if launched and not self._stays_in_flight(launched):
+            self._complete(launched)
+            launched = []
+        if not plan.has_work and not in_flight:
+            self._wake.wait(IDLE_WAIT_S)
+            self._wake.clear()  # not every step: whoever set it had filled the inbox first
+        return launched
 
     def _stays_in_flight(self, calls: list[LaunchedCall]) -> bool:
         """Whether the next step may be launched before these calls' tokens are back: when running ahead
