@@ -86,22 +86,10 @@ def run_trace(
     static: bool = False,
     run_ahead: bool = True,
     eos_probability: float = 0.0,
-) -> list[StepRecord]:
-    """Submit the whole trace at once, stream every output to the end; the device's call log. With an
-    `eos_probability`, requests end at the device's EOS (output_len is then only their cap)."""
-    return run_trace_counted(tokenizer, grid, cost, trace, static, run_ahead, eos_probability)[0]
-
-
-def run_trace_counted(
-    tokenizer: Tokenizer,
-    grid: ShapeGrid,
-    cost: CostModel,
-    trace: Sequence[TraceRequest],
-    static: bool = False,
-    run_ahead: bool = True,
-    eos_probability: float = 0.0,
 ) -> tuple[list[StepRecord], int]:
-    """`run_trace`, and the number of tokens the requests received."""
+    """Submit the whole trace at once, stream every output to the end; the device's call log and the
+    number of tokens the requests received. With an `eos_probability`, requests end at the device's EOS
+    (output_len is then only their cap)."""
     spec = BackendSpec("sim", 1, "fp32", grid)
     backend = SimBackend.create(spec, cost, 512, (1, 2), eos_probability, record_timeline=True)
     config = EngineConfig(
@@ -157,7 +145,7 @@ def duty_cycle(
     count = max(SLOTS * 2, int(seconds / step_s * SLOTS / MEAN_OUTPUT))
     cost = CostModel(decode_fixed_s=step_s, prefill_points=((128, step_s / 4),))
     trace = exponential_trace(rng, count, 100, MEAN_OUTPUT)
-    records = saturated(run_trace(tokenizer, NEURON_GRID, cost, trace, run_ahead=run_ahead))
+    records = saturated(run_trace(tokenizer, NEURON_GRID, cost, trace, run_ahead=run_ahead)[0])
     pairs = list(itertools.pairwise(records))
     busy = sum(r.end - r.start for r in records)
     host = sum(host_gap(r, nxt) for r, nxt in pairs)
@@ -226,7 +214,7 @@ def scheduler_cpu(num_sequences: int, iterations: int) -> dict[str, Any]:
 
 def padding(tokenizer: Tokenizer, rng: random.Random) -> dict[str, Any]:
     trace = bucket_uniform_trace(rng, 320, MEAN_OUTPUT)
-    records = run_trace(tokenizer, GEOMETRIC_GRID, CostModel(), trace)
+    records = run_trace(tokenizer, GEOMETRIC_GRID, CostModel(), trace)[0]
     totals: dict[str, list[int]] = {"prefill": [0, 0, 0, 0], "decode": [0, 0, 0, 0]}
     per_row_bucket_tokens = 0
     for record in records:
@@ -252,7 +240,7 @@ def continuous_vs_static(tokenizer: Tokenizer, step_s: float, rng: random.Random
     trace = exponential_trace(rng, SLOTS * 8, 32, MEAN_OUTPUT)
     rates = {}
     for mode in ("continuous", "static"):
-        records = saturated(run_trace(tokenizer, NEURON_GRID, cost, trace, static=mode == "static"))
+        records = saturated(run_trace(tokenizer, NEURON_GRID, cost, trace, static=mode == "static")[0])
         tokens = sum(len(r.batch.slots) for r in records[:-1])  # each row of each call makes one token
         rates[mode] = tokens / (records[-1].start - records[0].start)
     measured = rates["continuous"] / rates["static"]
@@ -289,7 +277,7 @@ def run_ahead_cost(tokenizer: Tokenizer, step_s: float, rng: random.Random) -> d
     trace = exponential_trace(rng, SLOTS * 8, 100, 1024)  # output_len: only a cap here
     report: dict[str, Any] = {"step_ms": step_s * 1e3, "requests": len(trace)}
     for mode, run_ahead in (("ahead", True), ("in_step", False)):
-        records, received = run_trace_counted(
+        records, received = run_trace(
             tokenizer, NEURON_GRID, cost, trace, run_ahead=run_ahead, eos_probability=1 / MEAN_OUTPUT
         )
         rows = sum(len(r.batch.slots) for r in records)
