@@ -49,6 +49,7 @@ DEFAULT_OUT = REPO / "loadtest" / "reports" / "scheduler_bench.json"
 DEFAULT_TOKENIZER = REPO.parent / "shared" / "models" / "stories260K"
 SLOTS = 32
 MEAN_OUTPUT = 64
+CONTROL_S = 2.0  # length of the device-alone control run
 BUCKETS = powers_of_two(128, 2048)
 NEURON_GRID = ShapeGrid(SLOTS, 2048, BUCKETS, BUCKETS, (SLOTS,))  # decode always carries every slot
 GEOMETRIC_GRID = ShapeGrid(SLOTS, 2048, BUCKETS, BUCKETS, powers_of_two(1, SLOTS))
@@ -138,13 +139,20 @@ def host_gap(record: StepRecord, following: StepRecord) -> float:
     return following.start - (record.returned if after_wait else record.end)
 
 
+def duty_cycles(
+    tokenizer: Tokenizer, step_s: float, seconds: float, rng: random.Random
+) -> list[dict[str, Any]]:
+    """Running ahead and not, on the same trace."""
+    count = max(SLOTS * 2, int(seconds / step_s * SLOTS / MEAN_OUTPUT))
+    trace = exponential_trace(rng, count, 100, MEAN_OUTPUT)
+    return [duty_cycle(tokenizer, step_s, trace, run_ahead) for run_ahead in (True, False)]
+
+
 def duty_cycle(
-    tokenizer: Tokenizer, step_s: float, seconds: float, rng: random.Random, run_ahead: bool
+    tokenizer: Tokenizer, step_s: float, trace: Sequence[TraceRequest], run_ahead: bool
 ) -> dict[str, Any]:
     """Busy time over busy plus host time, and the host gap between decode steps."""
-    count = max(SLOTS * 2, int(seconds / step_s * SLOTS / MEAN_OUTPUT))
     cost = CostModel(decode_fixed_s=step_s, prefill_points=((128, step_s / 4),))
-    trace = exponential_trace(rng, count, 100, MEAN_OUTPUT)
     records = saturated(run_trace(tokenizer, NEURON_GRID, cost, trace, run_ahead=run_ahead)[0])
     pairs = list(itertools.pairwise(records))
     busy = sum(r.end - r.start for r in records)
@@ -154,7 +162,7 @@ def duty_cycle(
     return {
         "step_ms": step_s * 1e3,
         "run_ahead": run_ahead,
-        "requests": count,
+        "requests": len(trace),
         "calls": len(records),
         "wall_s": records[-1].end - records[0].start,
         "duty_cycle": busy / (busy + host),
@@ -166,7 +174,7 @@ def duty_cycle(
         "goal_host_gap_fraction": 0.02,
         "sim_lateness_p50_ms": percentile(lateness, 0.5) * 1e3,
         "sim_lateness_p99_ms": percentile(lateness, 0.99) * 1e3,
-        "control_device_alone": device_alone(step_s, min(seconds, 2.0)),
+        "control_device_alone": device_alone(step_s, CONTROL_S),
     }
 
 
@@ -348,9 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "machine": {"cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
         "duty_cycle": [
-            duty_cycle(tokenizer, step, args.seconds, rng, run_ahead)
-            for step in (0.025, 0.005)
-            for run_ahead in (True, False)
+            run for step in (0.025, 0.005) for run in duty_cycles(tokenizer, step, args.seconds, rng)
         ],
         "scheduler_cpu": [scheduler_cpu(n, iterations=max(20, 4000 // n)) for n in (8, 16, 32, 64, 128, 256)],
         "padding": padding(tokenizer, rng),

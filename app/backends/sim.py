@@ -174,8 +174,7 @@ class SimBackend(Backend):
             raise ConfigError(
                 f"the sim needs EOS ids and other ids within the vocab of {self.model.vocab_size}"
             )
-        self._kv_len = [0] * self.spec.grid.num_slots  # tokens written per slot
-        self._last_token = [-1] * self.spec.grid.num_slots  # sampled last per slot (-1: none)
+        self._clear_slots()
         self._busy_until = 0.0  # when the last queued call ends
         self._check_positions = True
 
@@ -186,8 +185,11 @@ class SimBackend(Backend):
             super().warmup()
         finally:
             self._check_positions = True
-            self._kv_len = [0] * self.spec.grid.num_slots
-            self._last_token = [-1] * self.spec.grid.num_slots
+            self._clear_slots()
+
+    def _clear_slots(self) -> None:
+        self._kv_len = [0] * self.spec.grid.num_slots  # tokens written per slot
+        self._last_token = [-1] * self.spec.grid.num_slots  # sampled last per slot (-1: none)
 
     @classmethod
     def create(

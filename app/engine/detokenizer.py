@@ -52,6 +52,10 @@ class DecodeRules:
         """Whether generated text follows some prompt text (then its first space is kept)."""
         return bool(self.decode(list(prompt_token_ids[-8:]))) or bool(self.decode(list(prompt_token_ids)))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads inside a text, its leading space kept (decoded behind the anchor)."""
+        return self.decode([*self.anchor, token_id])[self.anchor_len :]
+
 
 class IncrementalDetokenizer:
     """One request's generated ids to text pieces; `push` per step, `flush` once at the end."""

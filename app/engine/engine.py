@@ -10,8 +10,8 @@ Running ahead (`EngineConfig.run_ahead`, on backends that feed tokens back on th
 iteration schedules and launches step n+1, then completes step n (waits for its tokens, applies them,
 reports them). The device starts step n+1 as soon as step n ends, so the host's work between steps
 overlaps the device instead of idling it; the cost is a dropped row for each request that step n ends
-and a slot refilled one step later (`scheduler`). Elsewhere each step is completed as soon as it is
-launched.
+and a slot refilled one step later (`scheduler`). Otherwise each call is waited for as soon as it is
+launched, so a backend that runs its calls inside `launch` has each one timed alone.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from app.engine.output import (
     StepReport,
 )
 from app.engine.request import FINISHED, Request
-from app.engine.scheduler import BatchPlan, DecodeGroup, PrefillGroup, Scheduler
+from app.engine.scheduler import DecodeGroup, PrefillGroup, Scheduler
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
 from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
@@ -227,7 +227,7 @@ class LLMEngine:
         try:
             while not self._stopping:
                 in_flight = self._step(in_flight)
-            self._complete(in_flight)
+            self._complete(in_flight)  # the device's last step, before its backend is closed
         except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
             logger.exception("the engine loop failed")
             self._failure = exc
@@ -235,27 +235,27 @@ class LLMEngine:
             self._shut_down()
 
     def _step(self, in_flight: list[LaunchedCall]) -> list[LaunchedCall]:
-        """Schedule and launch a step, complete the one launched before it, and return what is still in
-        flight: the new step when running ahead, else nothing (it was completed at once)."""
+        """Schedule a step and run it. Running ahead: launch it, complete the step launched before it,
+        and return the new one, still in flight. Otherwise each call is waited for as it is launched
+        (so each is timed alone) and nothing stays in flight."""
         ended = [*self._take_inbox()]
         plan = self._scheduler.schedule(time.monotonic())
         ended += plan.expired
         if ended:
             self._report(_final_records(ended), (), time.monotonic())
-        launched = self._launch(plan)
-        self._complete(in_flight)
-        if launched and not self._stays_in_flight(launched):
-            self._complete(launched)
+        if self._run_ahead:
+            launched = [self._launch(group) for group in plan.groups]
+            self._complete(in_flight)
+            if any(call.error is not None for call in launched):  # applied before anything else is planned
+                self._complete(launched)
+                launched = []
+        else:
             launched = []
+            self._finish([self._wait(self._launch(group)) for group in plan.groups])
         if not plan.has_work and not in_flight:
             self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()  # not every step: whoever set it had filled the inbox first
         return launched
-
-    def _stays_in_flight(self, calls: list[LaunchedCall]) -> bool:
-        """Whether the next step may be launched before these calls' tokens are back: when running ahead
-        and every launch went through (a refused one is applied before anything else is scheduled)."""
-        return self._run_ahead and all(call.error is None for call in calls)
 
     def _take_inbox(self) -> list[Request]:
         """Admit new requests; apply aborts and stop-string stops. Returns the requests it finished."""
@@ -276,12 +276,7 @@ class LLMEngine:
                 self._scheduler.finish(request, FinishReason.STOP, now)
         return finished
 
-    def _launch(self, plan: BatchPlan) -> list[LaunchedCall]:
-        """Start the plan's calls on the backend: prefills first, then the decode."""
-        groups = [*plan.prefills, plan.decode] if plan.decode is not None else plan.prefills
-        return [self._launch_call(group) for group in groups]
-
-    def _launch_call(self, group: PrefillGroup | DecodeGroup) -> LaunchedCall:
+    def _launch(self, group: PrefillGroup | DecodeGroup) -> LaunchedCall:
         launched = time.perf_counter()
         try:
             return LaunchedCall(group, self.backend.launch(group.batch), None, launched)
@@ -290,9 +285,13 @@ class LLMEngine:
             return LaunchedCall(group, None, exc, launched)
 
     def _complete(self, calls: list[LaunchedCall]) -> None:
-        """Wait for each call's tokens in launch order, then hand every request its token (or its call's
-        error) and the step to the output thread."""
-        outcomes = [self._wait(call) for call in calls]
+        """Wait for each call's tokens in launch order, then finish the step."""
+        self._finish([self._wait(call) for call in calls])
+
+    def _finish(self, outcomes: list[CallOutcome]) -> None:
+        """Hand every request its token (or its call's error), and the step to the output thread."""
+        if not outcomes:
+            return
         now = time.monotonic()
         records: list[tuple[Request, int, bool]] = []
         for outcome in outcomes:

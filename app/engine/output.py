@@ -270,7 +270,7 @@ class OutputProcessor:
     ) -> None:
         metrics.record_request_finished(
             reason=str(reason),
-            error_type=None if error is None else error.error_type,
+            failed=error is not None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_generated_tokens=num_tokens,
             e2e_s=now - request.arrival_time,

@@ -111,11 +111,6 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def position(self) -> int:
-        """Position of the last token, where a decode step writes its KV entry."""
-        return self.num_tokens - 1
-
-    @property
     def is_finished(self) -> bool:
         return self.state is FINISHED
 

@@ -74,6 +74,11 @@ class BatchPlan:
     def has_work(self) -> bool:
         return bool(self.prefills) or self.decode is not None
 
+    @property
+    def groups(self) -> tuple[PrefillGroup | DecodeGroup, ...]:
+        """The backend calls, in the order they run."""
+        return (*self.prefills, self.decode) if self.decode is not None else self.prefills
+
 
 class Scheduler:
     def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
@@ -82,8 +87,8 @@ class Scheduler:
         self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
         self._num_waiting = 0
         self._running: list[Request] = []  # holding a slot; finished entries are dropped lazily
-        self._rows: DecodeRows | None = None  # the running requests' rows; None once one joined or left
-        self._rows_uses_left = 0  # schedules the rows serve before one of them reaches its token limit
+        self._rows: DecodeRows | None = None  # the running requests' rows; None once one joins or leaves
+        self._rows_uses_left = 0  # steps the rows serve before one of them reaches its token limit
         self._token_bucket = 0  # of the last decode: positions only grow while the rows stay
         self._slot_owner: list[Request | None] = [None] * grid.num_slots
         self._free_slots = list(range(grid.num_slots - 1, -1, -1))  # pop() hands out the lowest
@@ -117,10 +122,11 @@ class Scheduler:
         expired = self._expire(now)
         decode = self._decode_group()
         prefills = self._admit(now) if self._free_slots and self._waiting else ()
-        for group in (*prefills, decode) if decode is not None else prefills:
+        plan = BatchPlan(prefills, decode, expired)
+        for group in plan.groups:
             for request in group.requests:
                 request.pending += 1
-        return BatchPlan(prefills, decode, expired)
+        return plan
 
     def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
         """Hand each request the token a backend call produced for it, and apply token-level stops."""
@@ -199,11 +205,13 @@ class Scheduler:
         return expired
 
     def _decode_group(self) -> DecodeGroup | None:
-        rows = self._rows if self._rows is not None and self._rows_uses_left else self._decode_rows()
+        rows = self._rows if self._rows is not None else self._decode_rows()
         requests = rows.requests
         if not requests:
             return None
         self._rows_uses_left -= 1
+        if not self._rows_uses_left:  # a row's token in this step is its last
+            self._rows = None
         positions = tuple([r.num_tokens - 1 + r.pending for r in requests])
         span = max(positions) + 1
         if span > self._token_bucket:

@@ -142,6 +142,6 @@ def test_launched_calls_queue_behind_each_other() -> None:
     tokens = first(), second()
     assert [len(t) for t in tokens] == [1, 1]
     prefill_call, decode_call = backend.timeline
-    assert decode_call.start == prefill_call.end  # launched while the prefill ran: it waited its turn
+    assert decode_call.start >= prefill_call.end  # launched while the prefill ran: it waited its turn
     assert decode_call.end == pytest.approx(decode_call.start + 0.02)
     assert decode_call.returned >= decode_call.end

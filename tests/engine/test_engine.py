@@ -380,13 +380,15 @@ def test_running_ahead_gives_every_request_the_tokens_it_gets_in_step(tokenizer:
 
 
 class OrderLog(SimBackend):
-    """Logs when calls are launched and when their tokens are waited for."""
+    """Logs when calls are launched and when their tokens are waited for, and the batches launched."""
 
     events: list[tuple[str, int]]
+    batches: list[PrefillBatch | DecodeBatch]
 
     def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
-        index = sum(1 for kind, _ in self.events if kind == "launch")
+        index = len(self.batches)
         self.events.append(("launch", index))
+        self.batches.append(batch)
         tokens = super().launch(batch)
         return partial(self._logged, index, tokens)
 
@@ -400,12 +402,29 @@ def test_running_ahead_launches_each_step_before_waiting_for_the_one_before(
     tokenizer: Tokenizer, run_ahead: bool
 ) -> None:
     backend = make_backend(cls=OrderLog)
-    backend.events = []
+    backend.events, backend.batches = [], []
     with running_engine(tokenizer, backend, run_ahead=run_ahead) as engine:
         run(collect(engine, "r", [5, 6], params(6)))
-    launches = [i for kind, i in backend.events if kind == "launch"]
-    assert launches == list(range(6))  # one prefill, five decodes: no call more, none dropped
     expected = ["launch 0"] + [f"launch {i + 1} wait {i}" for i in range(5)] + ["wait 5"]
     if not run_ahead:
         expected = [f"launch {i} wait {i}" for i in range(6)]
     assert " ".join(f"{kind} {i}" for kind, i in backend.events) == " ".join(expected)
+
+
+def test_in_step_each_call_is_waited_for_before_the_next_is_launched(tokenizer: Tokenizer) -> None:
+    """A step with a prefill and a decode: each call completes before the next starts, so a backend
+    that runs its calls inside `launch` has each one timed alone."""
+    backend = make_backend(cls=OrderLog, cost_model=CostModel(0.01))
+    backend.events, backend.batches = [], []
+
+    async def main(engine: LLMEngine) -> None:
+        first = engine.generate("first", [5, 6], params(30))
+        await first.__anext__()
+        await asyncio.gather(drain(first), collect(engine, "second", [7, 8], params(4)))
+
+    with running_engine(tokenizer, backend, run_ahead=False) as engine:
+        run(main(engine))
+    second_prefill = [i for i, b in enumerate(backend.batches) if isinstance(b, PrefillBatch)][1]
+    step_decode = backend.batches[second_prefill + 1]
+    assert isinstance(step_decode, DecodeBatch) and step_decode.slots == (0,)  # that step decoded the first
+    assert backend.events == [(kind, i) for i in range(len(backend.batches)) for kind in ("launch", "wait")]

@@ -11,13 +11,13 @@ from tests.engine.helpers import make_request, sample
 
 def test_walks_waiting_prefilling_decoding_finished() -> None:
     request = make_request(0, prompt_len=5)
-    assert request.state is RequestState.WAITING and request.position == 4
+    assert request.state is RequestState.WAITING and request.num_tokens == 5
     request.start_prefill(slot=3, now=1.0)
     assert request.state is RequestState.PREFILLING and request.slot == 3 and request.scheduled_time == 1.0
     request.append_token(sample(42), now=2.0)
     assert request.state is RequestState.DECODING and request.first_token_time == 2.0
     request.append_token(sample(43), now=3.0)
-    assert request.output_token_ids == [42, 43] and request.last_token_id == 43 and request.position == 6
+    assert request.output_token_ids == [42, 43] and request.last_token_id == 43 and request.num_tokens == 7
     request.finish(FinishReason.LENGTH, now=4.0)
     assert request.is_finished and request.finish_reason is FinishReason.LENGTH and request.finish_time == 4.0
 
