@@ -1,6 +1,8 @@
 # The two commands a newcomer runs: `make run` (compile the embedded default model and serve it) and
 # `make test` (the test suite). Both install what they need, idempotently, into .venv.
 SHELL := /bin/bash
+# pipefail: a recipe whose pipeline fails anywhere (a failed compile piped into tail) stops make.
+.SHELLFLAGS := -eo pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SHARED_MODEL := ../shared/models/stories260K
@@ -21,14 +23,16 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Real servers the integration tests drive (Debian packages): nginx and promtool.
+# Real servers the integration tests drive (Debian packages): nginx and promtool. Checked by their
+# packages' paths: /usr/sbin is not on a non-root user's PATH.
 system-deps:
-	@command -v nginx >/dev/null && command -v promtool >/dev/null || { \
+	@test -x /usr/sbin/nginx && test -x /usr/bin/promtool || { \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light prometheus >/dev/null; }
 
+# compile prints the artifact's path as its last stdout line.
 run: install
-	$(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1 > .last-artifact
-	$(VENV)/bin/inf2serve serve --artifact "$$(cat .last-artifact)" --host 127.0.0.1 --port $(PORT)
+	artifact="$$($(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1)" && \
+	  exec $(VENV)/bin/inf2serve serve --artifact "$$artifact" --host 127.0.0.1 --port $(PORT)
 
 test: install system-deps
 	$(PY) -m pytest -q

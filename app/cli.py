@@ -17,17 +17,24 @@ from app import __version__
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser for `argv`: only the command it names is loaded (a plugin's imports, FastAPI for
+    `deploy`, would cost every other command); the others are listed by name, for `--help`."""
     parser = argparse.ArgumentParser(prog="inf2serve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"inf2serve {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
     for entry in sorted(entry_points(group="inf2serve.commands"), key=lambda e: e.name):
-        entry.load()(subparsers)
+        if entry.name == command:
+            entry.load()(subparsers)
+        else:
+            subparsers.add_parser(entry.name)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     handler: Handler = args.handler
     return handler(args)
 

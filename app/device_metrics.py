@@ -135,7 +135,6 @@ class DeviceMetrics:
         self.period_s = period_s
         self.tag = tag or runtime_tag()
         self.busy_fraction = busy_fraction
-        self.source = SOURCE_MONITOR if self.monitor_path else SOURCE_ENGINE
         self._process: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -159,7 +158,6 @@ class DeviceMetrics:
         if self.monitor_path:
             await self._follow_monitor(self.monitor_path)
             log.warning("neuron-monitor exited; NeuronCore utilization now comes from the engine's busy time")
-            self.source = SOURCE_ENGINE
         while True:
             metrics.record_core_utilization(ENGINE_CORE, self.busy_fraction(), SOURCE_ENGINE)
             await asyncio.sleep(self.period_s)

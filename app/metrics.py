@@ -134,6 +134,7 @@ DECODE_STALL = Histogram(
 ENGINE_BUSY = Gauge(
     _name("engine_busy_ratio"), "Fraction of recent wall time the device was executing.", registry=REGISTRY
 )
+_engine_busy = 0.0  # ENGINE_BUSY's value, kept for the device metrics without reading the registry back
 
 # Device level (neuron-monitor on inf2, the engine's own busy fraction elsewhere: see `source`).
 CORE_UTILIZATION = Gauge(
@@ -226,6 +227,8 @@ def record_engine_state(num_running: int, num_waiting: int, num_slots: int) -> N
 
 
 def record_engine_busy(ratio: float) -> None:
+    global _engine_busy
+    _engine_busy = ratio
     ENGINE_BUSY.set(ratio)
 
 
@@ -247,13 +250,12 @@ def record_generated_tokens(num_tokens: int) -> None:
 
 
 def record_request_finished(
-    reason: str, error_type: str | None, num_prompt_tokens: int, num_generated_tokens: int, e2e_s: float
+    reason: str, failed: bool, num_prompt_tokens: int, num_generated_tokens: int, e2e_s: float
 ) -> None:
-    """A request's end: success by finish reason (stop, length, abort), or failure by error type."""
-    if error_type is None:
+    """An engine request's end: success by finish reason (stop, length, abort). A failed one is left to
+    the HTTP layer, which counts every failure (validation and admission too) once per HTTP request."""
+    if not failed:
         REQUEST_SUCCESS.labels(reason).inc()
-    else:
-        REQUEST_FAILURE.labels(error_type).inc()
     E2E.observe(e2e_s)
     REQUEST_PROMPT_TOKENS.observe(num_prompt_tokens)
     REQUEST_GENERATION_TOKENS.observe(num_generated_tokens)
@@ -282,4 +284,4 @@ def record_execution_latency(percentile: str, seconds: float) -> None:
 
 def engine_busy_ratio() -> float:
     """The engine's busy fraction as it last recorded it (0 before its first window closes)."""
-    return REGISTRY.get_sample_value(_name("engine_busy_ratio")) or 0.0
+    return _engine_busy

@@ -42,10 +42,7 @@ class Tokenizer:
         self._rust = rust
         self.special_tokens = {name: _content(config.get(name)) for name in _SPECIAL_NAMES}
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
-        bos = self.special_tokens["bos_token"]
-        self.bos_token_id: int | None = rust.token_to_id(bos) if bos else None
         self.eos_token_ids = eos or _ids_of(rust, [self.special_tokens["eos_token"]])
-        self.vocab_size = rust.get_vocab_size(with_added_tokens=True)
         self.special_token_ids = frozenset(
             i for i, token in rust.get_added_tokens_decoder().items() if token.special
         )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.artifacts.loader import ALIASES_DIR, load_artifact, read_manifest, resolve, verify_files
+from app.artifacts.loader import ALIASES_DIR, load_artifact, open_artifact, verify_files
 from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from app.artifacts.storage import open_store
 from app.errors import Inf2ServeError
@@ -141,13 +141,12 @@ def describe(uri: str, manifest: Manifest) -> str:
 
 @reports_errors("artifacts show")
 def run_show(args: argparse.Namespace) -> None:
-    print(read_manifest(resolve(args.uri)).dumps(), end="")
+    print(open_artifact(args.uri)[1].dumps(), end="")
 
 
 @reports_errors("artifacts verify")
 def run_verify(args: argparse.Namespace) -> None:
-    store = resolve(args.uri)
-    manifest = read_manifest(store)
+    store, manifest = open_artifact(args.uri)
     verify_files(store, manifest, every_digest=True)
     print(f"verified {len(manifest.files)} files, {manifest.total_bytes} bytes: {store.uri}")
 
@@ -160,5 +159,4 @@ def run_pull(args: argparse.Namespace) -> None:
 
 @reports_errors("artifacts promote")
 def run_promote(args: argparse.Namespace) -> None:
-    store = resolve(args.uri)
-    print(promote(store, read_manifest(store), args.alias))
+    print(promote(*open_artifact(args.uri), args.alias))

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -82,12 +83,12 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {options.dtype!r}")
     builder = builder_for(options.backend)
     with tempfile.TemporaryDirectory(prefix="inf2serve-compile-") as scratch:
-        checkpoint = fetch_checkpoint(options.model, Path(scratch) / "checkpoint")
+        checkpoint, hashed = fetch_checkpoint(options.model, Path(scratch) / "checkpoint")
         llama = check_checkpoint(checkpoint)
         spec = BackendSpec(options.backend, options.tp_degree, options.dtype, build_grid(options, llama))
-        builder.check(checkpoint, spec)
+        builder.check(llama, spec)
         name = check_name("model name", options.name or default_name(options.model))
-        source_sha256 = checkpoint_sha256(checkpoint)
+        source_sha256 = checkpoint_sha256(checkpoint, hashed)
         versions = stack_versions(options.backend)
         digest = config_hash(source_sha256, spec, versions)
         dest = open_store(options.output).child(name, digest[:HASH_PREFIX_LENGTH])
@@ -101,7 +102,7 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
         staging = Path(scratch) / "artifact"
         log(f"staging {name} ({spec.backend}, tp {spec.tp_degree}, {spec.dtype}) from {options.model}")
         stage_model_files(checkpoint, staging / "model")
-        builder.build(checkpoint, staging, spec)
+        builder.build(checkpoint, staging, spec, llama)
         log("recording the reference outputs (transformers, fp32, CPU)")
         golden = record_golden(checkpoint, spec.grid)
         (staging / GOLDEN_NAME).write_text(golden.dumps())
@@ -171,24 +172,23 @@ def notes_for(source: str) -> dict[str, str]:
     return {}
 
 
-def fetch_checkpoint(source: str, scratch: Path) -> Path:
+def fetch_checkpoint(source: str, scratch: Path) -> tuple[Path, dict[str, FileEntry]]:
     """A local directory holding the checkpoint: the source itself, a download of an S3 prefix, or a
-    freshly generated random model."""
+    freshly generated random model; with the sha256 of each file downloaded (hashed on the way in), by
+    name."""
     if is_random_source(source):
         log(f"generating a random Llama ({source}): its weights are random")
-        return write_random_llama(scratch, preset_from_source(source))
+        return write_random_llama(scratch, preset_from_source(source)), {}
     store = open_store(source)
     if isinstance(store, LocalStore):
         if not (store.root / "config.json").is_file():
             raise ConfigError(f"{source} is not a checkpoint directory: it has no config.json")
-        return store.root
+        return store.root, {}
     keys = [key for key in store.list_keys() if "/" not in key]
     if "config.json" not in keys:
         raise ConfigError(f"{source} is not a checkpoint: it has no config.json")
     log(f"downloading {len(keys)} checkpoint files from {source}")
-    for key in keys:
-        download_file(store, key, scratch / key, resume=False)
-    return scratch
+    return scratch, {key: download_file(store, key, scratch / key, digests=("sha256",)) for key in keys}
 
 
 def checkpoint_files(checkpoint: Path) -> list[Path]:
@@ -197,10 +197,14 @@ def checkpoint_files(checkpoint: Path) -> list[Path]:
     return sorted(weights | model)
 
 
-def checkpoint_sha256(checkpoint: Path) -> str:
-    """One checksum over every checkpoint file the artifact is built from (names and contents)."""
-    source = LocalStore(checkpoint)
-    entries = [hash_object(source, path.name, digests=("sha256",)) for path in checkpoint_files(checkpoint)]
+def checkpoint_sha256(checkpoint: Path, known: Mapping[str, FileEntry] | None = None) -> str:
+    """One checksum over every checkpoint file the artifact is built from (names and contents); a file
+    whose sha256 is `known` (by name) is not read again."""
+    source, known = LocalStore(checkpoint), known or {}
+    entries = [
+        known.get(path.name) or hash_object(source, path.name, digests=("sha256",))
+        for path in checkpoint_files(checkpoint)
+    ]
     listing = [[entry.path, entry.sha256] for entry in entries]
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 

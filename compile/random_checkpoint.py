@@ -56,7 +56,10 @@ def is_random_source(source: str) -> bool:
 
 def preset_from_source(source: str) -> str:
     """`random:tiny` -> `tiny`, checked against the known presets."""
-    preset = source.removeprefix(RANDOM_PREFIX)
+    return check_preset(source.removeprefix(RANDOM_PREFIX))
+
+
+def check_preset(preset: str) -> str:
     if preset not in PRESETS:
         raise ConfigError(f"unknown random model preset {preset!r}; choose one of {', '.join(PRESETS)}")
     return preset
@@ -71,9 +74,7 @@ def write_random_llama(out_dir: Path, preset: str = "tiny", *, seed: int = 0, **
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown random model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    fields = {**PRESETS[preset], **overrides}
+    fields = {**PRESETS[check_preset(preset)], **overrides}
     config = LlamaConfig(
         **fields, bos_token_id=1, eos_token_id=2, pad_token_id=None, rms_norm_eps=1e-5, rope_theta=10000.0
     )

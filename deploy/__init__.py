@@ -1,2 +1,3 @@
-"""Deployment: CloudFormation for SageMaker and EC2/ALB, EKS manifests, the Grafana dashboard (data files
-beside this package), the `inf2serve deploy sagemaker` helper and the `inf2serve canary` analysis."""
+"""Deployment: CloudFormation for SageMaker and EC2/ALB, EKS manifests and the Grafana dashboard (files in
+the source tree, not in the installed package), the `inf2serve deploy sagemaker` helper and the
+`inf2serve canary` analysis."""

@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,32 +27,39 @@ from typing import Any
 
 import httpx
 
-from app.artifacts.loader import load_artifact
+from app.api.startup import build_runtime
+from app.api.state import Runtime
 from app.backends.base import SamplingParams
-from app.backends.sim import SimBackend
-from app.engine.engine import EngineConfig, LLMEngine
 from app.engine.types import GenerationParams
-from app.tokenizer import Tokenizer
+from app.settings import ServerSettings
 from loadtest.client import completion_body, percentiles, run_load, summarize
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
+from tests.integration.server import BIN, ServerProcess
+from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 DEFAULT_OUT = REPO / "loadtest" / "reports" / "http_bench.json"
 PROMPT = "Once upon a time"
+SERVER_START_TIMEOUT_S = 180.0
 GOALS = {"http_over_engine_rate": 0.95, "server_cpu_us_per_token": 200.0, "ttft_overhead_p50_ms": 5.0}
 
 
 async def engine_rate(
     artifact_dir: Path, concurrency: int, num_requests: int, max_tokens: int
 ) -> dict[str, Any]:
-    """The engine's own token rate on the same workload, without HTTP."""
-    artifact = load_artifact(str(artifact_dir))
-    backend = SimBackend.load(artifact.root, artifact.manifest.spec)
-    backend.warmup()
-    tokenizer = Tokenizer.from_dir(artifact.root / "model")
-    engine = LLMEngine(backend, tokenizer, EngineConfig(max_waiting=num_requests))
-    engine.start()
+    """The engine's own token rate on the same workload, without HTTP: the runtime the server builds."""
+    runtime = await build_runtime(ServerSettings(artifact=str(artifact_dir), max_waiting=num_requests))
+    try:
+        return await timed_generation(runtime, concurrency, num_requests, max_tokens)
+    finally:
+        runtime.close()
+
+
+async def timed_generation(
+    runtime: Runtime, concurrency: int, num_requests: int, max_tokens: int
+) -> dict[str, Any]:
+    engine, tokenizer = runtime.engine, runtime.tokenizer
     params = GenerationParams(SamplingParams(), max_tokens=max_tokens, ignore_eos=True)
     indexes = iter(range(num_requests))
     tokens = 0
@@ -68,7 +73,6 @@ async def engine_rate(
     started, cpu_started = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-    engine.stop()
     return {
         "tokens": tokens,
         "wall_s": wall_s,
@@ -132,25 +136,11 @@ async def http_runs(
     return {"closed_loop": closed, "poisson": poisson}
 
 
-def start_server(artifact_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    argv = [str(Path(sys.executable).parent / "inf2serve"), "serve", "--artifact", str(artifact_dir)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--drain-s", "0", "--log-level", "warning"]
-    with log_path.open("wb") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the server was not ready after {timeout_s} s")
+def start_server(artifact_dir: Path, log_path: Path) -> ServerProcess:
+    port = free_port()
+    argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact_dir), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--drain-s", "0", "--log-level", "warning"]
+    return ServerProcess(argv, {}, port, log_path).start()
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,14 +148,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(scratch)
         artifact = build_sim_artifact(root / "artifacts", STORIES, sim_grid(args.concurrency), TEN_MS_STEP)
         engine = asyncio.run(engine_rate(artifact, args.concurrency, args.num_requests, args.max_tokens))
-        url = f"http://127.0.0.1:{args.port}"
-        server = start_server(artifact, args.port, root / "server.log")
+        server = start_server(artifact, root / "server.log")
         try:
-            wait_ready(url, server)
-            http = asyncio.run(http_runs(url, server.pid, args, engine["tokens_per_s"]))
+            server.wait_ready(SERVER_START_TIMEOUT_S)
+            assert server.process is not None
+            http = asyncio.run(http_runs(server.url, server.process.pid, args, engine["tokens_per_s"]))
         finally:
-            server.terminate()
-            server.wait(60)
+            server.stop()
     closed, poisson = http["closed_loop"], http["poisson"]
     return {
         "config": {**vars(args), "device": "sim, 10 ms decode step, 5 ms prefill per sequence"},
@@ -191,7 +180,6 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--poisson-load", type=float, default=0.75, help="fraction of engine capacity")
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     report = bench(args)

@@ -68,7 +68,7 @@ GIB = 1024 * MIB
 SERVER_ENV = {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(2 * 1024 * MIB)}
 
 
-def build_artifact(scratch: Path, server: S3Server) -> tuple[str, Manifest]:
+def build_artifact(scratch: Path) -> tuple[str, Manifest]:
     import torch
 
     torch.set_num_threads(2)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         storage.s3_client.cache_clear()
         server.client().create_bucket(Bucket=BUCKET)
         with tempfile.TemporaryDirectory(prefix="loader-bench-") as scratch:
-            uri, manifest = build_artifact(Path(scratch), server)
+            uri, manifest = build_artifact(Path(scratch))
             caches = Path(scratch) / "caches"
             caches.mkdir()
             single, ranged = loader_transfers()
@@ -209,10 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 load_artifact(uri, Path(warm_cache))
                 for number in range(args.rounds):
                     run_round(fast, samples, caches, number)
-                    started = time.perf_counter()
-                    warm = load_artifact(uri, Path(warm_cache))
                     samples["warm_restart"].append(
-                        {"seconds": time.perf_counter() - started, "bytes": warm.bytes_downloaded}
+                        timed(lambda: load_artifact(uri, Path(warm_cache)).bytes_downloaded)
                     )
                 for number in range(args.rounds):
                     run_round(slow, samples, caches, number)

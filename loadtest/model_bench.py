@@ -30,8 +30,10 @@ import transformers
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch
 from app.backends.torch import TorchBackend
-from app.backends.torch.checkpoint import write_rank_shards
+from app.backends.torch.checkpoint import check_checkpoint
 from app.shapes import ShapeGrid, powers_of_two
+from compile.builders import builder_for
+from compile.pipeline import stage_model_files
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -65,13 +67,12 @@ def model_dir(name: str, scratch: Path) -> Path:
 
 
 def load_ours(source: Path, scratch: Path, grid: ShapeGrid) -> TorchBackend:
+    """Our backend on an artifact staged as the compile step stages it (without its validation gate)."""
     artifact = scratch / f"artifact-{source.name}"
-    (artifact / "model").mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json"):
-        if (source / name).exists():
-            (artifact / "model" / name).write_bytes((source / name).read_bytes())
-    write_rank_shards(source, artifact / "weights", 1, "fp32")
-    return TorchBackend.load(artifact, BackendSpec("torch", 1, "fp32", grid))
+    spec = BackendSpec("torch", 1, "fp32", grid)
+    stage_model_files(source, artifact / "model")
+    builder_for("torch").build(source, artifact, spec, check_checkpoint(source))
+    return TorchBackend.load(artifact, spec)
 
 
 def prompt(length: int, vocab: int, offset: int = 0) -> tuple[int, ...]:

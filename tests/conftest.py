@@ -1,6 +1,6 @@
 """Suite-wide fixtures and marker handling: hardware markers skip with their reason where the hardware
-is missing; the shared model folder is required in CI and skipped (with the reason) only in a user's
-fresh clone where `../shared/models` does not exist."""
+is missing; what tests need from the shared folder (`shared_path`) is required in CI and skipped (with
+the reason) only in a user's fresh clone where `../shared` does not exist."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_MODELS = REPO_ROOT.parent / "shared" / "models"
+SHARED = REPO_ROOT.parent / "shared"
 
 
 def _has_neuron() -> bool:
@@ -35,13 +35,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-def shared_model(name: str) -> Path:
-    path = SHARED_MODELS / name
-    if not (path / "config.json").exists():
+def shared_path(relative: str) -> Path:
+    """`../shared/<relative>`; where it is missing, the calling test fails in CI and skips elsewhere."""
+    path = SHARED / relative
+    if not path.exists():
         if os.environ.get("CI"):
-            pytest.fail(f"{path} is missing: CI must run the tests that need the shared models")
-        pytest.skip(f"{path} is absent (a fresh clone without ../shared/models)")
+            pytest.fail(f"{path} is missing: CI must run the tests that need ../shared")
+        pytest.skip(f"{path} is absent (a fresh clone without ../shared)")
     return path
+
+
+def shared_model(name: str) -> Path:
+    return shared_path(f"models/{name}/config.json").parent
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ def tokenizer(stories260k: Path) -> Tokenizer:
 
 def test_encodes_with_bos_and_decodes_back(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("Once upon a time, a café €")
-    assert ids[0] == tokenizer.bos_token_id == 1
+    assert ids[0] == 1  # BOS
     assert tokenizer.decode(ids) == "Once upon a time, a café €"
     assert tokenizer.decode(ids, skip_special_tokens=False).startswith("<s>")
 
@@ -27,7 +27,7 @@ def test_eos_ids_come_from_the_generation_config(tokenizer: Tokenizer) -> None:
 
 
 def test_knows_its_special_and_byte_fallback_ids(tokenizer: Tokenizer) -> None:
-    assert tokenizer.vocab_size == 512 and tokenizer.special_token_ids == {0, 1, 2}
+    assert tokenizer.special_token_ids == {0, 1, 2}
     assert tokenizer.byte_fallback_ids == set(range(3, 259))
 
 
@@ -78,4 +78,3 @@ def test_encoding_and_chat_template_match_transformers(model: str, request: pyte
     assert ours.apply_chat_template(CONVERSATION) == list(
         reference.encode(rendered, add_special_tokens=False)
     )
-    assert ours.vocab_size == len(reference) and ours.bos_token_id == reference.bos_token_id

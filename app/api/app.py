@@ -75,7 +75,6 @@ async def _start(
         if on_fatal is not None:
             on_fatal()
         return
-    state.artifact_id = runtime.artifact_id
     app.state.serving = Serving(runtime, settings)
     state.device_metrics = DeviceMetrics.for_backend(runtime.backend_name)
     state.device_metrics.start()

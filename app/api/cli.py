@@ -47,10 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    """The flags given (those left unset fall back to the environment, then the defaults)."""
     given = {name: value for name, value in vars(args).items() if name in ServerSettings.model_fields}
+    return ServerSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        settings = ServerSettings(**{name: value for name, value in given.items() if value is not None})
+        settings = settings_from(args)
     except ValidationError as error:
         print(f"inf2serve serve: invalid settings: {error}", file=sys.stderr)
         return 2

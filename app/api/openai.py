@@ -204,8 +204,6 @@ def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list
     """OpenAI's four prompt shapes as a list of prompts, each text or token ids."""
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [prompt]  # type: ignore[list-item]
     return list(prompt)  # type: ignore[arg-type]

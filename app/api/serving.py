@@ -9,11 +9,12 @@ request, started together, read as one ordered stream of `(choice index, delta)`
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 
 from app.api.protocol import UNSUPPORTED
 from app.backends.base import SampledToken, SamplingParams
+from app.engine.detokenizer import DecodeRules
 from app.engine.types import EngineClient, FinishReason, GenerationParams, RequestOutput, RequestTimings
 from app.errors import InvalidRequestError, NotFoundError
 from app.settings import ServerSettings
@@ -227,7 +229,6 @@ class Job:
 
     def __init__(self, engine: EngineClient, request_id: str, requests: list[EngineRequest]) -> None:
         self.engine = engine
-        self.request_id = request_id
         self.requests = requests
         self.choices = [ChoiceOutput(r.prompt_index, r.params.sampling.seed) for r in requests]
         self._streams: list[AsyncIterator[RequestOutput]] = []
@@ -314,13 +315,14 @@ class Serving:
     """The limits, tokenizer and engine one request needs; shared by every generation route."""
 
     def __init__(self, runtime: Runtime, settings: ServerSettings) -> None:
-        self.runtime = runtime
         self.engine = runtime.engine
         self.tokenizer = runtime.tokenizer
         self.limits = Limits.resolve(settings, runtime)
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
         self.created = int(time.time())
+        # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
+        self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -335,9 +337,6 @@ class Serving:
         token_ids = list(self.tokenizer.apply_chat_template(messages))
         self.limits.check_prompt(token_ids)
         return token_ids
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
     def start(self, request_id: str, requests: list[EngineRequest]) -> Job:
         return Job(self.engine, request_id, requests).start()

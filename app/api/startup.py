@@ -1,11 +1,12 @@
 """Startup: from an artifact URI to a ready `Runtime`, one timed, logged phase at a time.
 
 Phases (each exported as `inf2serve_startup_phase_seconds{phase}`): `resolve`, `download`, `verify`
-(the loader's own, which also checks the manifest against the running stack), `backend` (load onto the
-device), `warmup` (every compiled bucket once), `golden` (the artifact's golden prompts replayed through
-the backend; the recorded tokens are required), `engine` (tokenizer and engine loop). Only after the
-last one does the server report ready. The blocking phases run in a worker thread, so `/health` and
-`/ping` answer throughout.
+(the loader's own, which also checks the manifest against the running stack), `tokenizer` (before any
+device work, so a bad tokenizer fails in seconds, not minutes), `backend` (load onto the device),
+`warmup` (every compiled bucket once), `golden` (the artifact's golden prompts replayed through the
+backend; the recorded tokens are required), `engine` (the engine loop). Only after the last one does the
+server report ready. The blocking phases run in a worker thread, so `/health` and `/ping` answer
+throughout.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def phase(name: str) -> Iterator[None]:
 
 def check_golden(backend: Backend, artifact: LocalArtifact) -> None:
     """Replay the golden prompts; any greedy token off the recorded one (beyond a near tie) fails."""
-    if not any(entry.path == GOLDEN_NAME for entry in artifact.manifest.files):
+    if artifact.manifest.file(GOLDEN_NAME) is None:
         log.warning("the artifact has no golden prompts: nothing to replay")
         return
     report = replay(backend, Golden.load(artifact.root / GOLDEN_NAME))
@@ -60,11 +61,16 @@ def check_golden(backend: Backend, artifact: LocalArtifact) -> None:
     )
 
 
-def load_backend(settings: ServerSettings) -> tuple[LocalArtifact, Backend]:
-    """Blocking: the artifact, its backend on the device, warmed up and checked against golden.json."""
+def fetch_artifact(settings: ServerSettings) -> LocalArtifact:
+    """Blocking: the artifact, resolved, downloaded and verified."""
     artifact = load_artifact(settings.artifact, settings.cache_dir)
     for name, seconds in artifact.timings.items():
         record_phase(name, seconds)
+    return artifact
+
+
+def load_backend(artifact: LocalArtifact, settings: ServerSettings) -> Backend:
+    """Blocking: the artifact's backend on the device, warmed up and checked against golden.json."""
     spec = artifact.manifest.spec
     with phase("backend"):
         backend = backend_class(spec.backend).load(artifact.root, spec, device=settings.device)
@@ -77,15 +83,17 @@ def load_backend(settings: ServerSettings) -> tuple[LocalArtifact, Backend]:
     except BaseException:
         backend.close()
         raise
-    return artifact, backend
+    return backend
 
 
 async def build_runtime(settings: ServerSettings) -> Runtime:
-    artifact, backend = await asyncio.to_thread(load_backend, settings)
+    artifact = await asyncio.to_thread(fetch_artifact, settings)
+    with phase("tokenizer"):
+        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
+    backend = await asyncio.to_thread(load_backend, artifact, settings)
     manifest = artifact.manifest
     try:
         with phase("engine"):
-            tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
             engine = LLMEngine(backend, tokenizer, settings.engine_config())
             engine.start()
     except BaseException:

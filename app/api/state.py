@@ -34,10 +34,14 @@ class Runtime:
 class ServerState:
     def __init__(self) -> None:
         self.runtime: Runtime | None = None
-        self.artifact_id = ""
         self.startup_error: str | None = None
         self.device_metrics: DeviceMetrics | None = None
         self.draining = False
+
+    @property
+    def artifact_id(self) -> str:
+        """The served artifact's id; empty until the runtime is up."""
+        return "" if self.runtime is None else self.runtime.artifact_id
 
     @property
     def ready(self) -> bool:

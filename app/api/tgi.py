@@ -47,7 +47,8 @@ def sampling(params: GenerateParameters) -> Sampling:
 
 class GenerateRenderer:
     def __init__(self, serving: Serving, job: Job, params: GenerateParameters, prompt_text: str) -> None:
-        self.eos_token_ids = frozenset(serving.tokenizer.eos_token_ids)
+        self.eos_token_ids = serving.engine.eos_token_ids
+        self.special_token_ids = serving.tokenizer.special_token_ids
         self.job = job
         self.details_wanted = params.details
         self.prefix = prompt_text if params.return_full_text else ""
@@ -69,7 +70,9 @@ class GenerateRenderer:
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
         tokens: list[GenerateToken | None] = [
-            GenerateToken(id=s.token_id, text="", logprob=s.logprob, special=s.token_id in self.eos_token_ids)
+            GenerateToken(
+                id=s.token_id, text="", logprob=s.logprob, special=s.token_id in self.special_token_ids
+            )
             for s in out.samples
         ] or [None]
         if tokens[-1] is not None:

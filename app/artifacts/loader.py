@@ -73,39 +73,45 @@ def is_alias(store: Store) -> bool:
     return store.parent.name == ALIASES_DIR
 
 
-def resolve(uri: str) -> Store:
-    """The store of the artifact that `uri` names, following an alias."""
+def open_artifact(uri: str) -> tuple[Store, Manifest]:
+    """The store of the published artifact that `uri` names, following an alias, and its manifest
+    (read once)."""
     store = open_store(uri)
-    if not is_alias(store):
-        return store
-    data = store.parent.read_optional(store.name)
-    if data is None:
-        raise ArtifactError(f"alias {uri} does not exist")
-    try:
-        target = str(json.loads(data)["target"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise ArtifactError(f"alias {uri} is malformed: {error}") from error
-    resolved = store.parent.parent.child(target)
-    if resolved.read_optional(MANIFEST_NAME) is None:
-        raise ArtifactError(f"alias {uri} points to {resolved.uri}, which holds no published artifact")
-    return resolved
-
-
-def read_manifest(store: Store) -> Manifest:
-    data = store.read_optional(MANIFEST_NAME)
-    if data is None:
-        raise ArtifactError(
+    if is_alias(store):
+        target = store.parent.parent.child(_alias_target(uri, store))
+        missing = f"alias {uri} points to {target.uri}, which holds no published artifact"
+    else:
+        target = store
+        missing = (
             f"no published artifact at {store.uri}: {MANIFEST_NAME} is missing (never published, or a "
             "compile that did not finish)"
         )
-    return Manifest.loads(data)
+    data = target.read_optional(MANIFEST_NAME)
+    if data is None:
+        raise ArtifactError(missing)
+    return target, Manifest.loads(data)
+
+
+def resolve(uri: str) -> Store:
+    """The store of the published artifact that `uri` names, following an alias."""
+    return open_artifact(uri)[0]
+
+
+def _alias_target(uri: str, alias: Store) -> str:
+    """The artifact key, under the model directory, that the alias at `alias` names."""
+    data = alias.parent.read_optional(alias.name)
+    if data is None:
+        raise ArtifactError(f"alias {uri} does not exist")
+    try:
+        return str(json.loads(data)["target"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ArtifactError(f"alias {uri} is malformed: {error}") from error
 
 
 def load_artifact(uri: str, cache_dir: Path | None = None) -> LocalArtifact:
     """Resolve, check against the stack, then download (S3) or verify in place (local) every file."""
     started = time.perf_counter()
-    store = resolve(uri)
-    manifest = read_manifest(store)
+    store, manifest = open_artifact(uri)
     check_against_stack(manifest)
     resolved = time.perf_counter()
     if isinstance(store, LocalStore):
@@ -137,7 +143,8 @@ def sync_cache(store: Store, manifest: Manifest, root: Path) -> tuple[int, dict[
     """Make `root` a verified copy of the artifact; returns the bytes downloaded and the timings."""
     started = time.perf_counter()
     manifest_bytes = manifest.dumps().encode()
-    record = _read_record(root, manifest_bytes)
+    manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
+    record = _read_record(root, manifest_sha256)
     stale = [entry for entry in manifest.files if not _unchanged(root / entry.path, record.get(entry.path))]
     missing = [entry for entry in stale if not _verified_in_place(root, entry)]
     checked = time.perf_counter()
@@ -149,8 +156,9 @@ def sync_cache(store: Store, manifest: Manifest, root: Path) -> tuple[int, dict[
 
         _for_each(fetch, missing)
     downloaded = time.perf_counter()
-    LocalStore(root).write_bytes(MANIFEST_NAME, manifest_bytes)
-    _write_record(root, manifest_bytes, manifest.files)
+    if stale:  # a warm start over an unchanged cache rewrites nothing
+        LocalStore(root).write_bytes(MANIFEST_NAME, manifest_bytes)
+        _write_record(root, manifest_sha256, manifest.files)
     timings = {"download": downloaded - checked, "verify": checked - started}
     return sum(entry.size for entry in missing), timings
 
@@ -190,21 +198,21 @@ def _unchanged(path: Path, recorded: list[int] | None) -> bool:
     return [stat.st_size, stat.st_mtime_ns] == recorded
 
 
-def _read_record(root: Path, manifest_bytes: bytes) -> dict[str, list[int]]:
+def _read_record(root: Path, manifest_sha256: str) -> dict[str, list[int]]:
     """Per-file [size, mtime_ns] recorded when the cache was last verified, for this manifest only."""
     try:
         record = json.loads((root / VERIFIED_RECORD).read_text())
     except (FileNotFoundError, ValueError):
         return {}
-    if record.get("manifest_sha256") != hashlib.sha256(manifest_bytes).hexdigest():
+    if record.get("manifest_sha256") != manifest_sha256:
         return {}
     return dict(record.get("files", {}))
 
 
-def _write_record(root: Path, manifest_bytes: bytes, files: tuple[FileEntry, ...]) -> None:
+def _write_record(root: Path, manifest_sha256: str, files: tuple[FileEntry, ...]) -> None:
     stats = {entry.path: (root / entry.path).stat() for entry in files}
     record = {
-        "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+        "manifest_sha256": manifest_sha256,
         "files": {path: [stat.st_size, stat.st_mtime_ns] for path, stat in stats.items()},
     }
     LocalStore(root).write_bytes(VERIFIED_RECORD, json.dumps(record, sort_keys=True).encode())

@@ -1,8 +1,9 @@
 """The artifact manifest: what was compiled, from what, with which stack, and every file's checksum.
 
 `manifest.json` is written last when an artifact is published; its presence means "published". The
-server checks it against the running stack (`check_against_stack`) before loading anything: a schema,
-backend or library-version mismatch is one precise ArtifactError, never a silent recompile.
+server reads it (refusing a schema version it does not know) and checks it against the running stack
+(`check_against_stack`) before loading anything: a schema, backend or library-version mismatch is one
+precise ArtifactError, never a silent recompile.
 """
 
 from __future__ import annotations
@@ -99,11 +100,9 @@ class Manifest:
         """Short, stable id: `<model-name>/<config-hash prefix>`, also the artifact's key under a prefix."""
         return f"{self.model_name}/{self.config_hash[:HASH_PREFIX_LENGTH]}"
 
-    def file(self, path: str) -> FileEntry:
-        for entry in self.files:
-            if entry.path == path:
-                return entry
-        raise ArtifactError(f"artifact {self.artifact_id} has no file {path!r}")
+    def file(self, path: str) -> FileEntry | None:
+        """The entry of the file at `path`, or None where the artifact has none."""
+        return next((entry for entry in self.files if entry.path == path), None)
 
     @property
     def total_bytes(self) -> int:
@@ -181,12 +180,8 @@ def significant(version_string: str, parts: int | None) -> str:
 
 
 def check_against_stack(manifest: Manifest) -> None:
-    """Raise ArtifactError naming the first way `manifest` does not fit the running stack."""
-    if manifest.schema_version not in READABLE_SCHEMA_VERSIONS:
-        raise ArtifactError(
-            f"artifact {manifest.artifact_id} has manifest schema version {manifest.schema_version}; "
-            f"this server reads schema versions {_listed(READABLE_SCHEMA_VERSIONS)}"
-        )
+    """Raise ArtifactError naming the first way `manifest` does not fit the running stack (its schema
+    version was checked when it was read: `Manifest.from_dict`)."""
     backend = manifest.spec.backend
     if backend not in PINNED_VERSIONS:
         raise ArtifactError(

@@ -4,10 +4,9 @@
 S3 goes through boto3 with the standard AWS configuration: credential chain, region, and
 `AWS_ENDPOINT_URL_S3` for an S3-compatible endpoint. API calls are retried with backoff by botocore's
 standard retry mode; a body that breaks or comes back short mid-stream is retried here, from the last
-byte received. A read sends no HEAD: its first GET's response gives the object's size and ETag (a HEAD
-only where it starts at or past the end, which the server refuses), and every later GET of the object is
-pinned to that ETag (If-Match). Bytes reach the caller in order (so it hashes while downloading), and
-nothing is written under a final name until it is complete.
+byte received. A read sends no HEAD: its first GET's response gives the object's size and ETag, and every
+later GET of the object is pinned to that ETag (If-Match). Bytes reach the caller in order (so it hashes
+while downloading), and nothing is written under a final name until it is complete.
 
 How an object is read (`TransferConfig`): one GET for everything from `start` to the end, received in
 the caller's thread (a download's sink hands each chunk on to a writer and a hasher thread), timed over
@@ -15,21 +14,21 @@ its first part. Then one of two things:
 - carry on with that GET to the end, or
 - close it and fetch the rest as ranged GETs of `part_bytes`, `concurrency` in flight, read by worker
   threads into memory and handed over in order (memory: at most concurrency x part_bytes per object);
-whichever `split_pays` estimates is sooner from the first part's timing: the request latency (time to
-first byte, which every new GET pays again), the seconds spent waiting on the connection, and the seconds
-spent in the sink (hashing and writing, which no number of connections shortens). Why measure rather than
-fix a rule: S3 caps one connection at roughly 100 MB/s, so a large object needs several (the first part
-shows mostly waiting), while other S3-compatible servers serve one stream faster than the client hashes
-and writes it but pay a lot per request (moto reads the whole object for every GET, ranged or not: there a
-fixed 8 MiB split made a 285 MiB load 15 times slower); the timing tells these apart without knowing
-the server. `concurrency` 1 never splits; objects of up to two parts stay on one GET unless
-`ranges="always"`, which splits after the first part whatever its timing.
+whichever `split_pays` estimates is sooner from the first part's timing: the request latency (from
+sending the GET to its response's headers, which every new GET pays again), the seconds spent waiting on
+the connection for the body, and the seconds spent in the sink (hashing and writing, which no number of
+connections shortens). Why measure rather than fix a rule: S3 caps one connection at roughly 100 MB/s, so
+a large object needs several (the first part shows mostly waiting), while other S3-compatible servers
+serve one stream faster than the client hashes and writes it but pay a lot per request (moto reads the
+whole object for every GET, ranged or not: there a fixed 8 MiB split made a 285 MiB load 15 times
+slower); the timing tells these apart without knowing the server. `concurrency` 1 never splits; objects
+of up to two parts stay on one GET unless `ranges="always"`, which splits after the first part whatever
+its timing.
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import os
 import random
@@ -104,9 +103,10 @@ STREAM_CHUNK_BYTES = 1024 * 1024  # what one read from a response body or a loca
 
 @dataclass(slots=True)
 class Pace:
-    """How one GET went so far: `latency` until its first chunk arrived (the round trip and the server's
-    time to first byte, which every new GET pays again), then seconds `waiting` on the connection and
-    seconds `working` in the sink, over `received` bytes."""
+    """How one GET went so far: `latency` from sending it until its response's headers arrived (the
+    round trip and the server's time to first byte, which every new GET pays again), then seconds
+    `waiting` on the connection for body chunks and seconds `working` in the sink, over `received`
+    bytes."""
 
     latency: float = 0.0
     waiting: float = 0.0
@@ -114,10 +114,7 @@ class Pace:
     received: int = 0
 
     def record(self, size: int, waited: float, worked: float) -> None:
-        if self.received:
-            self.waiting += waited
-        else:
-            self.latency = waited
+        self.waiting += waited
         self.working += worked
         self.received += size
 
@@ -185,9 +182,6 @@ class Store(ABC):
     @abstractmethod
     def list_keys(self) -> Iterator[str]:
         """Every object key under this store, recursively, relative to it."""
-
-    @abstractmethod
-    def size(self, key: str) -> int: ...
 
     @abstractmethod
     def stream(self, key: str, sink: Sink, start: int = 0, expected_size: int | None = None) -> int:
@@ -268,15 +262,12 @@ class LocalStore(Store):
                 if path.is_file() and not path.name.endswith(PARTIAL_SUFFIX):
                     yield path.relative_to(self.root).as_posix()
 
-    def size(self, key: str) -> int:
-        try:
-            return (self.root / key).stat().st_size
-        except FileNotFoundError as error:
-            raise ArtifactError(f"{self.root / key} is missing") from error
-
     def stream(self, key: str, sink: Sink, start: int = 0, expected_size: int | None = None) -> int:
         path = self.root / key
-        size = self.size(key)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError as error:
+            raise ArtifactError(f"{path} is missing") from error
         _check_size(str(path), size, expected_size)
         with path.open("rb") as handle:
             handle.seek(start)
@@ -358,37 +349,28 @@ class S3Store(Store):
                 for item in page.get("Contents", ()):
                     yield item["Key"].removeprefix(root)
 
-    def _head(self, key: str) -> tuple[int, str]:
-        with _reading_object(self.uri_of(key)):
-            head = s3_client().head_object(Bucket=self.bucket, Key=self._key(key))
-        return int(head["ContentLength"]), head["ETag"]
-
-    def size(self, key: str) -> int:
-        return self._head(key)[0]
-
     def stream(self, key: str, sink: Sink, start: int = 0, expected_size: int | None = None) -> int:
         """One GET from `start`, consumed in this thread; after its first part, either carried on to the
         end or closed, the rest then coming as ranged GETs (the policy is in the module docstring). The
-        size is checked before any byte reaches `sink`."""
+        size is checked before any byte reaches `sink`. A `start` at or past the end is refused by the
+        server, an ArtifactError (a download asks for one only where the object is shorter than its
+        manifest records)."""
         requested = time.perf_counter()
         size, etag, body = self._open(key, start)
+        pace = Pace(latency=time.perf_counter() - requested)
         with closing(body):
             _check_size(self.uri_of(key), size, expected_size)
             if start < size:
-                offset = self._stream_one_get(key, etag, (start, size), sink, body, requested)
+                offset = self._stream_one_get(key, etag, (start, size), sink, body, pace)
                 if offset < size:
                     self._stream_ranges(key, etag, offset, size, sink)
         return size
 
     def _open(self, key: str, start: int) -> tuple[int, str, Any]:
         """The first GET, from `start` to the end (no Range header from 0, so an empty object reads too):
-        the object's size and ETag, and the unread body. Where `start` is at or past the end, the server
-        refuses the range (416); a HEAD then gives the size, and the body is empty."""
-        try:
-            with _reading_object(self.uri_of(key)):
-                response = self._get(key, start)
-        except _RangeNotSatisfiable:
-            return *self._head(key), io.BytesIO()
+        the object's size and ETag, and the unread body. It returns once the response's headers arrive."""
+        with _reading_object(self.uri_of(key)):
+            response = self._get(key, start)
         content_range = response.get("ContentRange")  # "bytes <first>-<last>/<size>" when ranged
         size = int(content_range.rpartition("/")[2]) if content_range else int(response["ContentLength"])
         return size, response["ETag"], response["Body"]
@@ -402,15 +384,15 @@ class S3Store(Store):
         return s3_client().get_object(Bucket=self.bucket, Key=self._key(key), **options)
 
     def _stream_one_get(
-        self, key: str, etag: str, span: tuple[int, int], sink: Sink, body: Any, requested: float
+        self, key: str, etag: str, span: tuple[int, int], sink: Sink, body: Any, pace: Pace
     ) -> int:
-        """Bytes [start, size) to `sink` on one GET (the open `body`, sent at `requested`, so the latency
-        of its first part counts the server's time to first byte), timing its first part; returns where
-        it stopped: at the end, or at the end of the first part where `split_pays`."""
+        """Bytes [start, size) to `sink` on one GET (the open `body`, whose `pace` holds its latency),
+        timing its first part into `pace`; returns where it stopped: at the end, or at the end of the
+        first part where `split_pays`."""
         start, size = span
-        pace, offset, first_part_end, deciding = Pace(), start, start + self.transfer.part_bytes, True
+        offset, first_part_end, deciding = start, start + self.transfer.part_bytes, True
         with closing(self._chunks(key, etag, start, size, body)) as chunks:
-            mark = requested
+            mark = time.perf_counter()
             for chunk in chunks:
                 arrived = time.perf_counter()
                 sink(chunk)
@@ -516,10 +498,6 @@ class _NotFound(StorageError):
     """A missing key (kept inside this module: callers see None, or an ArtifactError naming the key)."""
 
 
-class _RangeNotSatisfiable(StorageError):
-    """A ranged GET that starts at or past the end of the object (HTTP 416)."""
-
-
 class _Transient(StorageError):
     """A server error that survived botocore's retries on one range; the range is retried again."""
 
@@ -538,7 +516,7 @@ def s3_errors(action: str, uri: str) -> Iterator[None]:
         if code in NOT_FOUND_CODES:
             raise _NotFound(f"{uri} does not exist") from error
         if code in RANGE_NOT_SATISFIABLE_CODES:
-            raise _RangeNotSatisfiable(f"{uri}: {action} past its end") from error
+            raise ArtifactError(f"{uri}: {action} past its end (a truncated or replaced object)") from error
         if code == "NoSuchBucket":
             raise StorageError(f"S3 bucket of {uri} does not exist") from error
         if code in ACCESS_DENIED_CODES or code == "403":
@@ -602,35 +580,35 @@ def hash_object(
 
 
 def download_file(
-    store: Store, key: str, dest: Path, expected: FileEntry | None = None, resume: bool = True
+    store: Store,
+    key: str,
+    dest: Path,
+    expected: FileEntry | None = None,
+    resume: bool = True,
+    digests: Iterable[str] = DIGESTS,
 ) -> FileEntry:
     """Download `key` to `dest` through `<dest>.partial`, writing and hashing on threads of their own
     while the next bytes arrive (`PipelinedSink`).
 
     With `expected`, the size and the digests a load verifies (`verified_digests`) are checked before
-    the rename, and a mismatch deletes the partial file; without it, every digest is computed. A
-    partial file left by an interrupted run is resumed from its end (it always holds a prefix: it is
-    written in order); if a resumed download then mismatches, it is downloaded again from zero.
+    the rename, and a mismatch deletes the partial file; without it, `digests` are computed. With
+    `expected`, a partial file left by an interrupted run is resumed from its end (it always holds a
+    prefix: it is written in order); if a resumed download then mismatches, it is downloaded again from
+    zero.
     """
     partial = dest.with_name(dest.name + PARTIAL_SUFFIX)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    digests = Digests(verified_digests(expected) if expected else DIGESTS)
-    start = 0
-    if resume and partial.exists():
-        with partial.open("rb") as handle:
-            while chunk := handle.read(8 * STREAM_CHUNK_BYTES):
-                digests.update(chunk)
-                start += len(chunk)
+    running = Digests(verified_digests(expected) if expected else digests)
     expected_size = expected.size if expected else None
+    start = 0
+    if resume and expected is not None and partial.exists():
+        start = LocalStore(partial.parent).stream(partial.name, running.update)
     try:
         if expected_size is not None and start > expected_size:
             raise ArtifactError(f"{partial} is longer than {store.uri_of(key)}")
-        with partial.open("ab" if start else "wb") as handle:
-            if expected_size is not None:
-                reserve(handle.fileno(), start, expected_size - start)
-            with PipelinedSink(handle.write, digests) as sink:
-                size = store.stream(key, sink, start=start, expected_size=expected_size)
-        found = digests.entry(key, size)
+        complete = start > 0 and start == expected_size  # nothing left to fetch: the digests decide
+        size = start if complete else _receive(store, key, partial, start, expected_size, running)
+        found = running.entry(key, size)
         if expected is not None:
             check_entry(found, expected, store.uri_of(key))
     except ArtifactError:
@@ -647,6 +625,18 @@ def download_file(
         raise
     os.replace(partial, dest)
     return found
+
+
+def _receive(
+    store: Store, key: str, partial: Path, start: int, expected_size: int | None, digests: Digests
+) -> int:
+    """Append the object's bytes from `start` to `partial`, written and hashed while the next ones
+    arrive, after reserving the blocks still to come; returns the object's size."""
+    with partial.open("ab" if start else "wb") as handle:
+        if expected_size is not None:
+            reserve(handle.fileno(), start, expected_size - start)
+        with PipelinedSink(handle.write, digests) as sink:
+            return store.stream(key, sink, start=start, expected_size=expected_size)
 
 
 def progress_bar(total: int, description: str) -> Any:

@@ -81,7 +81,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.grid = backend.spec.grid
-        self._eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
         self._decode_rules = DecodeRules.of(tokenizer)
         self._scheduler = Scheduler(self.grid, self.config)
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
@@ -128,7 +128,7 @@ class LLMEngine:
         prompt = tuple(prompt_token_ids)
         self._validate(prompt, params)
         continues_text = self._decode_rules.continues_text(prompt)
-        stop_ids = stop_token_ids(params, self._eos_token_ids)
+        stop_ids = stop_token_ids(params, self.eos_token_ids)
         with self._lock:
             self._check_admission(request_id)
             now = time.monotonic()

@@ -57,6 +57,8 @@ class RequestOutput:
 class EngineClient(Protocol):
     """What the HTTP layer needs from the engine."""
 
+    eos_token_ids: frozenset[int]  # the tokenizer's and the model's: what ends a request as EOS
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[RequestOutput]:

@@ -1,7 +1,8 @@
 """Compile builders, one module per backend: `compile/builders/<backend with '-' as '_'>.py` defines
-`build(checkpoint_dir, staging_dir, spec)`, which writes `weights/` and `compiled/` under `staging_dir`,
-and optionally `check(checkpoint_dir, spec)`, which rejects what the backend cannot build before any
-work starts. Adding a backend's builder is adding its module; nothing here changes."""
+`build(checkpoint_dir, staging_dir, spec, llama)`, which writes `weights/` and `compiled/` under
+`staging_dir`, and optionally `check(llama, spec)`, which rejects what the backend cannot build before any
+work starts. `llama` is the checkpoint as `check_checkpoint` validated it once: builders never read or
+validate the checkpoint again. Adding a backend's builder is adding its module; nothing here changes."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ from importlib import import_module
 from pathlib import Path
 
 from app.backends.base import BackendSpec
+from app.backends.torch.checkpoint import LlamaSpec
 from app.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
 class Builder:
     backend: str
-    build: Callable[[Path, Path, BackendSpec], None]
-    check: Callable[[Path, BackendSpec], None]
+    build: Callable[[Path, Path, BackendSpec, LlamaSpec], None]
+    check: Callable[[LlamaSpec, BackendSpec], None]
 
 
-def _no_check(checkpoint_dir: Path, spec: BackendSpec) -> None:
+def _no_check(llama: LlamaSpec, spec: BackendSpec) -> None:
     """A builder without its own checks relies on the generic checkpoint checks."""
 
 

@@ -20,7 +20,7 @@ from app.backends.base import BackendSpec
 from app.backends.neuron.nxdi import COMPILED_FILES, MODELING, neuron_config_kwargs
 from app.backends.neuron.runtime import import_library
 from app.backends.neuron.steps import check_grid
-from app.backends.torch.checkpoint import check_checkpoint
+from app.backends.torch.checkpoint import LlamaSpec
 from app.errors import ConfigError
 
 BACKEND = "neuron-nxdi"
@@ -30,8 +30,7 @@ HF_ADAPTER = "neuronx_distributed_inference.utils.hf_adapter"
 INF2_TP_DEGREES = (1, 2, 4, 8, 24)
 
 
-def check(checkpoint_dir: Path, spec: BackendSpec) -> None:
-    check_checkpoint(checkpoint_dir)
+def check(llama: LlamaSpec, spec: BackendSpec) -> None:
     check_grid(spec)
     if spec.tp_degree not in INF2_TP_DEGREES:
         raise ConfigError(
@@ -39,11 +38,10 @@ def check(checkpoint_dir: Path, spec: BackendSpec) -> None:
         )
 
 
-def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec) -> None:
+def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:
     config_module, modeling = import_library(CONFIG, BACKEND), import_library(MODELING, BACKEND)
     hf_adapter = import_library(HF_ADAPTER, BACKEND)
-    vocab_size = check_checkpoint(checkpoint_dir).vocab_size
-    neuron_config = config_module.NeuronConfig(**neuron_config_kwargs(spec, vocab_size))
+    neuron_config = config_module.NeuronConfig(**neuron_config_kwargs(spec, llama.vocab_size))
     config = modeling.LlamaInferenceConfig(
         neuron_config, load_config=hf_adapter.load_pretrained_config(str(checkpoint_dir))
     )

@@ -18,18 +18,17 @@ from app.backends.base import BackendSpec
 from app.backends.neuron.runtime import import_library
 from app.backends.neuron.steps import check_grid
 from app.backends.neuron.tnx import LIBRARY, check_context_buckets, model_kwargs
-from app.backends.torch.checkpoint import check_checkpoint
+from app.backends.torch.checkpoint import LlamaSpec
 
 BACKEND = "neuron-tnx"
 
 
-def check(checkpoint_dir: Path, spec: BackendSpec) -> None:
-    check_checkpoint(checkpoint_dir)
+def check(llama: LlamaSpec, spec: BackendSpec) -> None:
     check_grid(spec)
     check_context_buckets(spec)
 
 
-def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec) -> None:
+def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:
     library = import_library(LIBRARY, BACKEND)
     model = library.LlamaForSampling.from_pretrained(str(checkpoint_dir), **model_kwargs(library, spec))
     model.cpu_compile()

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.backends.base import BackendSpec
-from app.backends.torch.checkpoint import check_checkpoint, write_rank_shards
+from app.backends.torch.checkpoint import LlamaSpec, write_rank_shards
 
 
-def check(checkpoint_dir: Path, spec: BackendSpec) -> None:
-    check_checkpoint(checkpoint_dir).check_tp_degree(spec.tp_degree)
+def check(llama: LlamaSpec, spec: BackendSpec) -> None:
+    llama.check_tp_degree(spec.tp_degree)
 
 
-def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec) -> None:
-    write_rank_shards(checkpoint_dir, staging_dir / "weights", spec.tp_degree, spec.dtype)
+def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:
+    write_rank_shards(checkpoint_dir, staging_dir / "weights", spec.tp_degree, spec.dtype, llama)

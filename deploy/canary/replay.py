@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from app.api.middleware import ARTIFACT_ID_HEADER
 from app.artifacts.golden import Golden
 from app.errors import ConfigError
 
@@ -32,13 +30,10 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """One prompt's outcome on one endpoint: `text` is None when the request failed (see `error`)."""
+    """One prompt's outcome on one endpoint: `text`, or why there is none (`error`)."""
 
     text: str | None
-    status: int | None
-    error: str | None
-    artifact_id: str | None
-    seconds: float
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,16 +66,13 @@ async def _send(client: httpx.AsyncClient, model: str | None, prompt: Prompt) ->
     body: dict[str, object] = {"prompt": prompt.prompt, "max_tokens": prompt.max_tokens, "temperature": 0.0}
     if model is not None:
         body["model"] = model
-    started = time.perf_counter()
     try:
         response = await client.post("/v1/completions", json=body)
     except httpx.HTTPError as error:
-        return Reply(None, None, f"{type(error).__name__}: {error}", None, time.perf_counter() - started)
-    seconds = time.perf_counter() - started
-    artifact_id = response.headers.get(ARTIFACT_ID_HEADER)
+        return Reply(None, f"{type(error).__name__}: {error}")
     if response.status_code != 200:
-        return Reply(None, response.status_code, response.text[:200], artifact_id, seconds)
-    return Reply(response.json()["choices"][0]["text"], 200, None, artifact_id, seconds)
+        return Reply(None, f"HTTP {response.status_code}: {response.text[:200]}")
+    return Reply(response.json()["choices"][0]["text"])
 
 
 async def replay(

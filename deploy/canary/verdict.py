@@ -58,6 +58,7 @@ class Check:
     candidate: str
     limit: str
     passed: bool
+    detail: str | None = None  # why it failed, when a number alone does not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,9 @@ def _replay_errors(baseline: Observation, candidate: Observation, thresholds: Th
 
     passed = bool(candidate.replies) and rate(candidate) <= thresholds.max_replay_error_rate
     limit = f"<= {thresholds.max_replay_error_rate:.3f}"
-    return Check("replay error rate", _fmt(rate(baseline)), _fmt(rate(candidate)), limit, passed)
+    first_error = next((r.error for r in candidate.replies if not r.ok), None)
+    detail = None if first_error is None else f"candidate's first failed request: {first_error}"
+    return Check("replay error rate", _fmt(rate(baseline)), _fmt(rate(candidate)), limit, passed, detail)
 
 
 def _error_rate(baseline: Observation, candidate: Observation, thresholds: Thresholds) -> Check:
@@ -131,7 +134,7 @@ def _latency(
 
 
 def render(checks: Sequence[Check]) -> str:
-    """A fixed-width table, one row per check, then the verdict line."""
+    """A fixed-width table, one row per check, then what failed checks know of why, then the verdict."""
     header = ("check", "baseline", "candidate", "limit", "result")
     rows = [
         header,
@@ -141,6 +144,7 @@ def render(checks: Sequence[Check]) -> str:
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
+    lines += [f"{c.name}: {c.detail}" for c in checks if not c.passed and c.detail is not None]
     promote = all(c.passed for c in checks)
     lines.append("verdict: " + ("PROMOTE" if promote else "ROLL BACK"))
     return "\n".join(lines)

@@ -4,12 +4,14 @@ Exit 0 when started (or, with --wait, deployed), 1 when rolled back or failed, 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
 import boto3
+from botocore.exceptions import WaiterError
 
-from app.artifacts.loader import read_manifest, resolve
+from app.artifacts.loader import resolve
 from app.errors import Inf2ServeError
 from deploy.sagemaker.endpoint import Release, outcome, start
 
@@ -55,18 +57,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"{release.endpoint}: deploying endpoint config {config_name}")
     if not args.wait:
         return 0
-    attempts = release.max_execution_s // WAIT_DELAY_S + 1
-    waiter = client.get_waiter("endpoint_in_service")
-    waiter.wait(EndpointName=release.endpoint, WaiterConfig={"Delay": WAIT_DELAY_S, "MaxAttempts": attempts})
-    result = outcome(client, release.endpoint, config_name)
+    result = settle(client, release, config_name)
     print(f"{release.endpoint}: {result}")
     return 0 if result == "deployed" else 1
 
 
+def settle(client: Any, release: Release, config_name: str) -> str:
+    """Wait until the endpoint is in service or gives up, then report the outcome."""
+    attempts = release.max_execution_s // WAIT_DELAY_S + 1
+    waiter = client.get_waiter("endpoint_in_service")
+    # The waiter raises on Failed and when it gives up: either way the endpoint's status says what happened.
+    with contextlib.suppress(WaiterError):
+        waiter.wait(
+            EndpointName=release.endpoint, WaiterConfig={"Delay": WAIT_DELAY_S, "MaxAttempts": attempts}
+        )
+    return outcome(client, release.endpoint, config_name)
+
+
 def _start(args: argparse.Namespace) -> tuple[str, Release, Any]:
     """Resolve an alias to its artifact (SageMaker mounts a plain prefix), check it is published, start."""
-    store = resolve(args.artifact)
-    read_manifest(store)
+    store = resolve(args.artifact)  # refuses an alias or prefix that holds no published artifact
     release = Release(
         endpoint=args.endpoint,
         image=args.image,

@@ -38,6 +38,7 @@ class Release:
     max_execution_s: int = 7200
     startup_timeout_s: int = 1800
     download_timeout_s: int = 1800
+    volume_size_gb: int = 128
     drain_s: int = 10
     shutdown_timeout_s: int = 15
 
@@ -100,6 +101,7 @@ def endpoint_config_request(release: Release, name: str) -> dict[str, Any]:
         "InitialVariantWeight": 1.0,
         "ContainerStartupHealthCheckTimeoutInSeconds": release.startup_timeout_s,
         "ModelDataDownloadTimeoutInSeconds": release.download_timeout_s,
+        "VolumeSizeInGB": release.volume_size_gb,
         "InferenceAmiVersion": INFERENCE_AMI,
     }
     return {"EndpointConfigName": name, "ProductionVariants": [variant]}
@@ -132,16 +134,18 @@ def endpoint_exists(client: Any, endpoint: str) -> bool:
 
 def start(client: Any, release: Release, now: datetime | None = None) -> str:
     """Create the model and endpoint config, then create or guarded-update the endpoint; returns the name
-    of the new endpoint config (what the endpoint runs once the deployment succeeds)."""
+    of the new endpoint config (what the endpoint runs once the deployment succeeds). A refused update
+    is refused before anything is created, so it leaves no orphaned model or endpoint config."""
     release.check()
     name = release.name(now or datetime.now(UTC))
+    exists = endpoint_exists(client, release.endpoint)
+    if exists and not release.alarms:
+        raise ConfigError("updating a live endpoint needs at least one --alarm for auto-rollback")
     client.create_model(**model_request(release, name))
     client.create_endpoint_config(**endpoint_config_request(release, name))
-    if not endpoint_exists(client, release.endpoint):
+    if not exists:
         client.create_endpoint(EndpointName=release.endpoint, EndpointConfigName=name)
         return name
-    if not release.alarms:
-        raise ConfigError("updating a live endpoint needs at least one --alarm for auto-rollback")
     client.update_endpoint(
         EndpointName=release.endpoint,
         EndpointConfigName=name,

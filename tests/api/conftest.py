@@ -3,7 +3,6 @@ on loopback (in a thread) for streams, disconnects and the official `openai` cli
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from app.api.app import create_app
 from app.settings import ServerSettings
+from tests.s3_server import free_port
 
 from .fakes import FakeEngine, fake_runtime
 
@@ -62,12 +62,6 @@ def client_for() -> Iterator[Callable[..., TestClient]]:
 @pytest.fixture
 def client(client_for: Callable[..., TestClient], engine: FakeEngine) -> TestClient:
     return client_for(engine)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ThreadedServer:

@@ -2,7 +2,8 @@
 
 Tokenizer: one token per byte (id = byte + 3), BOS 1, EOS 2. Engine: the k-th generated token of a
 request is the letter `"abcdefghijklmnopqrstuvwxyz"[(seed * greedy_off + prompt length + k) % 26]`, one
-delta per token, `step_s` apart; stop strings and max_tokens end it as the real engine does.
+delta per token, `step_s` apart; stop strings and max_tokens end it as the real engine does. `aborted`
+lists the ids `abort` was called with (what `Job.close` owes a client gone), nothing else.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ GRID = ShapeGrid(4, 256, (64, 128), (128, 256), (1, 2, 4))
 
 class FakeTokenizer:
     eos_token_ids = (EOS,)
+    special_token_ids = frozenset({BOS, EOS})
+    byte_fallback_ids = frozenset()
 
-    def encode(self, text: str) -> list[int]:
-        return [BOS] + [b + OFFSET for b in text.encode()]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        prefix = [BOS] if add_special_tokens else []
+        return prefix + [b + OFFSET for b in text.encode()]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
@@ -39,6 +43,8 @@ def expected_text(prompt_len: int, max_tokens: int, seed: int = 0, greedy: bool 
 
 
 class FakeEngine:
+    eos_token_ids = frozenset({EOS})
+
     def __init__(self, step_s: float = 0.0) -> None:
         self.step_s = step_s
         self.fail_with: Exception | None = None  # raised by `generate` (admission errors, bugs)
@@ -63,41 +69,37 @@ class FakeEngine:
     ) -> AsyncIterator[RequestOutput]:
         greedy = params.sampling.temperature == 0
         letters = expected_text(len(prompt), params.max_tokens, params.sampling.seed, greedy)
-        text, done = "", False
-        try:
-            for k, letter in enumerate(letters):
-                await asyncio.sleep(self.step_s)
-                token = ord(letter) + OFFSET
-                text += letter
-                reason = None
-                stop = next((s for s in params.stop_strings if s in text), None)
-                delta = letter
-                if stop is not None:  # the fake holds nothing back: use one-letter stop strings
-                    delta = text[len(text) - 1 : text.index(stop)]
-                    reason = FinishReason.STOP
-                elif k + 1 == params.max_tokens:
-                    reason = FinishReason.LENGTH
-                top = tuple((token + i, -0.5 - i) for i in range(params.sampling.num_top_logprobs))
-                done = reason is not None
-                yield RequestOutput(
-                    request_id=request_id,
-                    token_ids=(token,),
-                    text=delta,
-                    samples=(SampledToken(token, -0.5, top),),
-                    num_prompt_tokens=len(prompt),
-                    num_generated_tokens=k + 1,
-                    finished=done,
-                    finish_reason=reason,
-                    timings=RequestTimings(
-                        0.001, 0.002 + self.step_s, 0.003 + (k + 1) * self.step_s if done else None
-                    ),
-                )
-                if done:
-                    self.finished.append(request_id)
-                    return
-        finally:
-            if not done:
-                self.aborted.append(request_id)
+        text = ""
+        for k, letter in enumerate(letters):
+            await asyncio.sleep(self.step_s)
+            token = ord(letter) + OFFSET
+            text += letter
+            reason = None
+            stop = next((s for s in params.stop_strings if s in text), None)
+            delta = letter
+            if stop is not None:  # the fake holds nothing back: use one-letter stop strings
+                delta = text[len(text) - 1 : text.index(stop)]
+                reason = FinishReason.STOP
+            elif k + 1 == params.max_tokens:
+                reason = FinishReason.LENGTH
+            top = tuple((token + i, -0.5 - i) for i in range(params.sampling.num_top_logprobs))
+            done = reason is not None
+            yield RequestOutput(
+                request_id=request_id,
+                token_ids=(token,),
+                text=delta,
+                samples=(SampledToken(token, -0.5, top),),
+                num_prompt_tokens=len(prompt),
+                num_generated_tokens=k + 1,
+                finished=done,
+                finish_reason=reason,
+                timings=RequestTimings(
+                    0.001, 0.002 + self.step_s, 0.003 + (k + 1) * self.step_s if done else None
+                ),
+            )
+            if done:
+                self.finished.append(request_id)
+                return
 
 
 def fake_runtime(engine: FakeEngine | None = None) -> Runtime:

@@ -1,4 +1,5 @@
-"""API keys, request ids, the generic 500, JSON logs, settings and the `serve` flags."""
+"""API keys, request ids, the generic 500, JSON logs, settings, the `serve` flags, and the `inf2serve`
+command line loading only the command it runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 
 import pytest
 
+from app import cli as inf2serve_cli
 from app.api import cli
 from app.api.logs import REQUEST_ID, JsonFormatter
 from app.settings import ServerSettings
@@ -88,8 +90,7 @@ def test_serve_flags_override_environment(monkeypatch):
     monkeypatch.setenv("INF2SERVE_ARTIFACT", "/from/env")
     monkeypatch.setenv("INF2SERVE_DRAIN_S", "3")
     args = parse_serve(["--artifact", "s3://bucket/model", "--port", "8000", "--no-verify-golden"])
-    given = {k: v for k, v in vars(args).items() if k in ServerSettings.model_fields and v is not None}
-    settings = ServerSettings(**given)
+    settings = cli.settings_from(args)
     assert settings.artifact == "s3://bucket/model" and settings.port == 8000
     assert settings.drain_s == 3.0 and settings.verify_golden is False
 
@@ -113,3 +114,30 @@ def test_engine_settings_reach_the_engine_config(monkeypatch):
     assert config.run_ahead is False and config.max_prefills_per_step == 2
     monkeypatch.delenv("INF2SERVE_RUN_AHEAD")
     assert ServerSettings().engine_config().run_ahead is True
+
+
+class RecordingEntryPoint:
+    """An `inf2serve.commands` entry point whose command does nothing; loading it is recorded."""
+
+    def __init__(self, name: str, loaded: list[str]) -> None:
+        self.name = name
+        self.loaded = loaded
+
+    def load(self):
+        self.loaded.append(self.name)
+        return lambda subparsers: subparsers.add_parser(self.name).set_defaults(handler=lambda args: 0)
+
+
+def test_the_command_line_loads_only_the_command_it_runs(monkeypatch):
+    loaded: list[str] = []
+    entries = [RecordingEntryPoint(name, loaded) for name in ("compile", "deploy", "serve")]
+    monkeypatch.setattr(inf2serve_cli, "entry_points", lambda group: entries)
+    assert inf2serve_cli.main(["serve"]) == 0
+    assert loaded == ["serve"]
+
+
+def test_the_command_line_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exited:
+        inf2serve_cli.main(["--help"])
+    assert exited.value.code == 0
+    assert "{artifacts,canary,compile,deploy,serve}" in capsys.readouterr().out

@@ -1,23 +1,28 @@
-"""SageMaker's `/ping` and `/invocations` (OpenAI and TGI-style bodies) on the fake engine."""
+"""SageMaker's `/ping` and `/invocations` (OpenAI and TGI-style bodies) on the fake engine, and how
+startup fails."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
+from app.api import startup
 from app.api.app import create_app
 from app.api.protocol import GenerateParameters
 from app.api.serving import ChoiceOutput, Job, Serving, fan_out
 from app.api.tgi import GenerateRenderer, sampling
-from app.engine.types import FinishReason
-from app.errors import ArtifactError
+from app.backends.base import SampledToken
+from app.engine.types import FinishReason, RequestOutput
+from app.errors import ArtifactError, ConfigError
 from app.settings import ServerSettings
 
-from .fakes import EOS, expected_text, fake_runtime
+from .fakes import BOS, EOS, OFFSET, expected_text, fake_runtime
 
 
 def invoke(client, body):
@@ -103,14 +108,39 @@ def test_invocations_without_a_known_body(client):
     assert "inputs" in response.json()["error"]["message"]
 
 
-def test_eos_finish_is_named_like_tgi():
+def tgi_renderer() -> GenerateRenderer:
     serving = Serving(fake_runtime(), ServerSettings())
     params = GenerateParameters()
     job = Job(serving.engine, "r", fan_out([[1]], 1, None, sampling(params), [1]))
-    renderer = GenerateRenderer(serving, job, params, "")
+    return GenerateRenderer(serving, job, params, "")
+
+
+def test_eos_finish_is_named_like_tgi():
+    renderer = tgi_renderer()
     eos = ChoiceOutput(0, 0, token_ids=[5, EOS], finish_reason=FinishReason.STOP)
     stop = ChoiceOutput(0, 0, token_ids=[5, 6], finish_reason=FinishReason.STOP)
     assert (renderer.finish_reason(eos), renderer.finish_reason(stop)) == ("eos_token", "stop_sequence")
+
+
+def test_special_tokens_are_flagged_like_tgi():
+    samples = (SampledToken(BOS, -1.0), SampledToken(OFFSET + 5, -1.0))
+    out = RequestOutput("r", (BOS, OFFSET + 5), "x", samples, num_prompt_tokens=1, num_generated_tokens=2)
+    events = [json.loads(line[6:]) for line in tgi_renderer().delta(0, out).decode().splitlines() if line]
+    assert [e["token"]["special"] for e in events] == [True, False]  # BOS is special, though not EOS
+
+
+def test_a_bad_tokenizer_fails_startup_before_the_device_is_touched(monkeypatch):
+    def broken_tokenizer(path):
+        raise ConfigError(f"cannot load a tokenizer from {path}")
+
+    def device_work(*args):
+        raise AssertionError("the backend was loaded before the tokenizer")
+
+    monkeypatch.setattr(startup, "fetch_artifact", lambda settings: SimpleNamespace(root=Path("/artifact")))
+    monkeypatch.setattr(startup.Tokenizer, "from_dir", broken_tokenizer)
+    monkeypatch.setattr(startup, "load_backend", device_work)
+    with pytest.raises(ConfigError, match="cannot load a tokenizer"):
+        asyncio.run(startup.build_runtime(ServerSettings()))
 
 
 def test_ping_and_ready_are_503_until_the_runtime_is_built():

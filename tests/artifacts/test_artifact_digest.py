@@ -3,6 +3,7 @@ block reservation: failures reach the caller, threads never outlive the sink, by
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import io
@@ -15,6 +16,7 @@ from pathlib import Path
 import blake3
 import pytest
 
+from app.artifacts import digest
 from app.artifacts.digest import (
     PENDING_CHUNKS,
     Digests,
@@ -24,7 +26,8 @@ from app.artifacts.digest import (
     verified_digests,
 )
 from app.artifacts.manifest import FileEntry
-from app.errors import ArtifactError
+from app.artifacts.storage import LocalStore, download_file
+from app.errors import ArtifactError, StorageError
 
 SINK_THREAD_NAMES = ("artifact-write", "artifact-hash")
 
@@ -147,6 +150,8 @@ def test_reserve_keeps_the_file_size_and_later_writes_work(tmp_path: Path) -> No
         handle.flush()
         reserve(handle.fileno(), 4, 1024 * 1024)
         assert os.fstat(handle.fileno()).st_size == 4
+        if digest._fallocate() is not None:  # the blocks are allocated beyond the size
+            assert os.fstat(handle.fileno()).st_blocks * 512 >= 4 + 1024 * 1024
         reserve(handle.fileno(), 4, 0)
         handle.write(b"tail")
     assert path.read_bytes() == b"headtail"
@@ -158,3 +163,23 @@ def test_reserve_ignores_failures_other_than_no_space(tmp_path: Path) -> None:
     with path.open("rb") as handle:  # fallocate on a read-only descriptor fails (EBADF): not an error
         reserve(handle.fileno(), 4, 4096)
     assert path.read_bytes() == b"data"
+
+
+def test_a_disk_too_small_fails_the_download_before_any_byte_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_room(fd: int, mode: int, offset: int, length: int) -> int:
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(digest, "_fallocate", lambda: no_room)
+    data = b"weights" * 1000
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "w.bin").write_bytes(data)
+    expected = FileEntry(
+        "w.bin", len(data), hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest()
+    )
+    dest = tmp_path / "cache" / "w.bin"
+    with pytest.raises(StorageError, match=f"no space left writing {dest}: No space left on device"):
+        download_file(LocalStore(tmp_path / "source"), "w.bin", dest, expected)
+    assert list(dest.parent.iterdir()) == []

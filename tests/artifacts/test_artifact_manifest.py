@@ -29,7 +29,8 @@ def test_round_trip_keeps_every_field_and_the_id() -> None:
     assert loaded == manifest
     assert loaded.artifact_id == f"synthetic/{manifest.config_hash[:12]}"
     assert json.loads(manifest.dumps())["artifact_id"] == loaded.artifact_id
-    assert loaded.file("a.bin").size == 3
+    assert loaded.file("a.bin") == manifest.files[0]
+    assert loaded.file("missing.bin") is None
     assert loaded.total_bytes == 13
 
 

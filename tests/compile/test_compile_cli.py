@@ -206,3 +206,18 @@ def test_publish_never_overwrites_a_different_artifact(tmp_path) -> None:
     with pytest.raises(ArtifactError, match="already holds a different published artifact"):
         publish(tmp_path / "other", other, dest)
     assert (dest.root / "a.bin").read_bytes() == b"one"
+
+
+def test_an_s3_checkpoint_is_hashed_once_on_the_way_in(
+    s3, bucket, stories260k, tmp_path, monkeypatch
+) -> None:
+    upload_tree(s3.client(), stories260k, bucket, "checkpoints/stories260K")
+    local_sha256 = pipeline.checkpoint_sha256(stories260k)
+    checkpoint, hashed = pipeline.fetch_checkpoint(f"s3://{bucket}/checkpoints/stories260K", tmp_path)
+    assert {path.name for path in pipeline.checkpoint_files(checkpoint)} <= set(hashed)
+
+    def read_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a downloaded checkpoint file was hashed again: {args}")
+
+    monkeypatch.setattr(pipeline, "hash_object", read_again)
+    assert pipeline.checkpoint_sha256(checkpoint, hashed) == local_sha256

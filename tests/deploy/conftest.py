@@ -1,5 +1,5 @@
 """Fixtures for the deployment tests: real compiled artifacts on a small grid (compiled once per session,
-on demand) and the loopback S3 server."""
+on demand), the loopback S3 server, and the environment variable names the server reads."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from app.settings import ServerSettings
 from tests.s3_server import bucket, s3, s3_server  # noqa: F401
 
 if TYPE_CHECKING:
@@ -20,6 +21,13 @@ def _compile(model: str, output: Path, **options: Any) -> CompileResult:
     from compile.pipeline import CompileOptions, compile_artifact  # torch and transformers: only when used
 
     return compile_artifact(CompileOptions(model, str(output), **{**GRID, **options}))
+
+
+@pytest.fixture(scope="session")
+def server_env_names() -> frozenset[str]:
+    """Every `INF2SERVE_*` variable the server reads: one per ServerSettings field."""
+    prefix = ServerSettings.model_config["env_prefix"]
+    return frozenset(prefix + name.upper() for name in ServerSettings.model_fields)
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,9 @@ The tests run in file order on one fleet: the last one drains the stable server.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -29,6 +27,7 @@ import httpx
 import pytest
 
 from app.cli import main
+from tests.integration.server import BIN, ServerProcess
 from tests.s3_server import free_port
 
 if TYPE_CHECKING:
@@ -44,45 +43,27 @@ PROMPT = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.0}
 
 @dataclass(eq=False)
 class Server:
-    name: str
+    """One `inf2serve serve` process and the artifact it serves (hashable by identity: nginx weights)."""
+
     artifact_id: str
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
+    process: ServerProcess
+
+    @property
+    def port(self) -> int:
+        return self.process.port
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+        return self.process.url
 
 
-def start_server(name: str, artifact: str, artifact_id: str, logs: Path) -> Server:
+def start_server(name: str, result: CompileResult, logs: Path) -> Server:
     port = free_port()
-    log = logs / f"{name}.log"
-    command = [sys.executable, "-m", "app", "serve", "--artifact", artifact, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--drain-s", str(DRAIN_S)]
-    command += ["--shutdown-timeout-s", "10", "--no-verify-golden"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return Server(name, artifact_id, port, process, log)
-
-
-def wait_ready(servers: list[Server]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    pending = list(servers)
-    while pending:
-        for server in list(pending):
-            assert server.process.poll() is None, f"{server.name} exited:\n{server.log_tail()}"
-            try:
-                if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
-                    pending.remove(server)
-            except httpx.TransportError:
-                pass
-        assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s: {[s.name for s in pending]}"
-        time.sleep(0.25)
+    argv = [str(BIN / "inf2serve"), "serve", "--artifact", result.uri, "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--drain-s", str(DRAIN_S)]
+    argv += ["--shutdown-timeout-s", "10", "--no-verify-golden"]
+    process = ServerProcess(argv, {"OMP_NUM_THREADS": "1"}, port, logs / f"{name}.log")
+    return Server(result.manifest.artifact_id, process.start())
 
 
 class Nginx:
@@ -252,20 +233,19 @@ def fleet(
     stable, canary, broken = stable_artifact, canary_artifact, broken_artifact
     assert len({stable.manifest.artifact_id, canary.manifest.artifact_id, broken.manifest.artifact_id}) == 3
     servers = [
-        start_server(name, result.uri, result.manifest.artifact_id, root)
+        start_server(name, result, root)
         for name, result in (("stable", stable), ("canary", canary), ("broken", broken))
     ]
     nginx = Nginx(root)
     try:
-        wait_ready(servers)
+        for server in servers:
+            server.process.wait_ready(READY_TIMEOUT_S)
         nginx.start({servers[0]: 9, servers[1]: 1})
         yield Fleet(*servers, nginx=nginx, stable_uri=stable.uri)
     finally:
         nginx.stop()
         for server in servers:
-            if server.process.poll() is None:
-                server.process.kill()
-            server.process.wait(timeout=30)
+            server.process.stop()
 
 
 def test_traffic_splits_by_weight(fleet: Fleet) -> None:
@@ -287,9 +267,10 @@ def test_canary_analysis_judges_the_candidate(
     server: Server = getattr(fleet, candidate)
     argv = ["canary", "--baseline", fleet.stable.url, "--candidate", server.url]
     argv += ["--artifact", fleet.stable_uri]
-    # Latency here is CPU-bound servers sharing a loaded machine: judge it loosely; agreement and errors
-    # are the point of this test (the thresholds are unit-tested on canned metrics).
-    argv += ["--repeat", "2", "--max-latency-ratio", "20", "--latency-slack-ms", "500"]
+    # Latency here is CPU-bound servers sharing a loaded machine, so it must not decide the verdict: a
+    # ratio no scheduling hiccup reaches. Agreement and errors are the point of this test (the latency
+    # thresholds are unit-tested on canned metrics).
+    argv += ["--repeat", "2", "--max-latency-ratio", "1000", "--latency-slack-ms", "10000"]
     with Load(fleet.nginx.url, workers=2) as load:
         assert main(argv) == code
     table = capsys.readouterr().out
@@ -306,8 +287,8 @@ def test_shift_and_drain_under_load_loses_no_request(fleet: Fleet) -> None:
         fleet.nginx.reload({fleet.stable: 1, fleet.canary: 9})
         load.wait_for(10)
         sigterm_at = time.monotonic()
-        fleet.stable.process.send_signal(signal.SIGTERM)
-        assert fleet.stable.process.wait(timeout=60) == 0, fleet.stable.log_tail()
+        fleet.stable.process.terminate()
+        assert fleet.stable.process.wait(60) == 0, fleet.stable.process.failure("stopped uncleanly")
         load.wait_for(20)  # the stopped server is still in the config: nginx must route around it
         fleet.nginx.reload({fleet.canary: 1})
         load.wait_for(10)
@@ -315,7 +296,7 @@ def test_shift_and_drain_under_load_loses_no_request(fleet: Fleet) -> None:
     after = [r.artifact_id for r in load.results if r.started > sigterm_at]
     assert set(after) <= {fleet.stable.artifact_id, fleet.canary.artifact_id}
     assert load.results[-1].artifact_id == fleet.canary.artifact_id
-    assert "drain window over" in fleet.stable.log_tail()
+    assert "drain window over" in fleet.stable.process.log_path.read_text()
     # nginx did try the stopped server (passive check, then retry on the canary), and nobody noticed.
     assert "Connection refused" in (fleet.nginx.root / "error.log").read_text()
     drained = sum(r.artifact_id == fleet.stable.artifact_id for r in load.results if r.started > sigterm_at)

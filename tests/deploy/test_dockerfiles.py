@@ -9,9 +9,7 @@ import http.server
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
+from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -142,12 +141,6 @@ def test_other_commands_run_as_given() -> None:
     assert result.stdout == "compile --help\n"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def ping_server() -> Iterator[tuple[int, list[int]]]:
     """A loopback server whose /ping answers with the status at the head of the list."""
@@ -212,4 +205,3 @@ def test_serve_starts_the_server_on_the_sagemaker_port(stories260k: Path, tmp_pa
             process.kill()
             process.wait(timeout=TIMEOUT_S)
         log.close()
-    assert shutil.which("serve", path=env["PATH"]) is not None

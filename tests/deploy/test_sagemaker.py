@@ -14,14 +14,24 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import Stubber
+from cfnlint.decode import decode
 
 from app.artifacts.storage import open_store
 from app.cli import main
 from app.errors import ConfigError
 from compile.publish import promote
-from deploy.sagemaker.endpoint import Release, outcome, start
+from deploy.sagemaker.cli import settle
+from deploy.sagemaker.endpoint import (
+    Release,
+    deployment_config,
+    endpoint_config_request,
+    model_request,
+    outcome,
+    start,
+)
 from tests.s3_server import upload_tree
 
+TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "sagemaker" / "template.yaml"
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
 RELEASE = Release(
     endpoint="llm",
@@ -74,6 +84,7 @@ def _expect_model_and_config(stubber: Stubber) -> None:
         "InitialVariantWeight": 1.0,
         "ContainerStartupHealthCheckTimeoutInSeconds": 1800,
         "ModelDataDownloadTimeoutInSeconds": 1800,
+        "VolumeSizeInGB": 128,
         "InferenceAmiVersion": "al2-ami-sagemaker-inference-neuron-2",
     }
     arn = f"arn:aws:sagemaker:us-east-1:1:endpoint-config/{NAME}"
@@ -97,8 +108,8 @@ def _described(config: str, status: str = "InService") -> dict:
 
 def test_first_release_creates_the_endpoint(client) -> None:
     sagemaker, stubber = client
-    _expect_model_and_config(stubber)
     stubber.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint", 400)
+    _expect_model_and_config(stubber)
     stubber.add_response(
         "create_endpoint",
         {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llm"},
@@ -109,8 +120,8 @@ def test_first_release_creates_the_endpoint(client) -> None:
 
 def test_update_goes_through_the_canary_and_alarms(client) -> None:
     sagemaker, stubber = client
-    _expect_model_and_config(stubber)
     stubber.add_response("describe_endpoint", _described("llm-old"), {"EndpointName": "llm"})
+    _expect_model_and_config(stubber)
     deployment = {
         "BlueGreenUpdatePolicy": {
             "TrafficRoutingConfiguration": {
@@ -136,10 +147,9 @@ def test_update_goes_through_the_canary_and_alarms(client) -> None:
     assert start(sagemaker, RELEASE, NOW) == NAME
 
 
-def test_update_without_alarms_is_refused(client) -> None:
+def test_update_without_alarms_is_refused_before_anything_is_created(client) -> None:
     sagemaker, stubber = client
     release = replace(RELEASE, alarms=())
-    _expect_model_and_config(stubber)
     stubber.add_response("describe_endpoint", _described("llm-old"), {"EndpointName": "llm"})
     with pytest.raises(ConfigError, match="alarm"):
         start(sagemaker, release, NOW)
@@ -179,6 +189,41 @@ def test_outcome_tells_rollback_from_success(client, described: dict, expected: 
     assert outcome(sagemaker, "llm", NAME) == expected
 
 
+def test_wait_reports_a_failed_deployment_instead_of_raising(client) -> None:
+    sagemaker, stubber = client
+    failed = {**_described(NAME, "Failed"), "FailureReason": "ping timed out"}
+    stubber.add_response("describe_endpoint", failed, {"EndpointName": "llm"})  # the waiter gives up
+    stubber.add_response("describe_endpoint", failed, {"EndpointName": "llm"})  # the outcome
+    assert settle(sagemaker, RELEASE, NAME) == "failed: Failed: ping timed out"
+
+
+def _with_defaults(value: object, parameters: dict) -> object:
+    """The template's value with each `Ref` to a parameter that has a default replaced by the default."""
+    if isinstance(value, dict):
+        if value.keys() == {"Ref"} and "Default" in parameters.get(value["Ref"], {}):
+            return parameters[value["Ref"]]["Default"]
+        return {key: _with_defaults(item, parameters) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_with_defaults(item, parameters) for item in value]
+    return value
+
+
+def test_helper_defaults_are_the_template_defaults() -> None:
+    """The boto3 helper and the CloudFormation template release the same endpoint when left at defaults."""
+    template, problems = decode(str(TEMPLATE))
+    assert not problems, problems
+    resources = _with_defaults(template["Resources"], template["Parameters"])
+    defaults = replace(RELEASE, alarms=())
+    environment = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
+    expected_environment = model_request(defaults, NAME)["PrimaryContainer"]["Environment"]
+    assert {name: str(value) for name, value in environment.items()} == expected_environment
+    (variant,) = resources["EndpointConfig"]["Properties"]["ProductionVariants"]
+    (expected_variant,) = endpoint_config_request(defaults, NAME)["ProductionVariants"]
+    assert {**variant, "ModelName": NAME} == expected_variant
+    policy = resources["Endpoint"]["Properties"]["DeploymentConfig"]["BlueGreenUpdatePolicy"]
+    assert policy == deployment_config(defaults)["BlueGreenUpdatePolicy"]
+
+
 def test_cli_resolves_an_alias_to_the_published_prefix(
     s3, bucket, stable_artifact, monkeypatch, capsys
 ) -> None:
@@ -188,11 +233,11 @@ def test_cli_resolves_an_alias_to_the_published_prefix(
     sagemaker = boto3.client("sagemaker", region_name="us-east-1")
     created = []
     with Stubber(sagemaker) as stubber:
+        stubber.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint", 400)
         stubber.add_response("create_model", {"ModelArn": "arn:aws:sagemaker:us-east-1:1:model/m"})
         stubber.add_response(
             "create_endpoint_config", {"EndpointConfigArn": "arn:aws:sagemaker:us-east-1:1:x/c"}
         )
-        stubber.add_client_error("describe_endpoint", "ValidationException", "Could not find endpoint", 400)
         stubber.add_response("create_endpoint", {"EndpointArn": "arn:aws:sagemaker:us-east-1:1:endpoint/llm"})
         sagemaker.meta.events.register(
             "provide-client-params.sagemaker.CreateModel", lambda params, **_: created.append(params)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from compile.pipeline import CompileOptions, compile_artifact
+from tests.s3_server import free_port
 
-from .server import BIN, ServerProcess, free_port
+from .server import BIN, ServerProcess
 
 
 @pytest.fixture(scope="session")

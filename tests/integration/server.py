@@ -6,22 +6,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
@@ -69,6 +63,17 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+
+    def wait_for_log(
+        self, matches: Callable[[dict[str, object]], bool], timeout_s: float = 30.0
+    ) -> list[dict[str, object]]:
+        """The log lines that match, once there is one: a request's access line is written after its
+        response is sent, so it may trail the client's read."""
+        deadline = time.monotonic() + timeout_s
+        while not (found := [line for line in self.log_lines() if matches(line)]):
+            assert time.monotonic() < deadline, self.failure(f"logged no such line in {timeout_s} s")
+            time.sleep(0.05)
+        return found
 
     def log_lines(self) -> list[dict[str, object]]:
         lines = []

@@ -13,6 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from loadtest.client import server_timing
+
+from .server import ServerProcess
+
 pytestmark = pytest.mark.slow
 
 PROMPT = "Once upon a time, there was a little"
@@ -105,6 +109,7 @@ def test_logprobs(client):
     )
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.token_logprobs) == 5
+    assert "".join(logprobs.tokens) == completion.choices[0].text  # each token's leading space kept
     for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert len(top) == 3
         assert chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the most likely
@@ -144,27 +149,34 @@ def test_invocations_bodies(sagemaker_server, reference):
     assert events[-1]["generated_text"] == reference[1]
 
 
+def complete_with_request_id(server: ServerProcess, request_id: str) -> httpx.Response:
+    return httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 3},
+        headers={"x-request-id": request_id},
+        timeout=60,
+    )
+
+
 def test_ping_and_headers(sagemaker_server):
     ping = httpx.get(sagemaker_server.url + "/ping")
     assert ping.status_code == 200 and ping.content == b""
-    response = httpx.post(
-        sagemaker_server.url + "/v1/completions",
-        json={"prompt": PROMPT, "max_tokens": 3},
-        headers={"x-request-id": "integration-log-check"},
-        timeout=60,
-    )
-    assert response.headers["x-request-id"] == "integration-log-check"
+    response = complete_with_request_id(sagemaker_server, "integration-headers-check")
+    assert response.headers["x-request-id"] == "integration-headers-check"
     assert response.headers["x-artifact-id"].startswith("stories260K/")
-    timing = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
+    timing = server_timing(response.headers["server-timing"])
     assert set(timing) == {"queue", "ttft", "total"}
-    assert float(timing["queue"]) <= float(timing["ttft"]) <= float(timing["total"])
+    assert timing["queue"] <= timing["ttft"] <= timing["total"]
 
 
 def test_logs_are_json_with_the_request_id(sagemaker_server):
+    complete_with_request_id(sagemaker_server, "integration-log-check")
+    access = sagemaker_server.wait_for_log(
+        lambda line: line.get("request_id") == "integration-log-check" and line.get("msg") == "request"
+    )
+    assert access[-1]["status"] == 200 and access[-1]["path"] == "/v1/completions"
     lines = sagemaker_server.log_lines()
     assert all("unparsed" not in line for line in lines), [line for line in lines if "unparsed" in line][:3]
-    access = [line for line in lines if line.get("request_id") == "integration-log-check"]
-    assert access and access[-1]["status"] == 200 and access[-1]["path"] == "/v1/completions"
     phases = {line["phase"] for line in lines if line.get("msg") == "startup phase done"}
     assert {"resolve", "verify", "backend", "warmup", "golden", "engine"} <= phases
 

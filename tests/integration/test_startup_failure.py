@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from .server import BIN, ServerProcess, free_port
+from tests.s3_server import free_port
+
+from .server import BIN, ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -24,30 +24,14 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
-from app.backends.base import (
-    Backend,
-    BackendSpec,
-    DecodeBatch,
-    ModelInfo,
-    PrefillBatch,
-    SampledToken,
-    SamplingParams,
-)
-from app.backends.neuron.runtime import apply_placement, import_library, visible_cores
-from app.backends.neuron.steps import (
-    FreshSlots,
-    check_grid,
-    check_prefill,
-    decode_rows,
-    device_tokens,
-    global_topk,
-    read_model_info,
-    sampling_row,
-)
+from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
+from app.backends.neuron.backend import NeuronBackend
+from app.backends.neuron.runtime import import_library
+from app.backends.neuron.steps import DecodeRows, device_tokens, global_topk, sampling_row
 from app.errors import ArtifactError
 
 MODELING = "neuronx_distributed_inference.models.llama.modeling_llama"
@@ -149,7 +133,7 @@ def link_compiled_view(artifact_dir: Path, view: Path) -> None:
     os.symlink((artifact_dir / "weights").resolve(), view / "weights", target_is_directory=True)
 
 
-class NxdiBackend(Backend):
+class NxdiBackend(NeuronBackend):
     """On-device sampling draws from the device's generator: a seed is honoured on greedy rows only, and
     top_k at most `max_top_k` (the sampler's global top-k); `check_sampling` refuses larger ones at
     admission."""
@@ -164,21 +148,17 @@ class NxdiBackend(Backend):
         info: ModelInfo,
         view: tempfile.TemporaryDirectory[str],
     ) -> None:
-        self.spec = spec
-        self.model = info
-        self._neuron = neuron_model
+        super().__init__(neuron_model, spec, info)
         self._prepare_sampling_params = prepare_sampling_params
         self.max_top_k = global_topk(info.vocab_size)
         self._view = view
-        self._fresh = FreshSlots()
 
     @classmethod
-    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> NxdiBackend:
-        check_grid(spec)
-        config = read_compiled_config(artifact_dir)
-        check_compiled(config, spec)
-        info = read_model_info(artifact_dir)
-        apply_placement(visible_cores(device), spec.tp_degree)
+    def _check_artifact(cls, artifact_dir: Path, spec: BackendSpec) -> None:
+        check_compiled(read_compiled_config(artifact_dir), spec)
+
+    @classmethod
+    def _open(cls, artifact_dir: Path, spec: BackendSpec, info: ModelInfo) -> Self:
         modeling, sampling = import_library(MODELING, cls.name), import_library(SAMPLING, cls.name)
         view = tempfile.TemporaryDirectory(prefix="inf2serve-nxdi-")
         try:
@@ -193,25 +173,20 @@ class NxdiBackend(Backend):
     def check_sampling(self, params: SamplingParams) -> None:
         sampling_row(params, self.max_top_k)
 
-    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
-        tokens: list[SampledToken] = []
-        for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
-            check_prefill(slot, prompt, batch.context_bucket, self.spec.grid.num_slots)
-            output = self._step([prompt], [slot], [list(range(len(prompt)))], [params])
-            tokens += self._tokens(output, [params])
-            self._fresh.add(slot, len(prompt))
-        return tokens
-
-    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
-        grid = self.spec.grid
-        rows = decode_rows(batch, grid.num_slots, grid.max_positions, self._fresh.take())
-        output = self._step(rows.input_ids, range(grid.num_slots), rows.position_ids, rows.sampling)
-        return rows.in_batch_order(self._tokens(output, rows.sampling))
-
     def close(self) -> None:
-        """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""
-        self._neuron = None
+        super().close()
         self._view.cleanup()
+
+    def _prefill_one(
+        self, slot: int, prompt: Sequence[int], params: SamplingParams, context_bucket: int
+    ) -> SampledToken:
+        """Unpadded: the library pads to its own context bucket."""
+        output = self._step([prompt], [slot], [list(range(len(prompt)))], [params])
+        return self._tokens(output, [0], [params])[0]
+
+    def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
+        output = self._step(rows.input_ids, range(self.spec.grid.num_slots), rows.position_ids, rows.sampling)
+        return self._tokens(output, list(batch.slots), batch.sampling)
 
     def _step(
         self,
@@ -233,5 +208,7 @@ class NxdiBackend(Backend):
             len(sampling), top_k=list(top_k), top_p=list(top_p), temperature=list(temperature)
         )
 
-    def _tokens(self, output: Any, params: Sequence[SamplingParams]) -> list[SampledToken]:
-        return device_tokens(output.tokens, output.logits[:, -1, : self.model.vocab_size], params)
+    def _tokens(self, output: Any, rows: list[int], params: Sequence[SamplingParams]) -> list[SampledToken]:
+        """The tokens of the output's `rows`, in that order (one `params` each)."""
+        logits = output.logits[rows, -1, : self.model.vocab_size]
+        return device_tokens(output.tokens[rows], logits, params)

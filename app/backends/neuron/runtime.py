@@ -113,8 +113,6 @@ def placement_env(visible_cores: str | None, tp_degree: int, environ: Mapping[st
     return {"NEURON_RT_VISIBLE_CORES": cores.strip()}
 
 
-def apply_placement(visible_cores: str | None, tp_degree: int) -> dict[str, str]:
-    """Export the placement before the runtime starts; returns what was set."""
-    env = placement_env(visible_cores, tp_degree, os.environ)
-    os.environ.update(env)
-    return env
+def apply_placement(visible_cores: str | None, tp_degree: int) -> None:
+    """Export the placement before the runtime starts."""
+    os.environ.update(placement_env(visible_cores, tp_degree, os.environ))

@@ -12,22 +12,22 @@ slot, so where it is parked matters:
   position, which is never 0 (NxDI routes a batch holding a position-0 row to context encoding) and never
   raises the token bucket the library picks from the largest position.
 
-Tokens come either from the device's sampler (`device_tokens`: NxD Inference; it draws from the device's
-generator, so a request's seed is honoured on greedy rows only) or from logits drawn on the host by the
-portable backend's seeded sampler (`host_tokens`: transformers-neuronx; seeds honoured).
+Only the batch's own rows of the outputs are read back (row i is slot i, so they are the rows
+`batch.slots`, in the batch's order). Tokens come either from the device's sampler (`device_tokens`: NxD
+Inference; it draws from the device's generator, so a request's seed is honoured on greedy rows only) or
+from logits drawn on the host by the portable backend's seeded sampler
+(`app.backends.torch.sampling.sample_tokens`: transformers-neuronx; seeds honoured).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from app.backends.base import GREEDY, BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
-from app.backends.torch.checkpoint import read_eos_token_ids, read_llama_config
-from app.backends.torch.sampling import SampleOutput, SamplingTensors, sample, sampled_tokens
+from app.backends.base import GREEDY, BackendSpec, DecodeBatch, SampledToken, SamplingParams
+from app.backends.torch.sampling import SampleOutput, sampled_tokens
 from app.errors import ConfigError, GenerationError, InvalidRequestError
 
 # The device sampler first keeps the `global_topk` most likely tokens; top-k beyond it cannot be honoured.
@@ -42,12 +42,6 @@ def check_grid(spec: BackendSpec) -> None:
             f"{spec.backend} compiles one decode batch of num_slots={grid.num_slots} rows; "
             f"batch_buckets must be [{grid.num_slots}], got {list(grid.batch_buckets)}"
         )
-
-
-def read_model_info(artifact_dir: Path) -> ModelInfo:
-    """Vocabulary and stop ids from the artifact's `model/` files."""
-    llama = read_llama_config(artifact_dir / "model")
-    return ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
 
 
 def global_topk(vocab_size: int) -> int:
@@ -75,7 +69,6 @@ class DecodeRows:
     tokens: tuple[int, ...]
     positions: tuple[int, ...]
     sampling: tuple[SamplingParams, ...]
-    slots: tuple[int, ...]  # the batch's slots, in its order: where each output row is read back
 
     @property
     def input_ids(self) -> list[list[int]]:
@@ -86,9 +79,6 @@ class DecodeRows:
     def position_ids(self) -> list[list[int]]:
         """[num_slots, 1]: where each slot's token sits (and its KV entry is written)."""
         return [[position] for position in self.positions]
-
-    def in_batch_order(self, per_slot: Sequence[SampledToken]) -> list[SampledToken]:
-        return [per_slot[slot] for slot in self.slots]
 
 
 class FreshSlots:
@@ -108,13 +98,13 @@ class FreshSlots:
 
 
 def decode_rows(
-    batch: DecodeBatch, num_slots: int, max_positions: int, fresh: Mapping[int, int] | None = None
+    batch: DecodeBatch, num_slots: int, max_positions: int, fresh: Mapping[int, int]
 ) -> DecodeRows:
     """Lay `batch` out on every slot; `fresh` maps a slot prefilled since the last decode call to its
     prompt length. See the module docstring for the padding rule."""
     _check_decode(batch, num_slots, max_positions)
     pad_position = min(batch.positions)
-    parked = {slot: length for slot, length in (fresh or {}).items() if length < max_positions}
+    parked = {slot: length for slot, length in fresh.items() if length < max_positions}
     tokens = [0] * num_slots
     positions = [parked.get(slot, pad_position) for slot in range(num_slots)]
     sampling = [GREEDY] * num_slots
@@ -122,7 +112,7 @@ def decode_rows(
         batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True
     ):
         tokens[slot], positions[slot], sampling[slot] = token, position, params
-    return DecodeRows(tuple(tokens), tuple(positions), tuple(sampling), batch.slots)
+    return DecodeRows(tuple(tokens), tuple(positions), tuple(sampling))
 
 
 def _check_decode(batch: DecodeBatch, num_slots: int, max_positions: int) -> None:
@@ -149,21 +139,9 @@ def check_prefill(slot: int, prompt: Sequence[int], context_bucket: int, num_slo
 def device_tokens(
     ids: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[SampledToken]:
-    """Tokens the device sampled (`ids` [n]), with their logprobs and top alternatives read from the
-    logits [n, vocab] returned alongside them."""
-    token_ids = ids.reshape(-1)[: len(params)].to(torch.int64)
-    all_logprobs = torch.log_softmax(logits[: len(params)].float(), dim=-1)
+    """Tokens the device sampled (`ids` [n], one per `params`), with their logprobs and top alternatives
+    read from the logits [n, vocab] returned alongside them."""
+    token_ids = ids.to(torch.int64)
+    all_logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = all_logprobs.gather(1, token_ids[:, None]).squeeze(1)
     return sampled_tokens(SampleOutput(token_ids, chosen, all_logprobs), params)
-
-
-def host_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generated_positions: Sequence[int]
-) -> list[SampledToken]:
-    """Tokens drawn on the host from fp32 `logits` [n, vocab] by the portable seeded sampler;
-    `generated_positions[i]` is the position of the token row i generates."""
-    rows = len(params)
-    tensors = SamplingTensors.build(params, generated_positions, rows, logits.shape[-1], logits.device)
-    random = not all(p.is_greedy for p in params)
-    filtered = any(p.top_k or p.top_p < 1.0 for p in params)
-    return sampled_tokens(sample(logits[:rows].float(), tensors, random=random, filtered=filtered), params)

@@ -27,27 +27,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Self
 
 import torch
 
-from app.backends.base import (
-    Backend,
-    BackendSpec,
-    DecodeBatch,
-    ModelInfo,
-    PrefillBatch,
-    SampledToken,
-)
-from app.backends.neuron.runtime import apply_placement, import_library, visible_cores
-from app.backends.neuron.steps import (
-    FreshSlots,
-    check_grid,
-    check_prefill,
-    decode_rows,
-    host_tokens,
-    read_model_info,
-)
+from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
+from app.backends.neuron.backend import NeuronBackend
+from app.backends.neuron.runtime import import_library
+from app.backends.neuron.steps import DecodeRows
+from app.backends.torch.sampling import sample_tokens
 from app.errors import ArtifactError, ConfigError
 
 LIBRARY = "transformers_neuronx"
@@ -84,21 +72,15 @@ def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
     }
 
 
-class TnxBackend(Backend):
+class TnxBackend(NeuronBackend):
     name = "neuron-tnx"
 
-    def __init__(self, neuron_model: Any, spec: BackendSpec, info: ModelInfo) -> None:
-        self.spec = spec
-        self.model = info
-        self._neuron = neuron_model
-        self._fresh = FreshSlots()
+    @classmethod
+    def _check_artifact(cls, artifact_dir: Path, spec: BackendSpec) -> None:
+        check_context_buckets(spec)
 
     @classmethod
-    def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> TnxBackend:
-        check_grid(spec)
-        check_context_buckets(spec)
-        info = read_model_info(artifact_dir)
-        apply_placement(visible_cores(device), spec.tp_degree)
+    def _open(cls, artifact_dir: Path, spec: BackendSpec, info: ModelInfo) -> Self:
         library = import_library(LIBRARY, cls.name)
         kwargs = model_kwargs(library, spec)
         neuron_model = library.LlamaForSampling.from_pretrained(str(artifact_dir / "weights"), **kwargs)
@@ -111,27 +93,17 @@ class TnxBackend(Backend):
             ) from error
         return cls(neuron_model, spec, info)
 
-    def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
-        tokens: list[SampledToken] = []
-        width = batch.context_bucket
-        for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
-            check_prefill(slot, prompt, width, self.spec.grid.num_slots)
-            padding = [0] * (width - len(prompt))
-            logits = self._step([[*prompt, *padding]], [[*range(len(prompt)), *padding]], [slot])
-            tokens += host_tokens(logits, [params], [len(prompt)])
-            self._fresh.add(slot, len(prompt))
-        return tokens
+    def _prefill_one(
+        self, slot: int, prompt: Sequence[int], params: SamplingParams, context_bucket: int
+    ) -> SampledToken:
+        padding = [0] * (context_bucket - len(prompt))
+        logits = self._step([[*prompt, *padding]], [[*range(len(prompt)), *padding]], [slot])
+        return sample_tokens(logits, [params], [len(prompt)], self.model.vocab_size)[0]
 
-    def decode(self, batch: DecodeBatch) -> list[SampledToken]:
-        grid = self.spec.grid
-        rows = decode_rows(batch, grid.num_slots, grid.max_positions, self._fresh.take())
-        logits = self._step(rows.input_ids, rows.position_ids, range(grid.num_slots))
-        per_slot = host_tokens(logits, rows.sampling, [p + 1 for p in rows.positions])
-        return rows.in_batch_order(per_slot)
-
-    def close(self) -> None:
-        """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""
-        self._neuron = None
+    def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
+        logits = self._step(rows.input_ids, rows.position_ids, range(self.spec.grid.num_slots))
+        next_positions = [position + 1 for position in batch.positions]
+        return sample_tokens(logits[list(batch.slots)], batch.sampling, next_positions, self.model.vocab_size)
 
     def _step(
         self, input_ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], slots: Sequence[int]

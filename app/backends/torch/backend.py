@@ -17,14 +17,15 @@ from app.backends.base import (
     ModelInfo,
     PrefillBatch,
     SampledToken,
-    SamplingParams,
 )
-from app.backends.torch.checkpoint import LlamaSpec, read_eos_token_ids, read_llama_config
+from app.backends.torch.checkpoint import LlamaSpec, read_llama_config, read_model_info
 from app.backends.torch.cuda_graphs import DecodeGraphs
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
 from app.backends.torch.parallel import TorchDistributedGroup, WorkerPool, rank_device
-from app.backends.torch.sampling import SampleOutput, SamplingTensors, sample, sampled_tokens
+from app.backends.torch.sampling import SamplingTensors, sample_tokens, sampled_tokens
 from app.errors import ConfigError, GenerationError
+
+HOST = torch.device("cpu")
 
 
 class TorchBackend(Backend):
@@ -46,20 +47,21 @@ class TorchBackend(Backend):
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> TorchBackend:
         torch_device = _resolve_device(device, spec.tp_degree)
         llama = check_backend_spec(artifact_dir / "model", spec)
-        model = ModelInfo(llama.vocab_size, read_eos_token_ids(artifact_dir / "model", llama))
+        model = read_model_info(artifact_dir / "model", llama)
         if spec.tp_degree == 1:
             return cls(
                 spec,
                 model,
-                LlamaRunner.from_artifact(artifact_dir, spec, torch_device, 0, SingleRank()),
+                LlamaRunner.from_artifact(artifact_dir, spec, llama, torch_device, 0, SingleRank()),
                 None,
             )
-        workers = WorkerPool.start(artifact_dir, spec, torch_device)
+        workers = WorkerPool.start(artifact_dir, spec, llama, torch_device)
         try:
             group = TorchDistributedGroup(spec.tp_degree)
-            runner = LlamaRunner.from_artifact(artifact_dir, spec, rank_device(torch_device, 0), 0, group)
+            device = rank_device(torch_device, 0)
+            runner = LlamaRunner.from_artifact(artifact_dir, spec, llama, device, 0, group)
             workers.wait_loaded()
-            group.join(workers.store, 0, rank_device(torch_device, 0))
+            group.join(workers.store, 0, device)
         except BaseException:
             workers.close()
             raise
@@ -67,16 +69,18 @@ class TorchBackend(Backend):
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
         logits = self._forward(self._prefill_step(batch))
-        return self._sample(logits, batch.sampling, [len(prompt) for prompt in batch.prompts])
+        positions = [len(prompt) for prompt in batch.prompts]
+        return sample_tokens(logits, batch.sampling, positions, self.model.vocab_size)
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         step = self._decode_step(batch)
         next_positions = [position + 1 for position in batch.positions]
         if self.graphs is None:
-            return self._sample(self._forward(step), batch.sampling, next_positions)
+            return sample_tokens(self._forward(step), batch.sampling, next_positions, self.model.vocab_size)
         self._check_open()
+        # Built on the host: the copy into the graph's static buffers is then the one transfer.
         tensors = SamplingTensors.build(
-            batch.sampling, next_positions, len(step.tokens), self.model.vocab_size, self.runner.device
+            batch.sampling, next_positions, len(step.tokens), self.model.vocab_size, HOST
         )
         return sampled_tokens(self.graphs.replay(step, tensors), batch.sampling)
 
@@ -114,21 +118,6 @@ class TorchBackend(Backend):
                 return self.runner.run(step)
             except RuntimeError as error:  # a collective failed: a peer rank died or timed out
                 raise GenerationError(f"tensor-parallel step failed: {error}") from error
-
-    def _sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
-    ) -> list[SampledToken]:
-        tensors = SamplingTensors.build(
-            params, positions, logits.shape[0], self.model.vocab_size, logits.device
-        )
-        with torch.inference_mode():
-            output: SampleOutput = sample(
-                logits,
-                tensors,
-                random=any(not p.is_greedy for p in params),
-                filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            )
-            return sampled_tokens(output, params)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from app.backends.base import ModelInfo
 from app.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"
@@ -62,7 +63,6 @@ class LlamaSpec:
     rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
     max_position_embeddings: int
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -148,19 +148,16 @@ def read_llama_config(model_dir: Path) -> LlamaSpec:
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_position_embeddings=_int(config, "max_position_embeddings", 2048),  # transformers' default
-        bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_token_ids(eos),
     )
 
 
-def read_eos_token_ids(model_dir: Path, spec: LlamaSpec) -> tuple[int, ...]:
-    """Stop ids: `generation_config.json`'s `eos_token_id` where present, else `config.json`'s."""
+def read_model_info(model_dir: Path, spec: LlamaSpec) -> ModelInfo:
+    """The vocabulary size and the stop ids: `generation_config.json`'s `eos_token_id` where present,
+    else `config.json`'s (`spec`, as `read_llama_config` read it from `model_dir`)."""
     path = model_dir / "generation_config.json"
-    if path.exists():
-        ids = _token_ids(_read_json(path).get("eos_token_id"))
-        if ids:
-            return ids
-    return spec.eos_token_ids
+    eos_token_ids = _token_ids(_read_json(path).get("eos_token_id")) if path.exists() else ()
+    return ModelInfo(spec.vocab_size, eos_token_ids or spec.eos_token_ids)
 
 
 def check_checkpoint(model_dir: Path) -> LlamaSpec:
@@ -188,13 +185,15 @@ def check_checkpoint(model_dir: Path) -> LlamaSpec:
     return spec
 
 
-def write_rank_shards(model_dir: Path, weights_dir: Path, tp_degree: int, dtype: str) -> list[Path]:
+def write_rank_shards(
+    model_dir: Path, weights_dir: Path, tp_degree: int, dtype: str, spec: LlamaSpec
+) -> list[Path]:
     """Write `weights_dir/rank-{r}.safetensors` for every rank, each holding only that rank's slices,
-    cast to `dtype` ("fp32", "bf16" or "fp16"). Reads one slice at a time, never a whole rank set."""
+    cast to `dtype` ("fp32", "bf16" or "fp16"). Reads one slice at a time, never a whole rank set.
+    `spec` is what `check_checkpoint(model_dir)` returned: the checkpoint is not validated again."""
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    spec = check_checkpoint(model_dir)
-    spec.check_tp_degree(tp_degree)
+    spec.check_tp_degree(tp_degree)  # a size tp does not divide would be sliced short, silently
     weights_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     with _open_checkpoint(model_dir) as tensors:

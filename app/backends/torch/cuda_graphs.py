@@ -47,9 +47,9 @@ class DecodeGraphs:
 
     def replay(self, step: DecodeStep, sampling: SamplingTensors) -> SampleOutput:
         graph = self.captured[(len(step.tokens), step.span)]
-        graph.tokens.copy_(torch.tensor(step.tokens), non_blocking=True)
-        graph.positions.copy_(torch.tensor(step.positions), non_blocking=True)
-        graph.slots.copy_(torch.tensor(step.slots), non_blocking=True)
+        graph.tokens.copy_(torch.tensor(step.tokens))
+        graph.positions.copy_(torch.tensor(step.positions))
+        graph.slots.copy_(torch.tensor(step.slots))
         graph.sampling.copy_(sampling)
         graph.graph.replay()
         return graph.output

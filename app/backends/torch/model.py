@@ -25,7 +25,6 @@ from app.backends.torch.checkpoint import (
     RopeScaling,
     rank_file_metadata,
     rank_file_name,
-    read_llama_config,
 )
 from app.errors import ArtifactError
 
@@ -204,10 +203,16 @@ class LlamaRunner:
 
     @classmethod
     def from_artifact(
-        cls, artifact_dir: Path, spec: BackendSpec, device: torch.device, rank: int, collectives: Collectives
+        cls,
+        artifact_dir: Path,
+        spec: BackendSpec,
+        llama: LlamaSpec,
+        device: torch.device,
+        rank: int,
+        collectives: Collectives,
     ) -> LlamaRunner:
-        """Rank `rank` of an artifact: `model/config.json` and its own `weights/rank-<rank>.safetensors`."""
-        llama = read_llama_config(artifact_dir / "model")
+        """Rank `rank` of an artifact whose `model/config.json` reads as `llama`: its own
+        `weights/rank-<rank>.safetensors`."""
         path = artifact_dir / "weights" / rank_file_name(rank)
         weights = RankWeights.load(path, llama, rank, spec.tp_degree, spec.dtype, device)
         return cls(

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from app.backends.base import BackendSpec
+from app.backends.torch.checkpoint import LlamaSpec
 from app.backends.torch.model import DecodeStep, PrefillStep
 from app.errors import ArtifactError, GenerationError
 
@@ -83,6 +84,7 @@ class WorkerArgs:
     rank: int
     artifact_dir: Path
     spec: BackendSpec
+    llama: LlamaSpec  # the artifact's model/config.json, read once by rank 0
     device: str
     port: int
     threads: int
@@ -109,7 +111,9 @@ class WorkerPool:
         self.store = store
 
     @classmethod
-    def start(cls, artifact_dir: Path, spec: BackendSpec, device: torch.device) -> WorkerPool:
+    def start(
+        cls, artifact_dir: Path, spec: BackendSpec, llama: LlamaSpec, device: torch.device
+    ) -> WorkerPool:
         """Spawn the workers; they load their weights while rank 0 loads its own."""
         store = master_store(spec.tp_degree)
         threads = max(1, torch.get_num_threads() // spec.tp_degree)
@@ -117,7 +121,7 @@ class WorkerPool:
         try:
             for rank in range(1, spec.tp_degree):
                 args = WorkerArgs(
-                    rank, artifact_dir, spec, str(rank_device(device, rank)), store.port, threads
+                    rank, artifact_dir, spec, llama, str(rank_device(device, rank)), store.port, threads
                 )
                 pool.workers.append(_spawn(args))
         except BaseException:

@@ -20,7 +20,8 @@ MASK32 = 0xFFFFFFFF
 
 @dataclass(frozen=True, slots=True)
 class SamplingTensors:
-    """Per-row sampling parameters as device tensors; padded rows are greedy."""
+    """Per-row sampling parameters as tensors (on the host when bound for a captured graph's static
+    buffers); padded rows are greedy."""
 
     greedy: torch.Tensor  # bool [rows]
     temperature: torch.Tensor  # float32 [rows], 1.0 on greedy rows
@@ -73,6 +74,20 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, *, random: bool, filt
     if random:
         tokens = torch.where(tensors.greedy, tokens, _draw(logits, tensors, filtered))
     return SampleOutput(tokens, all_logprobs.gather(1, tokens[:, None]).squeeze(1), all_logprobs)
+
+
+@torch.inference_mode()
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
+) -> list[SampledToken]:
+    """One token per sequence from fp32 `logits` [rows >= len(params), vocab]: only the first
+    `len(params)` rows are live (later ones are batch padding) and only they are sampled;
+    `positions[i]` is the position of the token row i generates."""
+    live = logits[: len(params)]
+    tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
+    random = any(not p.is_greedy for p in params)
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    return sampled_tokens(sample(live, tensors, random=random, filtered=filtered), params)
 
 
 def sampled_tokens(output: SampleOutput, params: Sequence[SamplingParams]) -> list[SampledToken]:

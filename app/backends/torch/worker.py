@@ -23,7 +23,7 @@ def main(inbox: Connection, outbox: Connection) -> int:
         torch.cuda.set_device(device)
     try:
         group = TorchDistributedGroup(args.spec.tp_degree)
-        runner = LlamaRunner.from_artifact(args.artifact_dir, args.spec, device, args.rank, group)
+        runner = LlamaRunner.from_artifact(args.artifact_dir, args.spec, args.llama, device, args.rank, group)
     except Exception as error:  # reported to rank 0, which raises it
         outbox.send(getattr(error, "message", repr(error)))
         return 1

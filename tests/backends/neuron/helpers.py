@@ -1,11 +1,10 @@
-"""Helpers of the Neuron backend tests: artifacts built the way the compile step builds them (model/
-files, then the builder's weights/ and compiled/) against the STAND-IN libraries, adapters loaded from
+"""Helpers of the Neuron backend tests: artifacts built by the compile step's own staging (model/ files,
+then the builder's weights/ and compiled/) against the STAND-IN libraries, adapters loaded from
 them, and a greedy driver over slots."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,8 +21,10 @@ from app.backends.base import (
 )
 from app.backends.neuron.nxdi import NxdiBackend
 from app.backends.neuron.tnx import TnxBackend
+from app.backends.torch.checkpoint import check_checkpoint
 from app.shapes import ShapeGrid
-from compile.builders import neuron_nxdi, neuron_tnx
+from compile.builders import builder_for
+from compile.pipeline import stage_model_files
 
 from . import standin_nxdi, standin_tnx
 from .standin_common import installed
@@ -35,7 +36,6 @@ GRID = ShapeGrid(
     token_buckets=(32, 64, 128),
     batch_buckets=(4,),
 )
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 CARD = Path(__file__).with_name("data") / "neuron-signatures.json"
 
 
@@ -45,13 +45,12 @@ def spec_for(backend: str, dtype: str = "fp32", tp_degree: int = 2, grid: ShapeG
 
 def build_artifact(checkpoint: Path, root: Path, spec: BackendSpec) -> Path:
     """What the compile step stages: model/ files, then the builder's weights/ and compiled/."""
-    (root / "model").mkdir(parents=True)
-    for name in MODEL_FILES:
-        shutil.copyfile(checkpoint / name, root / "model" / name)
-    builder = neuron_nxdi if spec.backend == "neuron-nxdi" else neuron_tnx
-    builder.check(checkpoint, spec)
+    stage_model_files(checkpoint, root / "model")
+    llama = check_checkpoint(checkpoint)
+    builder = builder_for(spec.backend)
+    builder.check(llama, spec)
     with installed(standin_modules(spec.backend)):
-        builder.build(checkpoint, root, spec)
+        builder.build(checkpoint, root, spec, llama)
     return root
 
 

@@ -26,11 +26,12 @@ from safetensors.torch import load_file, save_file
 
 from app.backends.torch.checkpoint import (
     LlamaSpec,
+    check_checkpoint,
     rank_file_metadata,
     read_llama_config,
     write_rank_shards,
 )
-from app.backends.torch.model import LlamaRunner, RankWeights, SingleRank
+from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, RankWeights, SingleRank
 
 CPU = torch.device("cpu")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -70,7 +71,8 @@ def installed(modules: Mapping[str, types.ModuleType]) -> Iterator[None]:
 def rank_tensors(checkpoint_dir: Path, tp_degree: int, dtype: str) -> list[dict[str, torch.Tensor]]:
     """Real per-rank slices of a Hugging Face checkpoint (the portable backend's sharding)."""
     with tempfile.TemporaryDirectory() as scratch:
-        paths = write_rank_shards(checkpoint_dir, Path(scratch), tp_degree, dtype)
+        llama = check_checkpoint(checkpoint_dir)
+        paths = write_rank_shards(checkpoint_dir, Path(scratch), tp_degree, dtype, llama)
         return [load_file(str(path)) for path in paths]
 
 
@@ -136,25 +138,13 @@ class StandInDevice:
 
     def context(self, tokens: Sequence[int], last_index: int, slot: int) -> torch.Tensor:
         """Context encoding of one padded sequence into `slot`: fp32 logits [vocab] at `last_index`."""
-        ints = {"dtype": torch.int64}
-        logits = self.runner.prefill_logits(
-            torch.tensor([list(tokens)], **ints),
-            torch.tensor([last_index], **ints),
-            torch.tensor([slot], **ints),
-        )
-        return logits[0]
+        return self.runner.run(PrefillStep((tuple(tokens),), (last_index,), (slot,)))[0]
 
     def generate(
         self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], span: int
     ) -> torch.Tensor:
         """One token-generation step over whole-batch rows: fp32 logits [rows, vocab]."""
-        ints = {"dtype": torch.int64}
-        return self.runner.decode_logits(
-            torch.tensor(list(tokens), **ints),
-            torch.tensor(list(positions), **ints),
-            torch.tensor(list(slots), **ints),
-            span,
-        )
+        return self.runner.run(DecodeStep(tuple(tokens), tuple(positions), tuple(slots), span))
 
 
 def graph_file_name(graph: Mapping[str, Any]) -> str:

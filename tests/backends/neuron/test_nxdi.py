@@ -4,6 +4,7 @@ which ids, positions, slots and sampling rows reach `forward`, and how its outpu
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from app.backends.base import GREEDY, PrefillBatch, SamplingParams
-from app.backends.neuron.nxdi import NxdiBackend
+from app.backends.neuron.nxdi import MODELING, NxdiBackend
 from app.errors import ArtifactError, ConfigError, GenerationError, InvalidRequestError
 
 from . import standin_nxdi
@@ -125,7 +126,10 @@ def test_load_refuses_batch_buckets(nxdi_artifact: Path) -> None:
         load_backend(nxdi_artifact, spec_for("neuron-nxdi", grid=grid))
 
 
-def test_load_without_the_library_says_how_to_install_it(nxdi_artifact: Path) -> None:
+def test_load_without_the_library_says_how_to_install_it(
+    nxdi_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, MODELING, None)  # absent even where NxD Inference is installed
     with pytest.raises(ConfigError, match=r"pip\.repos\.neuron\.amazonaws\.com"):
         NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:0-1")
 

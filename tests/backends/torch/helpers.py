@@ -1,12 +1,11 @@
-"""Helpers of the torch backend tests: artifact folders built the way the compile step builds them
-(config files copied into `model/`, rank files written into `weights/`), tiny random Llama checkpoints
-covering the config variants, a generation driver for one sequence and a tiny continuous-batching
-scheduler for many."""
+"""Helpers of the torch backend tests: artifact folders staged by the compile step's own functions
+(model files copied into `model/`, the torch builder's rank files in `weights/`), tiny random Llama
+checkpoints covering the config variants, a generation driver for one sequence and a tiny
+continuous-batching scheduler for many."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,8 +15,10 @@ from safetensors.torch import save_file
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.torch import TorchBackend
-from app.backends.torch.checkpoint import read_llama_config, write_rank_shards
+from app.backends.torch.checkpoint import check_checkpoint, read_llama_config
 from app.shapes import ShapeGrid
+from compile.builders import builder_for
+from compile.pipeline import stage_model_files
 
 GRID = ShapeGrid(
     num_slots=4,
@@ -26,7 +27,6 @@ GRID = ShapeGrid(
     token_buckets=(16, 64, 128, 256),
     batch_buckets=(1, 2, 4),
 )
-CONFIG_FILES = ("config.json", "generation_config.json")
 # Larger than transformers' default init so random logits are far from ties: greedy comparisons are stable.
 TINY_BASE = {
     "hidden_size": 64,
@@ -96,12 +96,11 @@ def write_random_checkpoint(out_dir: Path, seed: int = 0) -> Path:
 
 
 def build_artifact(model_dir: Path, out_dir: Path, tp_degree: int = 1, dtype: str = "fp32") -> Path:
-    """The layout `TorchBackend.load` reads: `model/` config files and `weights/rank-<r>.safetensors`."""
-    (out_dir / "model").mkdir(parents=True, exist_ok=True)
-    for name in CONFIG_FILES:
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, out_dir / "model" / name)
-    write_rank_shards(model_dir, out_dir / "weights", tp_degree, dtype)
+    """The layout `TorchBackend.load` reads, staged as the compile step stages it: `model/` files and
+    `weights/rank-<r>.safetensors`."""
+    stage_model_files(model_dir, out_dir / "model")
+    spec = BackendSpec("torch", tp_degree, dtype, GRID)
+    builder_for("torch").build(model_dir, out_dir, spec, check_checkpoint(model_dir))
     return out_dir
 
 

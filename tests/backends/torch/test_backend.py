@@ -119,8 +119,10 @@ def test_a_spec_for_another_backend_is_refused(stories_artifact: Path) -> None:
         TorchBackend.load(stories_artifact, BackendSpec("sim", 1, "fp32", GRID))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where CUDA is absent")
-def test_cuda_without_a_gpu_is_a_config_error(stories_artifact: Path) -> None:
+def test_cuda_without_a_gpu_is_a_config_error(
+    stories_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="CUDA is not available"):
         TorchBackend.load(stories_artifact, BackendSpec("torch", 1, "fp32", GRID), device="cuda")
 

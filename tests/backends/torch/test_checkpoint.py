@@ -107,7 +107,7 @@ def test_a_folder_without_safetensors_is_refused(stories_copy: Path) -> None:
 
 
 def test_sharded_checkpoints_give_the_same_rank_files(stories_copy: Path, tmp_path: Path) -> None:
-    single = write_rank_shards(stories_copy, tmp_path / "single", 2, "fp32")
+    single = write_rank_shards(stories_copy, tmp_path / "single", 2, "fp32", check_checkpoint(stories_copy))
     tensors = load_file(stories_copy / "model.safetensors")
     names = sorted(tensors)
     halves = {"part-1.safetensors": names[::2], "part-2.safetensors": names[1::2]}
@@ -116,14 +116,14 @@ def test_sharded_checkpoints_give_the_same_rank_files(stories_copy: Path, tmp_pa
     weight_map = {name: file for file, part in halves.items() for name in part}
     (stories_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (stories_copy / "model.safetensors").unlink()
-    sharded = write_rank_shards(stories_copy, tmp_path / "sharded", 2, "fp32")
+    sharded = write_rank_shards(stories_copy, tmp_path / "sharded", 2, "fp32", check_checkpoint(stories_copy))
     for one, other in zip(single, sharded, strict=True):
         a, b = load_file(one), load_file(other)
         assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
 
 
 def test_rank_files_hold_only_their_slices(stories260k: Path, tmp_path: Path) -> None:
-    paths = write_rank_shards(stories260k, tmp_path, 2, "bf16")
+    paths = write_rank_shards(stories260k, tmp_path, 2, "bf16", check_checkpoint(stories260k))
     assert [path.name for path in paths] == ["rank-0.safetensors", "rank-1.safetensors"]
     source = load_file(stories260k / "model.safetensors")
     rank1 = load_file(paths[1])
@@ -137,7 +137,7 @@ def test_rank_files_hold_only_their_slices(stories260k: Path, tmp_path: Path) ->
 
 def test_sizes_not_divisible_by_tp_are_refused(stories260k: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="num_attention_heads 8 is not divisible by tp_degree 3"):
-        write_rank_shards(stories260k, tmp_path, 3, "fp32")
+        write_rank_shards(stories260k, tmp_path, 3, "fp32", check_checkpoint(stories260k))
 
 
 def test_rank_files_of_another_tp_degree_are_refused(stories260k: Path, tmp_path: Path) -> None:

@@ -5,16 +5,14 @@ from __future__ import annotations
 import torch
 
 from app.backends.base import GREEDY, SamplingParams
-from app.backends.torch.sampling import SamplingTensors, row_keys, sample, sampled_tokens, uniform
+from app.backends.torch.sampling import SamplingTensors, row_keys, sample, sample_tokens, uniform
 
 CPU = torch.device("cpu")
 VOCAB = 50
 
 
 def draw(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-    tensors = SamplingTensors.build(params, positions, len(params), logits.shape[-1], CPU)
-    filtered = any(p.top_k or p.top_p < 1.0 for p in params)
-    return sample(logits, tensors, random=True, filtered=filtered).tokens.tolist()
+    return [token.token_id for token in sample_tokens(logits, params, positions, logits.shape[-1])]
 
 
 def frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
@@ -92,8 +90,7 @@ def test_a_seeded_token_depends_only_on_its_row_seed_and_position() -> None:
 def test_top_logprobs_are_returned_only_when_asked() -> None:
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
     params = [GREEDY, SamplingParams(num_top_logprobs=3)]
-    tensors = SamplingTensors.build(params, [1, 1], 2, VOCAB, CPU)
-    plain, asking = sampled_tokens(sample(logits, tensors, random=False, filtered=False), params)
+    plain, asking = sample_tokens(logits, params, [1, 1], VOCAB)
     assert plain.top_logprobs == ()
     ids = [token for token, _ in asking.top_logprobs]
     values = [value for _, value in asking.top_logprobs]
@@ -101,3 +98,12 @@ def test_top_logprobs_are_returned_only_when_asked() -> None:
     assert values == sorted(values, reverse=True)
     assert ids[0] == asking.token_id
     assert abs(values[0] - asking.logprob) < 1e-6
+
+
+def test_only_the_live_rows_are_sampled() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=5), GREEDY]
+    padding = torch.full((2, VOCAB), float("nan"))
+    padded = sample_tokens(torch.cat([logits, padding]), params, [3, 3], VOCAB)
+    assert padded == sample_tokens(logits, params, [3, 3], VOCAB)
+    assert len(padded) == 2
