@@ -1,6 +1,7 @@
 """Artifact loader benchmark (a benchmark, not a test): a ~300 MB compiled artifact on the loopback S3
-server (moto's server mode, its own process), read side by side in one run, rounds interleaved, odd
-rounds in reverse order:
+server (moto's server mode, its own process), read side by side in one run, every mode once per round,
+the order changing from round to round so that each mode follows each other one equally often
+(`balanced_order`: on this VM what ran just before changes a mode's cost, see `write_control`):
 
 - `plain_get`: one `get_object` per file, body read and discarded (the goal's baseline);
 - `plain_ranged_get`: the request pattern of a split (8 MiB ranged GETs, 8 in flight) read and
@@ -23,16 +24,17 @@ rounds in reverse order:
 The modes that split (`plain_ranged_get`, `loader_ranges_always`) run after all rounds of the others:
 each makes the server allocate and free gigabytes, and the cold load that followed one took four times
 the kernel time to write its cache (0.42 s against 0.10 s; this VM reports freed memory to its host).
-Goal: loader throughput >= 0.8 of `plain_get`. Each mode also reports this (client) process's CPU time
-per GiB: the loader's own cost, which a busy shared machine turns into wall time. Removing a cold cache
+Goal: loader throughput >= 0.8 of `plain_get` (the ratio of the median throughputs; the median of each
+round's own ratio is printed beside it, as `same round`). Each mode also reports this (client) process's CPU
+time per GiB: the loader's own cost, which a busy shared machine turns into wall time. Removing a cold cache
 after a load is not timed. The artifact is a real compile of a randomly initialised Llama (the 100m preset
-cut to 4 layers: ~300 MB fp32; random weights). On moto every GET, ranged or not, makes the server read
-the whole object (`FakeKey.value`, twice per request) before its first byte, so a ranged GET of 8 MiB
-costs it as much as the whole file, and a cold load can never beat that time to first byte plus hashing
-the bytes that follow: `plain_ranged_get` is the split pattern's ceiling on this server, and
-`loader_ranges_always / plain_ranged_get` isolates the loader's own overhead on it.
+cut to 4 layers: ~300 MB fp32; random weights). On moto every GET, ranged or not, makes the server read the
+whole object (`FakeKey.value`, twice per request) before its first byte, so a ranged GET of 8 MiB costs it
+as much as the whole file, and a cold load can never beat that time to first byte plus hashing the bytes
+that follow: `plain_ranged_get` is the split pattern's ceiling on this server, and `loader_ranges_always /
+plain_ranged_get` isolates the loader's own overhead on it.
 
-    .venv/bin/python -m loadtest.loader_bench [--rounds 2] [--out report.json]
+    .venv/bin/python -m loadtest.loader_bench [--rounds 8] [--split-rounds 2] [--out report.json]
 """
 
 from __future__ import annotations
@@ -148,13 +150,22 @@ def cold_loads(uri: str, transfers: dict[str, storage.TransferConfig], scratch: 
     }
 
 
+def balanced_order(count: int, number: int) -> list[int]:
+    """Round `number`'s order of `count` modes: a row of a Williams Latin square, in which every mode
+    runs right after every other one equally often over `count` rounds (2 x `count` for an odd count)."""
+    first = [0]
+    for step in range(1, count):
+        first.append(first[-1] + step if step % 2 else first[-1] - step)
+    row = [(index + number) % count for index in first]
+    return row if count % 2 == 0 or (number // count) % 2 == 0 else row[::-1]
+
+
 def run_round(
     modes: dict[str, Mode], samples: dict[str, list[dict[str, float]]], caches: Path, number: int
 ) -> None:
-    """Every mode once, in order in even rounds and in reverse in odd ones, so no mode always runs
-    right after the same other one."""
-    names = list(modes) if number % 2 == 0 else list(reversed(modes))
-    for name in names:
+    """Every mode once, in round `number`'s `balanced_order`."""
+    names = list(modes)
+    for name in (names[index] for index in balanced_order(len(names), number)):
         action = modes[name]
         samples[name].append(timed(action))
         shutil.rmtree(caches)  # a cold cache's removal is not part of the load
@@ -181,7 +192,8 @@ def timed(action: Callable[[], int]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4, help="each mode, in turn forwards and backwards")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of the modes that do not split")
+    parser.add_argument("--split-rounds", type=int, default=2, help="rounds of those that do (~10 s each)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
@@ -212,11 +224,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     samples["warm_restart"].append(
                         timed(lambda: load_artifact(uri, Path(warm_cache)).bytes_downloaded)
                     )
-                for number in range(args.rounds):
+                for number in range(args.split_rounds):
                     run_round(slow, samples, caches, number)
     finally:
         server.stop()
-    report = summarize(manifest, samples, args.rounds, (load_before, os.getloadavg()))
+    report = summarize(manifest, samples, (args.rounds, args.split_rounds), (load_before, os.getloadavg()))
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -227,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def summarize(
     manifest: Manifest,
     samples: dict[str, list[dict[str, float]]],
-    rounds: int,
+    rounds: tuple[int, int],
     load_average: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> dict[str, Any]:
     def median(name: str, field: str) -> float:
@@ -242,7 +254,8 @@ def summarize(
         "artifact_bytes": manifest.total_bytes,
         "files": len(manifest.files),
         "largest_file_bytes": max(entry.size for entry in manifest.files),
-        "rounds": rounds,
+        "rounds": rounds[0],
+        "split_rounds": rounds[1],
         "cpu_count": os.cpu_count(),
         "load_average_before_after": load_average,
         "transfer_default": {
@@ -256,6 +269,14 @@ def summarize(
             name: median(name, "cpu_s") * 1024 * MIB / median(name, "bytes") for name in names
         },
         "ratio_to_plain_get": {name: throughput[name] / plain for name in names if name.startswith("loader")},
+        "paired_ratio_to_plain_get": {
+            name: statistics.median(
+                base["seconds"] / sample["seconds"]
+                for base, sample in zip(samples["plain_get"], samples[name], strict=False)
+            )
+            for name in names
+            if name.startswith("loader") and name != "loader_ranges_always"
+        },
         "ratio_loader_ranges_always_to_plain_ranged_get": (
             throughput["loader_ranges_always"] / throughput["plain_ranged_get"]
         ),
@@ -274,9 +295,11 @@ def print_report(report: dict[str, Any]) -> None:
     for name, value in report["throughput_mib_per_s"].items():
         cpu = report["client_cpu_s_per_gib"][name]
         print(f"  {name:22s} {value:8.1f} MiB/s   client CPU {cpu:5.2f} s/GiB")
+    paired = report["paired_ratio_to_plain_get"]
     for name, ratio in report["ratio_to_plain_get"].items():
         goal = "  (goal >= 0.8)" if name == "loader" else ""
-        print(f"  {name + ' / plain_get':42s} {ratio:.2f}{goal}")
+        same_round = f"   same round: {paired[name]:.2f}" if name in paired else ""
+        print(f"  {name + ' / plain_get':42s} {ratio:.2f}{same_round}{goal}")
     ratio = report["ratio_loader_ranges_always_to_plain_ranged_get"]
     print(f"  {'loader_ranges_always / plain_ranged_get':42s} {ratio:.2f}")
     ceiling = report["serial_write_ceiling"]

@@ -2,8 +2,8 @@
 
 An S3 artifact is downloaded into a cache directory (`<cache>/<model-name>/<config-hash prefix>`), a few
 files at a time, each on one GET or on concurrent ranged GETs where its first part shows the connection
-is the bottleneck (`storage`), hashed while downloading and checked against the manifest (BLAKE3 where it
-records one, else sha256: `digest`) before its final rename; a restart reuses the verified cache (a
+is the bottleneck (`storage`), hashed while downloading and checked against the manifest (the fastest
+digest it records: `digest`) before its final rename; a restart reuses the verified cache (a
 record of each file's size and mtime taken at verification) and resumes partial files. A local directory,
 such as SageMaker's `/opt/ml/model`, is verified in place and used as is, without copying. Every load
 first checks the manifest against the running stack, so a mismatch is one precise error before any byte
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from app.artifacts.digest import check_entry, verified_digests
-from app.artifacts.manifest import DIGESTS, MANIFEST_NAME, FileEntry, Manifest, check_against_stack
+from app.artifacts.digest import check_entry, recorded_digests, verified_digests
+from app.artifacts.manifest import MANIFEST_NAME, FileEntry, Manifest, check_against_stack
 from app.artifacts.storage import LocalStore, Store, download_file, hash_object, open_store, progress_bar
 from app.errors import ArtifactError
 
@@ -131,7 +131,7 @@ def verify_files(store: Store, manifest: Manifest, every_digest: bool = False) -
     with progress_bar(manifest.total_bytes, f"verify {manifest.artifact_id}") as bar:
 
         def verify(entry: FileEntry) -> None:
-            digests = DIGESTS if every_digest else verified_digests(entry)
+            digests = recorded_digests(entry) if every_digest else verified_digests(entry)
             found = hash_object(store, entry.path, entry.size, digests)
             check_entry(found, entry, store.uri_of(entry.path))
             bar.update(entry.size)

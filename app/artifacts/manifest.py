@@ -21,9 +21,10 @@ from app.backends.base import BackendSpec
 from app.backends.neuron.runtime import NEURON_PINNED_VERSIONS, RUNTIME_PACKAGE, runtime_version
 from app.errors import ArtifactError, ConfigError
 
-SCHEMA_VERSION = 2  # 2: files carry a BLAKE3 digest as well as their sha256
-READABLE_SCHEMA_VERSIONS = (1, 2)
-DIGESTS = ("sha256", "blake3")  # FileEntry fields, in the order they are checked
+SCHEMA_VERSION = 3  # 2: files carry a BLAKE3 digest besides their sha256; 3: an XXH3-128 instead
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+DIGESTS = ("sha256", "blake3", "xxh3_128")  # FileEntry fields, in the order they are checked
+RECORDED_DIGESTS = ("sha256", "xxh3_128")  # what a compile records now
 MANIFEST_NAME = "manifest.json"
 GOLDEN_NAME = "golden.json"
 HASH_PREFIX_LENGTH = 12  # hex digits of the config hash in an artifact's key and id
@@ -51,7 +52,8 @@ class FileEntry:
     path: str
     size: int
     sha256: str
-    blake3: str | None = None  # from schema 2 on
+    blake3: str | None = None  # schema 2
+    xxh3_128: str | None = None  # from schema 3 on
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ later GET of the object is pinned to that ETag (If-Match). Bytes reach the calle
 while downloading), and nothing is written under a final name until it is complete.
 
 How an object is read (`TransferConfig`): one GET for everything from `start` to the end, received in
-the caller's thread (a download's sink hands each chunk on to a writer and a hasher thread), timed over
+the caller's thread (a download's sink hashes each chunk there and hands it to a writer thread), timed over
 its first part. Then one of two things:
 - carry on with that GET to the end, or
 - close it and fetch the rest as ranged GETs of `part_bytes`, `concurrency` in flight, read by worker
@@ -49,7 +49,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from app.artifacts.digest import Digests, PipelinedSink, check_entry, reserve, verified_digests
-from app.artifacts.manifest import DIGESTS, FileEntry
+from app.artifacts.manifest import RECORDED_DIGESTS, FileEntry
 from app.errors import ArtifactError, ConfigError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -571,7 +571,7 @@ def atomic_file(path: Path) -> Iterator[Any]:
 
 
 def hash_object(
-    store: Store, key: str, expected_size: int | None = None, digests: Iterable[str] = DIGESTS
+    store: Store, key: str, expected_size: int | None = None, digests: Iterable[str] = RECORDED_DIGESTS
 ) -> FileEntry:
     """Read an object through and return its size and `digests` (nothing is written)."""
     running = Digests(digests)
@@ -585,10 +585,10 @@ def download_file(
     dest: Path,
     expected: FileEntry | None = None,
     resume: bool = True,
-    digests: Iterable[str] = DIGESTS,
+    digests: Iterable[str] = RECORDED_DIGESTS,
 ) -> FileEntry:
-    """Download `key` to `dest` through `<dest>.partial`, writing and hashing on threads of their own
-    while the next bytes arrive (`PipelinedSink`).
+    """Download `key` to `dest` through `<dest>.partial`, hashed as the bytes arrive and written on a
+    thread of its own meanwhile (`PipelinedSink`).
 
     With `expected`, the size and the digests a load verifies (`verified_digests`) are checked before
     the rename, and a mismatch deletes the partial file; without it, `digests` are computed. With
@@ -630,8 +630,8 @@ def download_file(
 def _receive(
     store: Store, key: str, partial: Path, start: int, expected_size: int | None, digests: Digests
 ) -> int:
-    """Append the object's bytes from `start` to `partial`, written and hashed while the next ones
-    arrive, after reserving the blocks still to come; returns the object's size."""
+    """Append the object's bytes from `start` to `partial`, hashed as they arrive and written while the
+    next ones do, after reserving the blocks still to come; returns the object's size."""
     with partial.open("ab" if start else "wb") as handle:
         if expected_size is not None:
             reserve(handle.fileno(), start, expected_size - start)

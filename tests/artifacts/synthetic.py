@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import blake3
+import xxhash
 
 from app.artifacts.manifest import SCHEMA_VERSION, FileEntry, Manifest, ValidationReport, stack_versions
 from app.backends.base import BackendSpec
@@ -17,18 +18,22 @@ SPEC = BackendSpec("torch", 1, "fp32", ShapeGrid.default(4, 256))
 REPORT = ValidationReport(True, "test", "fp32", 2e-3, 1, 1, 0, 0, 0.0)
 
 
-def synthetic_manifest(files: dict[str, bytes], **overrides: object) -> Manifest:
-    """A manifest of the current schema, or of `schema_version=1` (files with sha256 alone)."""
-    with_blake3 = overrides.get("schema_version", SCHEMA_VERSION) != 1
-    entries = tuple(
-        FileEntry(
-            path,
-            len(data),
-            hashlib.sha256(data).hexdigest(),
-            blake3.blake3(data).hexdigest() if with_blake3 else None,
-        )
-        for path, data in files.items()
+def file_entry(path: str, data: bytes, schema_version: int = SCHEMA_VERSION) -> FileEntry:
+    """`data`'s entry as a manifest of that schema records it: sha256 alone (1), with BLAKE3 (2), with
+    XXH3-128 (3), each computed here by its own library."""
+    return FileEntry(
+        path,
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+        blake3.blake3(data).hexdigest() if schema_version == 2 else None,
+        xxhash.xxh3_128(data).hexdigest() if schema_version >= 3 else None,
     )
+
+
+def synthetic_manifest(files: dict[str, bytes], **overrides: object) -> Manifest:
+    """A manifest of the current schema, or of an older `schema_version` (its files' digests too)."""
+    schema_version = int(overrides.get("schema_version", SCHEMA_VERSION))  # type: ignore[call-overload]
+    entries = tuple(file_entry(path, data, schema_version) for path, data in files.items())
     fields: dict[str, object] = {
         "schema_version": SCHEMA_VERSION,
         "model_name": "synthetic",

@@ -1,5 +1,5 @@
-"""Digests, the pipelined download sink (a writer and a hasher thread behind the receiving one) and
-block reservation: failures reach the caller, threads never outlive the sink, bytes stay in order."""
+"""Digests, the pipelined download sink (hashing in the receiving thread, a writer thread behind it) and
+block reservation: failures reach the caller, the writer never outlives the sink, bytes stay in order."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+import xxhash
 
 from app.artifacts import digest
 from app.artifacts.digest import (
@@ -22,18 +23,18 @@ from app.artifacts.digest import (
     Digests,
     PipelinedSink,
     check_entry,
+    recorded_digests,
     reserve,
     verified_digests,
 )
 from app.artifacts.manifest import FileEntry
 from app.artifacts.storage import LocalStore, download_file
 from app.errors import ArtifactError, StorageError
-
-SINK_THREAD_NAMES = ("artifact-write", "artifact-hash")
+from tests.artifacts.synthetic import file_entry
 
 
 def sink_threads() -> set[threading.Thread]:
-    return {thread for thread in threading.enumerate() if thread.name in SINK_THREAD_NAMES}
+    return {thread for thread in threading.enumerate() if thread.name == "artifact-write"}
 
 
 def no_space(chunk: bytes) -> None:
@@ -54,9 +55,7 @@ def test_every_chunk_is_written_and_hashed_in_order() -> None:
         for chunk in chunks:
             sink(chunk)
     assert written.getvalue() == data
-    entry = digests.entry("w.bin", len(data))
-    assert entry.sha256 == hashlib.sha256(data).hexdigest()
-    assert entry.blake3 == blake3.blake3(data).hexdigest()
+    assert digests.entry("w.bin", len(data)) == file_entry("w.bin", data)
 
 
 def test_a_write_failure_is_raised_at_a_later_chunk_and_the_threads_are_joined() -> None:
@@ -68,7 +67,7 @@ def test_a_write_failure_is_raised_at_a_later_chunk_and_the_threads_are_joined()
 
     before = sink_threads()
     sink = PipelinedSink(write, Digests())
-    assert len(sink_threads() - before) == 2
+    assert len(sink_threads() - before) == 1
     sink(b"first")
     assert failed.wait(timeout=60)
     # The writer records its failure before it takes another chunk, and at most PENDING_CHUNKS wait for
@@ -102,14 +101,14 @@ def test_a_write_failure_on_the_last_chunk_is_raised_at_close() -> None:
     assert sink_threads() - before == set()
 
 
-def test_a_hasher_failure_reaches_the_caller_and_the_threads_are_joined() -> None:
-    before = sink_threads()
+def test_a_hasher_failure_is_raised_at_its_chunk_which_is_not_written_and_the_writer_is_joined() -> None:
+    before, written = sink_threads(), io.BytesIO()
     with (
         pytest.raises(ValueError, match="the hasher broke"),
-        PipelinedSink(io.BytesIO().write, BrokenDigests()) as sink,
+        PipelinedSink(written.write, BrokenDigests()) as sink,
     ):
-        for _ in range(PENDING_CHUNKS + 2):
-            sink(b"chunk")
+        sink(b"chunk")
+    assert written.getvalue() == b""
     assert sink_threads() - before == set()
 
 
@@ -128,19 +127,39 @@ def test_the_callers_own_error_wins_over_a_stage_failure() -> None:
     assert sink_threads() - before == set()
 
 
-def test_a_load_verifies_blake3_where_the_manifest_records_it_else_sha256() -> None:
-    assert verified_digests(FileEntry("a", 1, "0" * 64, "1" * 64)) == ("blake3",)
-    assert verified_digests(FileEntry("a", 1, "0" * 64)) == ("sha256",)
+def test_a_load_verifies_the_fastest_digest_the_manifest_records() -> None:
+    data = b"weights"
+    assert verified_digests(file_entry("w.bin", data)) == ("xxh3_128",)  # schema 3
+    assert verified_digests(file_entry("w.bin", data, schema_version=2)) == ("blake3",)
+    assert verified_digests(file_entry("w.bin", data, schema_version=1)) == ("sha256",)
+    assert recorded_digests(file_entry("w.bin", data)) == ("sha256", "xxh3_128")
+    assert recorded_digests(file_entry("w.bin", data, schema_version=2)) == ("sha256", "blake3")
+
+
+def test_each_digest_is_its_librarys() -> None:
+    data = os.urandom(5000)
+    digests = Digests(("sha256", "blake3", "xxh3_128"))
+    digests.update(data[:1234])
+    digests.update(data[1234:])
+    assert digests.entry("w.bin", len(data)) == FileEntry(
+        "w.bin",
+        len(data),
+        hashlib.sha256(data).hexdigest(),
+        blake3.blake3(data).hexdigest(),
+        xxhash.xxh3_128(data).hexdigest(),
+    )
 
 
 def test_check_entry_needs_a_shared_digest_and_names_the_one_that_differs() -> None:
     data = b"weights"
-    sha256, b3 = hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest()
+    sha256, xxh3 = hashlib.sha256(data).hexdigest(), xxhash.xxh3_128(data).hexdigest()
+    found = FileEntry("w.bin", 7, "", xxh3_128=xxh3)
     with pytest.raises(ArtifactError, match=r"no digest of s3://b/w\.bin to check against the manifest"):
-        check_entry(FileEntry("w.bin", 7, "", b3), FileEntry("w.bin", 7, sha256), "s3://b/w.bin")
-    check_entry(FileEntry("w.bin", 7, "", b3), FileEntry("w.bin", 7, sha256, b3), "s3://b/w.bin")
-    with pytest.raises(ArtifactError, match=rf"checksum mismatch for s3://b/w\.bin: expected blake3 {b3}"):
-        check_entry(FileEntry("w.bin", 7, "", "0" * 64), FileEntry("w.bin", 7, sha256, b3), "s3://b/w.bin")
+        check_entry(found, FileEntry("w.bin", 7, sha256), "s3://b/w.bin")
+    check_entry(found, FileEntry("w.bin", 7, sha256, xxh3_128=xxh3), "s3://b/w.bin")
+    mismatch = rf"checksum mismatch for s3://b/w\.bin: expected xxh3_128 {xxh3}"
+    with pytest.raises(ArtifactError, match=mismatch):
+        check_entry(FileEntry("w.bin", 7, "", xxh3_128="0" * 32), file_entry("w.bin", data), "s3://b/w.bin")
 
 
 def test_reserve_keeps_the_file_size_and_later_writes_work(tmp_path: Path) -> None:
@@ -176,9 +195,7 @@ def test_a_disk_too_small_fails_the_download_before_any_byte_and_leaves_no_file(
     data = b"weights" * 1000
     (tmp_path / "source").mkdir()
     (tmp_path / "source" / "w.bin").write_bytes(data)
-    expected = FileEntry(
-        "w.bin", len(data), hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest()
-    )
+    expected = file_entry("w.bin", data)
     dest = tmp_path / "cache" / "w.bin"
     with pytest.raises(StorageError, match=f"no space left writing {dest}: No space left on device"):
         download_file(LocalStore(tmp_path / "source"), "w.bin", dest, expected)

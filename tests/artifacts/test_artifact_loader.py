@@ -95,7 +95,7 @@ def test_a_corrupted_object_fails_and_leaves_no_file(
     corrupt = bytearray(artifact_files[WEIGHTS])
     corrupt[-1] ^= 0xFF
     s3.client().put_object(Bucket=bucket, Key=f"root/{manifest.artifact_id}/{WEIGHTS}", Body=bytes(corrupt))
-    with pytest.raises(ArtifactError, match=f"checksum mismatch for {uri}/{WEIGHTS}: expected blake3"):
+    with pytest.raises(ArtifactError, match=f"checksum mismatch for {uri}/{WEIGHTS}: expected xxh3_128"):
         load_artifact(uri, cache_dir)
     assert not any(path.startswith(f"{manifest.artifact_id}/weights") for path in cache_files(cache_dir))
     assert not (cache_dir / manifest.artifact_id / "manifest.json").exists()
@@ -133,12 +133,12 @@ def test_an_unknown_schema_version_fails_before_downloading(s3, bucket, publishe
     assert cache_files(cache_dir) == []
 
 
-def test_a_schema_3_manifest_is_refused_naming_the_readable_versions(tmp_path, artifact_files) -> None:
+def test_a_schema_4_manifest_is_refused_naming_the_readable_versions(tmp_path, artifact_files) -> None:
     root = tmp_path / "future"
     manifest = write_artifact(root, artifact_files)
-    (root / "manifest.json").write_text(json.dumps(json.loads(manifest.dumps()) | {"schema_version": 3}))
+    (root / "manifest.json").write_text(json.dumps(json.loads(manifest.dumps()) | {"schema_version": 4}))
     with pytest.raises(
-        ArtifactError, match=r"schema version 3 is not supported .*\(it reads schema versions 1, 2\)"
+        ArtifactError, match=r"schema version 4 is not supported .*\(it reads schema versions 1, 2, 3\)"
     ):
         load_artifact(str(root), tmp_path / "cache")
 
@@ -149,43 +149,48 @@ def corrupted(data: bytes) -> bytes:
     return bytes(flipped)
 
 
-def test_a_schema_1_artifact_loads_from_s3_and_is_checked_with_sha256(
-    s3, bucket, tmp_path, artifact_files, small_ranges
+OLDER_SCHEMAS = [(1, "sha256"), (2, "blake3")]  # and the digest a load of one checks
+
+
+@pytest.mark.parametrize(("schema_version", "checked"), OLDER_SCHEMAS)
+def test_an_older_schema_artifact_loads_from_s3_and_is_checked_with_its_digest(
+    s3, bucket, tmp_path, artifact_files, small_ranges, schema_version, checked
 ) -> None:
-    local = tmp_path / "v1"
-    manifest = write_artifact(local, artifact_files, schema_version=1)
-    assert '"blake3"' not in (local / "manifest.json").read_text()
+    local = tmp_path / f"v{schema_version}"
+    manifest = write_artifact(local, artifact_files, schema_version=schema_version)
+    assert '"xxh3_128"' not in (local / "manifest.json").read_text()
     prefix = f"root/{manifest.artifact_id}"
     upload_tree(s3.client(), local, bucket, prefix)
     uri = f"s3://{bucket}/{prefix}"
     artifact = load_artifact(uri, tmp_path / "cache")
-    assert artifact.manifest == manifest and artifact.manifest.schema_version == 1
+    assert artifact.manifest == manifest and artifact.manifest.schema_version == schema_version
     for path, data in artifact_files.items():
         assert artifact.path(path).read_bytes() == data
     s3.client().put_object(Bucket=bucket, Key=f"{prefix}/{WEIGHTS}", Body=corrupted(artifact_files[WEIGHTS]))
     with pytest.raises(
-        ArtifactError, match=f"checksum mismatch for {re.escape(uri)}/{WEIGHTS}: expected sha256"
+        ArtifactError, match=f"checksum mismatch for {re.escape(uri)}/{WEIGHTS}: expected {checked}"
     ):
         load_artifact(uri, tmp_path / "another-cache")
 
 
-def test_a_schema_1_artifact_loads_from_a_local_directory_and_is_checked_with_sha256(
-    tmp_path, artifact_files, cache_dir
+@pytest.mark.parametrize(("schema_version", "checked"), OLDER_SCHEMAS)
+def test_an_older_schema_artifact_loads_from_a_local_directory_and_is_checked_with_its_digest(
+    tmp_path, artifact_files, cache_dir, schema_version, checked
 ) -> None:
-    root = tmp_path / "v1"
-    manifest = write_artifact(root, artifact_files, schema_version=1)
+    root = tmp_path / f"v{schema_version}"
+    manifest = write_artifact(root, artifact_files, schema_version=schema_version)
     assert load_artifact(str(root), cache_dir).manifest == manifest
     (root / WEIGHTS).write_bytes(corrupted(artifact_files[WEIGHTS]))
     with pytest.raises(
-        ArtifactError, match=f"checksum mismatch for {re.escape(str(root))}/{WEIGHTS}: expected sha256"
+        ArtifactError, match=f"checksum mismatch for {re.escape(str(root))}/{WEIGHTS}: expected {checked}"
     ):
         load_artifact(str(root), cache_dir)
 
 
-def test_a_load_checks_blake3_only_while_verify_checks_every_digest(
+def test_a_load_checks_xxh3_only_while_verify_checks_every_digest(
     s3, bucket, tmp_path, artifact_files, cache_dir, capsys
 ) -> None:
-    """A manifest whose sha256 of the weights is wrong while its BLAKE3 is right: a load (BLAKE3 only)
+    """A manifest whose sha256 of the weights is wrong while its XXH3-128 is right: a load (XXH3 only)
     accepts it; `verify_files(every_digest=True)` and `inf2serve artifacts verify` refuse it."""
     local = tmp_path / "a"
     manifest = write_artifact(local, artifact_files)

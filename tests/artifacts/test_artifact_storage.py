@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
-import blake3
 import pytest
 
-from app.artifacts.manifest import FileEntry
 from app.artifacts.storage import (
     LocalStore,
     Pace,
@@ -23,6 +20,7 @@ from app.artifacts.storage import (
     split_pays,
 )
 from app.errors import ArtifactError, ConfigError, StorageError
+from tests.artifacts.synthetic import file_entry
 from tests.s3_server import fault_proxy, free_port, start_s3_server, use_endpoint
 
 MIB = 1024 * 1024
@@ -53,8 +51,7 @@ def test_s3_store_reads_writes_lists_and_streams_in_order(s3, bucket, small_rang
     chunks: list[bytes] = []
     assert store.stream("a/b.bin", chunks.append, start=1000) == 300_000
     assert len(chunks) == 5 and b"".join(chunks) == data[1000:]
-    entry = hash_object(store, "a/b.bin", expected_size=300_000)
-    assert entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert hash_object(store, "a/b.bin", expected_size=300_000) == file_entry("a/b.bin", data)
 
 
 def test_a_fast_stream_stays_on_one_get(s3_server, monkeypatch, bucket) -> None:
@@ -143,7 +140,7 @@ def test_a_partial_file_longer_than_a_shrunk_object_is_downloaded_again(s3, buck
     store.write_bytes("w.bin", data[:100])
     dest = tmp_path / "w.bin"
     dest.with_name("w.bin.partial").write_bytes(data[:150])
-    expected = FileEntry("w.bin", 200, hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest())
+    expected = file_entry("w.bin", data)
     with pytest.raises(ArtifactError, match="is 100 bytes but the manifest records 200"):
         download_file(store, "w.bin", dest, expected)
     assert list(tmp_path.iterdir()) == []
@@ -163,7 +160,7 @@ def test_a_complete_partial_file_is_finished_without_a_request(
     s3_server.client().put_object(Bucket=bucket, Key="p/w.bin", Body=data)
     dest = tmp_path / "w.bin"
     dest.with_name("w.bin.partial").write_bytes(data)
-    expected = FileEntry("w.bin", 1000, hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest())
+    expected = file_entry("w.bin", data)
     with fault_proxy(s3_server.endpoint_url, []) as proxy:
         use_endpoint(monkeypatch, proxy.endpoint_url)
         download_file(open_store(f"s3://{bucket}/p"), "w.bin", dest, expected)
@@ -176,8 +173,9 @@ def test_a_complete_partial_file_that_is_wrong_is_downloaded_again(s3, bucket, t
     open_store(f"s3://{bucket}/p").write_bytes("w.bin", data)
     dest = tmp_path / "w.bin"
     dest.with_name("w.bin.partial").write_bytes(bytes(1000))
-    expected = FileEntry("w.bin", 1000, hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest())
-    assert download_file(open_store(f"s3://{bucket}/p"), "w.bin", dest, expected).blake3 == expected.blake3
+    expected = file_entry("w.bin", data)
+    found = download_file(open_store(f"s3://{bucket}/p"), "w.bin", dest, expected)
+    assert found.xxh3_128 == expected.xxh3_128
     assert dest.read_bytes() == data and not dest.with_name("w.bin.partial").exists()
 
 
@@ -290,7 +288,7 @@ def test_transient_errors_and_broken_bodies_are_retried(s3_server, monkeypatch, 
         use_endpoint(monkeypatch, proxy.endpoint_url, max_attempts=3)
         entry = download_file(store, "w.bin", tmp_path / "w.bin")
     assert proxy.served_faults == ["503", "truncate", "503", "truncate"]
-    assert entry.sha256 == hashlib.sha256(data).hexdigest()
+    assert entry == file_entry("w.bin", data)
     assert (tmp_path / "w.bin").read_bytes() == data
 
 
