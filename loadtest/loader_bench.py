@@ -1,7 +1,8 @@
 """Artifact loader benchmark (a benchmark, not a test): a ~300 MB compiled artifact on the loopback S3
-server (moto's server mode, its own process), read side by side in one run, every mode once per round,
-the order changing from round to round so that each mode follows each other one equally often
-(`balanced_order`: on this VM what ran just before changes a mode's cost, see `write_control`):
+server (moto's server mode, its own process), read side by side in one run, every mode once per round
+and each started with the server idle (`wait_until_idle`), the order changing from round to round so that
+each mode follows each other one equally often (`balanced_order`: on this VM what ran just before changes
+a mode's cost, see `write_control`):
 
 - `plain_get`: one `get_object` per file, body read and discarded (the goal's baseline);
 - `plain_ranged_get`: the request pattern of a split (8 MiB ranged GETs, 8 in flight) read and
@@ -161,15 +162,39 @@ def balanced_order(count: int, number: int) -> list[int]:
 
 
 def run_round(
-    modes: dict[str, Mode], samples: dict[str, list[dict[str, float]]], caches: Path, number: int
+    modes: dict[str, Mode],
+    samples: dict[str, list[dict[str, float]]],
+    caches: Path,
+    number: int,
+    server: S3Server,
 ) -> None:
-    """Every mode once, in round `number`'s `balanced_order`."""
+    """Every mode once, in round `number`'s `balanced_order`, each started with the server idle."""
     names = list(modes)
     for name in (names[index] for index in balanced_order(len(names), number)):
-        action = modes[name]
-        samples[name].append(timed(action))
+        wait_until_idle(server.process.pid)
+        samples[name].append(timed(modes[name]))
         shutil.rmtree(caches)  # a cold cache's removal is not part of the load
         caches.mkdir()
+
+
+def wait_until_idle(pid: int, quiet_seconds: float = 0.05, limit_seconds: float = 2.0) -> None:
+    """Wait until process `pid` has used no CPU for `quiet_seconds` (at most `limit_seconds`). moto
+    frees a large object's copies after its response has gone out: without this wait that work (25 ms
+    for this artifact) lands on whatever mode runs next, and `plain_get`, which reads the largest file
+    last, never pays for its own."""
+    deadline, before = time.monotonic() + limit_seconds, _cpu_ticks(pid)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_seconds)
+        now = _cpu_ticks(pid)
+        if now == before:
+            return
+        before = now
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of `pid`, in clock ticks (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def cpu_seconds() -> float:
@@ -220,12 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(prefix="loader-bench-warm-") as warm_cache:
                 load_artifact(uri, Path(warm_cache))
                 for number in range(args.rounds):
-                    run_round(fast, samples, caches, number)
+                    run_round(fast, samples, caches, number, server)
+                    wait_until_idle(server.process.pid)
                     samples["warm_restart"].append(
                         timed(lambda: load_artifact(uri, Path(warm_cache)).bytes_downloaded)
                     )
                 for number in range(args.split_rounds):
-                    run_round(slow, samples, caches, number)
+                    run_round(slow, samples, caches, number, server)
     finally:
         server.stop()
     report = summarize(manifest, samples, (args.rounds, args.split_rounds), (load_before, os.getloadavg()))
