@@ -58,7 +58,7 @@ def recorded_digests(entry: FileEntry) -> tuple[str, ...]:
 def verified_digests(entry: FileEntry) -> tuple[str, ...]:
     """What a load checks: the fastest digest the manifest records (XXH3-128 from schema 3 on, BLAKE3
     in schema 2, sha256 in schema 1)."""
-    return next((name,) for name in FASTEST_FIRST if getattr(entry, name))
+    return (next((name for name in FASTEST_FIRST if getattr(entry, name)), "sha256"),)
 
 
 class Digests:
