@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     run_round(slow, samples, caches, number, server)
     finally:
         server.stop()
-    report = summarize(manifest, samples, (args.rounds, args.split_rounds), (load_before, os.getloadavg()))
+    load_average = (load_before, os.getloadavg())
+    same_rounds = [name for name in fast if name.startswith("loader")]
+    report = summarize(manifest, samples, (args.rounds, args.split_rounds), load_average, same_rounds)
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -267,7 +269,11 @@ def summarize(
     samples: dict[str, list[dict[str, float]]],
     rounds: tuple[int, int],
     load_average: tuple[tuple[float, ...], tuple[float, ...]],
+    same_rounds: list[str],
 ) -> dict[str, Any]:
+    """The report; `same_rounds`: the loader modes that ran in `plain_get`'s rounds, each paired with it
+    round by round."""
+
     def median(name: str, field: str) -> float:
         return statistics.median(sample[field] for sample in samples[name])
 
@@ -298,10 +304,9 @@ def summarize(
         "paired_ratio_to_plain_get": {
             name: statistics.median(
                 base["seconds"] / sample["seconds"]
-                for base, sample in zip(samples["plain_get"], samples[name], strict=False)
+                for base, sample in zip(samples["plain_get"], samples[name], strict=True)
             )
-            for name in names
-            if name.startswith("loader") and name != "loader_ranges_always"
+            for name in same_rounds
         },
         "ratio_loader_ranges_always_to_plain_ranged_get": (
             throughput["loader_ranges_always"] / throughput["plain_ranged_get"]

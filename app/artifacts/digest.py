@@ -44,10 +44,11 @@ class _Hash(Protocol):
     def hexdigest(self) -> str: ...
 
 
-def _new_hash(name: str) -> _Hash:
-    if name == "xxh3_128":
-        return xxhash.xxh3_128()
-    return blake3.blake3() if name == "blake3" else hashlib.new(name)
+NEW_HASH: dict[str, Callable[[], _Hash]] = {
+    "sha256": hashlib.sha256,
+    "blake3": blake3.blake3,
+    "xxh3_128": xxhash.xxh3_128,
+}  # one per FileEntry digest field (manifest.DIGESTS)
 
 
 def recorded_digests(entry: FileEntry) -> tuple[str, ...]:
@@ -65,7 +66,7 @@ class Digests:
     """Running digests of one byte stream, by algorithm name."""
 
     def __init__(self, names: Iterable[str] = RECORDED_DIGESTS) -> None:
-        self._hashes = {name: _new_hash(name) for name in names}
+        self._hashes = {name: NEW_HASH[name]() for name in names}
 
     def update(self, chunk: bytes) -> None:
         for digest in self._hashes.values():

@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -58,13 +59,19 @@ def test_every_chunk_is_written_and_hashed_in_order() -> None:
     assert digests.entry("w.bin", len(data)) == file_entry("w.bin", data)
 
 
-def test_a_write_failure_is_raised_at_a_later_chunk_and_the_threads_are_joined() -> None:
+def failing_write() -> tuple[threading.Event, Callable[[bytes], None]]:
+    """A write that fails with "no space left", and the event it sets when it has."""
     failed = threading.Event()
 
     def write(chunk: bytes) -> None:
         failed.set()
         no_space(chunk)
 
+    return failed, write
+
+
+def test_a_write_failure_is_raised_at_a_later_chunk_and_the_threads_are_joined() -> None:
+    failed, write = failing_write()
     before = sink_threads()
     sink = PipelinedSink(write, Digests())
     assert len(sink_threads() - before) == 1
@@ -112,13 +119,8 @@ def test_a_hasher_failure_is_raised_at_its_chunk_which_is_not_written_and_the_wr
     assert sink_threads() - before == set()
 
 
-def test_the_callers_own_error_wins_over_a_stage_failure() -> None:
-    failed = threading.Event()
-
-    def write(chunk: bytes) -> None:
-        failed.set()
-        no_space(chunk)
-
+def test_the_callers_own_error_wins_over_a_write_failure() -> None:
+    failed, write = failing_write()
     before = sink_threads()
     with pytest.raises(RuntimeError, match="the download broke"), PipelinedSink(write, Digests()) as sink:
         sink(b"chunk")
