@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from app.engine.stats import FinishedRequest, StepStats
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 PREFIX = "inf2serve_"
+SINGLE_REPLICA = "0"  # the replica label of a server without replica processes
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -44,45 +47,56 @@ def _name(suffix: str) -> str:
     return PREFIX + suffix
 
 
-# Request level.
-TTFT = Histogram(
-    _name("time_to_first_token_seconds"),
-    "Time from arrival to the first token.",
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
+# Request and engine level: recorded from the engines' `StepStats`, each series labelled with the replica
+# (engine process) that reported it, "0" when one process serves alone. `sum without (replica)` gives
+# the server's total.
+_R = ("replica",)
+
+
+def _histogram(suffix: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+    return Histogram(_name(suffix), doc, [*_R, *labels], buckets=buckets, registry=REGISTRY)
+
+
+def _counter(suffix: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    return Counter(_name(suffix), doc, [*_R, *labels], registry=REGISTRY)
+
+
+def _gauge(suffix: str, doc: str) -> Gauge:
+    return Gauge(_name(suffix), doc, _R, registry=REGISTRY)
+
+
+TTFT = _histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _LATENCY_BUCKETS)
+INTER_TOKEN = _histogram(
+    "inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY_BUCKETS
 )
-INTER_TOKEN = Histogram(
-    _name("inter_token_latency_seconds"),
-    "Time between consecutive output tokens.",
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
+E2E = _histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", _LATENCY_BUCKETS)
+QUEUE_TIME = _histogram("request_queue_time_seconds", "Time spent waiting for a slot.", _LATENCY_BUCKETS)
+PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens processed.")
+GENERATION_TOKENS = _counter("generation_tokens", "Tokens generated.")
+REQUEST_PROMPT_TOKENS = _histogram("request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS)
+REQUEST_GENERATION_TOKENS = _histogram(
+    "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
 )
-E2E = Histogram(
-    _name("e2e_request_latency_seconds"),
-    "Time from arrival to the last token.",
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
+REQUEST_SUCCESS = _counter("request_success", "Finished requests by finish reason.", ("finished_reason",))
+RUNNING = _gauge("num_requests_running", "Requests holding a slot.")
+WAITING = _gauge("num_requests_waiting", "Requests waiting for a slot.")
+SLOT_USAGE = _gauge("slot_usage_perc", "Fraction of compiled slots in use (0..1).")
+_PHASE_BUCKET = ("phase", "bucket")
+STEP_TIME = _histogram(
+    "step_duration_seconds", "Device step time by phase and bucket.", _STEP_BUCKETS, _PHASE_BUCKET
 )
-QUEUE_TIME = Histogram(
-    _name("request_queue_time_seconds"),
-    "Time spent waiting for a slot.",
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
+PADDED_ROWS = _counter("num_seqs_padding", "Padded (wasted) batch rows, by phase and bucket.", _PHASE_BUCKET)
+PADDED_TOKENS = _counter(
+    "num_batched_tokens_padding", "Padded (wasted) tokens, by phase and bucket.", _PHASE_BUCKET
 )
-PROMPT_TOKENS = Counter(_name("prompt_tokens"), "Prompt tokens processed.", registry=REGISTRY)
-GENERATION_TOKENS = Counter(_name("generation_tokens"), "Tokens generated.", registry=REGISTRY)
-REQUEST_PROMPT_TOKENS = Histogram(
-    _name("request_prompt_tokens"), "Prompt length per request.", buckets=_TOKEN_BUCKETS, registry=REGISTRY
+BATCHED_TOKENS = _counter("num_batched_tokens", "Useful tokens computed, by phase and bucket.", _PHASE_BUCKET)
+DECODE_STALL = _histogram(
+    "decode_stall_seconds", "Time running decodes waited on prefills in a step.", _STEP_BUCKETS
 )
-REQUEST_GENERATION_TOKENS = Histogram(
-    _name("request_generation_tokens"),
-    "Generated tokens per request.",
-    buckets=_TOKEN_BUCKETS,
-    registry=REGISTRY,
-)
-REQUEST_SUCCESS = Counter(
-    _name("request_success"), "Finished requests by finish reason.", ["finished_reason"], registry=REGISTRY
-)
+ENGINE_BUSY = _gauge("engine_busy_ratio", "Fraction of recent wall time the device was executing.")
+_engine_busy: dict[str, float] = {}  # ENGINE_BUSY per replica, for the device metrics without a registry read
+
+# HTTP level (the front process).
 REQUEST_FAILURE = Counter(
     _name("request_failure"),
     "Requests that ended in an error, by error type.",
@@ -95,46 +109,6 @@ HTTP_RESPONSES = Counter(
     ["route", "status"],
     registry=REGISTRY,
 )
-
-# Engine level.
-RUNNING = Gauge(_name("num_requests_running"), "Requests holding a slot.", registry=REGISTRY)
-WAITING = Gauge(_name("num_requests_waiting"), "Requests waiting for a slot.", registry=REGISTRY)
-SLOT_USAGE = Gauge(_name("slot_usage_perc"), "Fraction of compiled slots in use (0..1).", registry=REGISTRY)
-STEP_TIME = Histogram(
-    _name("step_duration_seconds"),
-    "Device step time by phase and bucket.",
-    ["phase", "bucket"],
-    buckets=_STEP_BUCKETS,
-    registry=REGISTRY,
-)
-PADDED_ROWS = Counter(
-    _name("num_seqs_padding"),
-    "Padded (wasted) batch rows, by phase and bucket.",
-    ["phase", "bucket"],
-    registry=REGISTRY,
-)
-PADDED_TOKENS = Counter(
-    _name("num_batched_tokens_padding"),
-    "Padded (wasted) tokens, by phase and bucket.",
-    ["phase", "bucket"],
-    registry=REGISTRY,
-)
-BATCHED_TOKENS = Counter(
-    _name("num_batched_tokens"),
-    "Useful tokens computed, by phase and bucket.",
-    ["phase", "bucket"],
-    registry=REGISTRY,
-)
-DECODE_STALL = Histogram(
-    _name("decode_stall_seconds"),
-    "Time running decodes waited on prefills in a step.",
-    buckets=_STEP_BUCKETS,
-    registry=REGISTRY,
-)
-ENGINE_BUSY = Gauge(
-    _name("engine_busy_ratio"), "Fraction of recent wall time the device was executing.", registry=REGISTRY
-)
-_engine_busy = 0.0  # ENGINE_BUSY's value, kept for the device metrics without reading the registry back
 
 # Device level (neuron-monitor on inf2, the engine's own busy fraction elsewhere: see `source`).
 CORE_UTILIZATION = Gauge(
@@ -205,60 +179,55 @@ def record_ready(ready: bool) -> None:
     READY.set(1 if ready else 0)
 
 
-# Helpers for the engine (app/engine/): the output thread calls these, never the step loop.
-def record_step_call(
-    phase: str, bucket: str, seconds: float, padded_rows: int, tokens: int, padded_tokens: int
-) -> None:
-    """One backend call: its time, and useful vs padded work (see app/engine/padding.py)."""
-    STEP_TIME.labels(phase, bucket).observe(seconds)
-    PADDED_ROWS.labels(phase, bucket).inc(padded_rows)
-    BATCHED_TOKENS.labels(phase, bucket).inc(tokens)
-    PADDED_TOKENS.labels(phase, bucket).inc(padded_tokens)
+# The engine's step statistics (app/engine/stats.py): one record per step, from the output thread of
+# this process or, with replicas, from each replica process through the front (app/replicas/).
+def record_step_stats(stats: StepStats, replica: str = SINGLE_REPLICA) -> None:
+    """Apply one step's record; every engine-side metric carries the replica that reported it."""
+    for call in stats.calls:
+        labels = (replica, call.phase, call.bucket)
+        STEP_TIME.labels(*labels).observe(call.seconds)
+        PADDED_ROWS.labels(*labels).inc(call.padded_rows)
+        BATCHED_TOKENS.labels(*labels).inc(call.tokens)
+        PADDED_TOKENS.labels(*labels).inc(call.padded_tokens)
+    if stats.decode_stall_s:
+        DECODE_STALL.labels(replica).observe(stats.decode_stall_s)
+    RUNNING.labels(replica).set(stats.num_running)
+    WAITING.labels(replica).set(stats.num_waiting)
+    SLOT_USAGE.labels(replica).set(stats.num_running / stats.num_slots)
+    if stats.busy_ratio is not None:
+        record_engine_busy(stats.busy_ratio, replica)
+    GENERATION_TOKENS.labels(replica).inc(stats.generated_tokens)
+    for first in stats.first_tokens:
+        QUEUE_TIME.labels(replica).observe(first.queue_s)
+        TTFT.labels(replica).observe(first.time_to_first_token_s)
+        PROMPT_TOKENS.labels(replica).inc(first.num_prompt_tokens)
+    inter_token = INTER_TOKEN.labels(replica)
+    for seconds in stats.inter_token_s:
+        inter_token.observe(seconds)
+    for done in stats.finished:
+        _record_finished(done, replica)
 
 
-def record_decode_stall(seconds: float) -> None:
-    DECODE_STALL.observe(seconds)
-
-
-def record_engine_state(num_running: int, num_waiting: int, num_slots: int) -> None:
-    RUNNING.set(num_running)
-    WAITING.set(num_waiting)
-    SLOT_USAGE.set(num_running / num_slots)
-
-
-def record_engine_busy(ratio: float) -> None:
-    global _engine_busy
-    _engine_busy = ratio
-    ENGINE_BUSY.set(ratio)
-
-
-def record_first_token(queue_s: float, time_to_first_token_s: float) -> None:
-    QUEUE_TIME.observe(queue_s)
-    TTFT.observe(time_to_first_token_s)
-
-
-def record_prompt_tokens(num_tokens: int) -> None:
-    PROMPT_TOKENS.inc(num_tokens)
-
-
-def record_inter_token(seconds: float) -> None:
-    INTER_TOKEN.observe(seconds)
-
-
-def record_generated_tokens(num_tokens: int) -> None:
-    GENERATION_TOKENS.inc(num_tokens)
-
-
-def record_request_finished(
-    reason: str, failed: bool, num_prompt_tokens: int, num_generated_tokens: int, e2e_s: float
-) -> None:
+def _record_finished(done: FinishedRequest, replica: str) -> None:
     """An engine request's end: success by finish reason (stop, length, abort). A failed one is left to
     the HTTP layer, which counts every failure (validation and admission too) once per HTTP request."""
-    if not failed:
-        REQUEST_SUCCESS.labels(reason).inc()
-    E2E.observe(e2e_s)
-    REQUEST_PROMPT_TOKENS.observe(num_prompt_tokens)
-    REQUEST_GENERATION_TOKENS.observe(num_generated_tokens)
+    if not done.failed:
+        REQUEST_SUCCESS.labels(replica, done.reason).inc()
+    E2E.labels(replica).observe(done.e2e_s)
+    REQUEST_PROMPT_TOKENS.labels(replica).observe(done.num_prompt_tokens)
+    REQUEST_GENERATION_TOKENS.labels(replica).observe(done.num_generated_tokens)
+
+
+def record_engine_busy(ratio: float, replica: str = SINGLE_REPLICA) -> None:
+    _engine_busy[replica] = ratio
+    ENGINE_BUSY.labels(replica).set(ratio)
+
+
+def forget_replica(replica: str) -> None:
+    """A replica process is gone (restarting): its gauges no longer describe anything."""
+    for gauge in (RUNNING, WAITING, SLOT_USAGE, ENGINE_BUSY):
+        gauge.labels(replica).set(0)
+    _engine_busy.pop(replica, None)
 
 
 # Helpers for the device metrics (app/device_metrics.py).
@@ -283,5 +252,5 @@ def record_execution_latency(percentile: str, seconds: float) -> None:
 
 
 def engine_busy_ratio() -> float:
-    """The engine's busy fraction as it last recorded it (0 before its first window closes)."""
-    return _engine_busy
+    """The engines' mean busy fraction as they last recorded it (0 before a first window closes)."""
+    return sum(_engine_busy.values()) / len(_engine_busy) if _engine_busy else 0.0

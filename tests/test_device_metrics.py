@@ -267,4 +267,4 @@ def test_for_backend_uses_the_monitor_only_for_neuron_backends(
 def test_without_a_monitor_the_gauge_reads_the_engines_last_busy_window() -> None:
     metrics.record_engine_busy(0.42)
     assert DeviceMetrics(None).busy_fraction() == 0.42
-    assert sample("engine_busy_ratio") == 0.42
+    assert sample("engine_busy_ratio", replica="0") == 0.42

@@ -3,8 +3,9 @@
 Three threads meet here. The caller's (the uvicorn event loop) runs `generate` and `abort`, which only
 validate, admit into an inbox and return at once. The engine thread runs the step loop, schedule ->
 launch -> complete, calling the backend inline so that nothing but the scheduler sits between two device
-steps. The output thread (`app/engine/output.py`) detokenizes, matches stop strings, records metrics
-and hands each request's deltas to the event loop that asked for them, while the next step runs.
+steps. The output thread (`app/engine/output.py`) detokenizes, matches stop strings, reports each step's
+statistics (`StepStats`) to the stats sink and hands each request's deltas to the event loop that asked
+for them, while the next step runs.
 
 Running ahead (`EngineConfig.run_ahead`, on backends that feed tokens back on the device): each
 iteration schedules and launches step n+1, then completes step n (waits for its tokens, applies them,
@@ -26,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from app import metrics
 from app.backends.base import Backend, SampledToken, Tokens
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
 from app.engine.output import (
-    EWMA_WEIGHT,
     CallTiming,
     OutputProcessor,
     OutputState,
@@ -39,6 +40,7 @@ from app.engine.output import (
 )
 from app.engine.request import FINISHED, Request
 from app.engine.scheduler import DecodeGroup, PrefillGroup, Scheduler
+from app.engine.stats import StatsSink
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
 from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
@@ -52,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
 DEFAULT_STEP_S = 0.05  # retry-after estimates before any step was measured
-DEFAULT_REQUEST_TOKENS = 128
 
 
 # Built every step: not frozen, as a frozen dataclass's __init__ costs 3x.
@@ -76,7 +77,15 @@ class CallOutcome(CallTiming):
 
 
 class LLMEngine:
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        stats_sink: StatsSink | None = None,
+    ) -> None:
+        """`stats_sink` receives each step's `StepStats` on the output thread (default: this process's
+        Prometheus metrics)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -86,17 +95,14 @@ class LLMEngine:
         self._scheduler = Scheduler(self.grid, self.config)
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
         self._last_done = 0.0  # when the last call's tokens were back (time.perf_counter())
-        self._output = OutputProcessor(stop_request=self._stop_by_text, forget=self._forget)
-        self._lock = threading.Lock()  # guards admission: _live, _inbox, the waiting count
-        self._live: dict[str, Request] = {}  # admitted, final delta not yet published
+        self._output = OutputProcessor(stats_sink or metrics.record_step_stats)
+        self._lock = threading.Lock()  # guards admission: _inbox, the waiting count
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
-        self._text_stops: deque[Request] = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._failure: BaseException | None = None
-        self._request_tokens = float(DEFAULT_REQUEST_TOKENS)  # EWMA of tokens per finished request
 
     # --- the caller's side (any thread; generate on the event loop that will read the outputs) ---
 
@@ -130,7 +136,7 @@ class LLMEngine:
         continues_text = self._decode_rules.continues_text(prompt)
         stop_ids = stop_token_ids(params, self.eos_token_ids)
         with self._lock:
-            self._check_admission(request_id)
+            self._check_admission()
             now = time.monotonic()
             deadline = params.deadline
             if deadline is None and self.config.request_timeout_s is not None:
@@ -139,7 +145,7 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self._decode_rules, continues_text)
             output = OutputState(stream, detokenizer, StopStringMatcher.of(params.stop_strings))
             request = Request(request_id, prompt, params, now, stop_ids, deadline, output)
-            self._live[request_id] = request
+            self._output.admit(request)
             self._inbox.append(request)
         self._wake.set()
         return stream
@@ -166,7 +172,7 @@ class LLMEngine:
     @property
     def num_unfinished(self) -> int:
         """Admitted requests whose final delta has not been handed out yet (drain waits for 0)."""
-        return len(self._live)
+        return self._output.num_unfinished
 
     @property
     def step_time_estimate_s(self) -> float:
@@ -177,7 +183,7 @@ class LLMEngine:
         """When a slot is likely to free up for a request queued now: the queue ahead drains
         `num_slots` requests per request lifetime (measured tokens per request x step time)."""
         step_s = self._output.step_s or DEFAULT_STEP_S
-        return step_s * self._request_tokens * (self.num_waiting / self.grid.num_slots + 1)
+        return step_s * self._output.request_tokens * (self.num_waiting / self.grid.num_slots + 1)
 
     def _validate(self, prompt: tuple[int, ...], params: GenerationParams) -> None:
         if not prompt:
@@ -206,12 +212,10 @@ class LLMEngine:
                 param="max_tokens",
             )
 
-    def _check_admission(self, request_id: str) -> None:
+    def _check_admission(self) -> None:
         """Under the lock."""
         if self._thread is None or self._stopping or self._failure is not None:
             raise NotReadyError("the engine is not running")
-        if request_id in self._live:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         waiting = self._scheduler.num_waiting + len(self._inbox)
         limit = self.config.max_waiting
         if waiting >= limit:
@@ -266,12 +270,11 @@ class LLMEngine:
         finished: list[Request] = []
         now = time.monotonic()
         while self._aborts:
-            request = self._live.get(self._aborts.popleft())
+            request = self._output.find(self._aborts.popleft())
             if request is not None and not request.is_finished:
                 self._scheduler.finish(request, FinishReason.ABORT, now)
                 finished.append(request)
-        while self._text_stops:
-            request = self._text_stops.popleft()
+        for request in self._output.take_stopped():
             if not request.is_finished:
                 self._scheduler.finish(request, FinishReason.STOP, now)
         return finished
@@ -330,16 +333,6 @@ class LLMEngine:
                 now, records, calls, scheduler.num_running, scheduler.num_waiting, self.grid.num_slots
             )
             self._output.submit(report)
-
-    def _stop_by_text(self, request: Request) -> None:
-        """From the output thread: a stop string ended `request`; free its slot at the next step."""
-        self._text_stops.append(request)
-
-    def _forget(self, request: Request) -> None:
-        """From the output thread: the request's final delta is out."""
-        with self._lock:
-            self._live.pop(request.request_id, None)
-        self._request_tokens += EWMA_WEIGHT * (request.num_output_tokens - self._request_tokens)
 
     def _shut_down(self) -> None:
         self._stopping = True

@@ -1,12 +1,15 @@
 """The output side of the engine, on its own thread so that the step loop never waits for it: turns each
 step's new tokens into `RequestOutput` deltas (incremental detokenization, stop strings), hands them to
-each request's asyncio queue on the loop that called `generate`, and records the request and step
-metrics.
+each request's asyncio queue on the loop that called `generate`, and reports each step's statistics as a
+`StepStats` record to the engine's sink (app/engine/stats.py).
 
 Every delta goes out in order and exactly once: the engine hands over (request, token count, finished)
-snapshots in step order, and this thread alone tracks what each request has published. A stop string is
-found here, after the engine may already have run the next step: the request is finished at once (its
-final delta goes out) and the engine is told to free its slot, dropping the token that step produced.
+snapshots in step order, and this thread alone tracks what each request has published. The output side
+owns the per-request bookkeeping that outlives the engine's part of a request: the table of live requests
+(admitted, final delta not yet out), and the requests a stop string ended. A stop string is found here,
+after the engine may already have run the next step: the request is finished at once (its final delta
+goes out) and queued for the engine, which frees its slot at its next step (`take_stopped`), dropping
+the token that step produced. Nothing here calls into the engine.
 """
 
 from __future__ import annotations
@@ -16,22 +19,24 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from app import metrics
 from app.backends.base import DecodeBatch, PrefillBatch
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.padding import batch_usage
 from app.engine.request import Request
+from app.engine.stats import CallStats, FinishedRequest, FirstToken, StatsSink, StepStats
 from app.engine.stops import StopStringMatcher
 from app.engine.types import FinishReason, RequestOutput, RequestTimings
-from app.errors import GenerationError, Inf2ServeError
+from app.errors import GenerationError, Inf2ServeError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 BUSY_WINDOW_S = 1.0
 EWMA_WEIGHT = 0.1
+DEFAULT_REQUEST_TOKENS = 128
 
 
 class RequestStream:
@@ -128,17 +133,43 @@ class StepReport:
 
 
 class OutputProcessor:
-    def __init__(self, stop_request: Callable[[Request], None], forget: Callable[[Request], None]) -> None:
-        self._stop_request = stop_request  # ask the engine to free a slot (stop string found)
-        self._forget = forget  # the request's final delta is out
+    def __init__(self, sink: StatsSink) -> None:
+        self._sink = sink
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
+        self._lock = threading.Lock()  # guards _live: admitted from the caller's thread, removed here
+        self._live: dict[str, Request] = {}
+        self._stopped: deque[Request] = deque()  # ended by a stop string; their slots are still held
+        self._stats: StepStats | None = None  # the record of the step being processed
         self._busy_s = 0.0
         self._busy_since = time.perf_counter()
         self.step_s = 0.0  # EWMA of a step's device time (0.0 before the first step)
+        self.request_tokens = float(DEFAULT_REQUEST_TOKENS)  # EWMA of output tokens per finished request
 
     def start(self) -> None:
         self._thread.start()
+
+    def admit(self, request: Request) -> None:
+        """Track a new request until its final delta is out; its id must not be live."""
+        with self._lock:
+            if request.request_id in self._live:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            self._live[request.request_id] = request
+
+    def find(self, request_id: str) -> Request | None:
+        return self._live.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Admitted requests whose final delta has not been handed out yet."""
+        return len(self._live)
+
+    def take_stopped(self) -> list[Request]:
+        """The requests a stop string ended since the last call (any thread; the engine's step loop)."""
+        stopped = []
+        while self._stopped:
+            stopped.append(self._stopped.popleft())
+        return stopped
 
     def submit(self, report: StepReport) -> None:
         self._reports.put(report)
@@ -153,13 +184,13 @@ class OutputProcessor:
             self._process(report)
 
     def _process(self, report: StepReport) -> None:
+        stats = self._stats = StepStats(report.num_running, report.num_waiting, report.num_slots)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        num_generated = 0
         for request, num_tokens, finished in report.records:
             state = request.output
             if state is None or state.done:
                 continue
-            num_generated += num_tokens - state.num_published
+            stats.generated_tokens += num_tokens - state.num_published
             try:
                 output = self._delta(request, state, num_tokens, finished, report.time)
             except Exception:
@@ -168,8 +199,8 @@ class OutputProcessor:
             deliveries.setdefault(state.stream.loop, []).append((state.stream, output))
         for loop, items in deliveries.items():
             self._deliver(loop, items)
-        metrics.record_generated_tokens(num_generated)
-        self._record_step(report)
+        self._step_stats(report, stats)
+        self._sink(stats)
 
     def _delta(
         self, request: Request, state: OutputState, num_tokens: int, finished: bool, now: float
@@ -180,7 +211,7 @@ class OutputProcessor:
         if state.stop_matcher is not None:
             text, hit = state.stop_matcher.push(text)
             if hit and not finished:
-                self._stop_request(request)
+                self._stopped.append(request)
             if hit:
                 finished, reason, error = True, FinishReason.STOP, None
             elif finished:
@@ -189,8 +220,7 @@ class OutputProcessor:
         state.num_published = num_tokens
         self._record_tokens(request, state, start, num_tokens, now)
         if finished:
-            state.done = True
-            self._forget(request)
+            self._forget(request, state)
             self._record_finished(request, reason, error, num_tokens, now)
         return RequestOutput(
             request_id=request.request_id,
@@ -221,9 +251,8 @@ class OutputProcessor:
         return text + state.detokenizer.flush() if finished else text
 
     def _internal_error(self, request: Request, state: OutputState) -> RequestOutput:
-        state.done = True
-        self._stop_request(request)
-        self._forget(request)
+        self._stopped.append(request)
+        self._forget(request, state)
         return RequestOutput(
             request_id=request.request_id,
             token_ids=(),
@@ -246,55 +275,73 @@ class OutputProcessor:
                 if not output.finished:
                     stream.abandon()
 
-    @staticmethod
-    def _record_tokens(request: Request, state: OutputState, start: int, end: int, now: float) -> None:
+    def _forget(self, request: Request, state: OutputState) -> None:
+        """The request's final delta is going out."""
+        state.done = True
+        with self._lock:
+            self._live.pop(request.request_id, None)
+        self.request_tokens += EWMA_WEIGHT * (request.num_output_tokens - self.request_tokens)
+
+    def _record_tokens(self, request: Request, state: OutputState, start: int, end: int, now: float) -> None:
         if end == start:
             return
+        stats = self._stats
+        assert stats is not None
         if start == 0:
-            state.timings = _timings(request, None)
-            metrics.record_first_token(
-                state.timings.queue_s or 0.0, state.timings.time_to_first_token_s or 0.0
+            state.timings = timings = _timings(request, None)
+            stats.first_tokens.append(
+                FirstToken(
+                    timings.queue_s or 0.0, timings.time_to_first_token_s or 0.0, request.num_prompt_tokens
+                )
             )
-            metrics.record_prompt_tokens(request.num_prompt_tokens)
         else:
-            metrics.record_inter_token(now - state.last_token_time)
+            stats.inter_token_s.append(now - state.last_token_time)
         state.last_token_time = now
 
-    @staticmethod
     def _record_finished(
+        self,
         request: Request,
         reason: FinishReason | None,
         error: Inf2ServeError | None,
         num_tokens: int,
         now: float,
     ) -> None:
-        metrics.record_request_finished(
-            reason=str(reason),
-            failed=error is not None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_generated_tokens=num_tokens,
-            e2e_s=now - request.arrival_time,
+        assert self._stats is not None
+        self._stats.finished.append(
+            FinishedRequest(
+                str(reason),
+                error is not None,
+                request.num_prompt_tokens,
+                num_tokens,
+                now - request.arrival_time,
+            )
         )
 
-    def _record_step(self, report: StepReport) -> None:
+    def _step_stats(self, report: StepReport, stats: StepStats) -> None:
         if report.calls:
             step_s = sum([call.seconds for call in report.calls])
             self.step_s += (step_s - self.step_s) * (EWMA_WEIGHT if self.step_s else 1.0)
         stall = 0.0
         for call in report.calls:
             usage = batch_usage(call.batch)
-            metrics.record_step_call(
-                usage.phase, usage.bucket, call.seconds, usage.padded_rows, usage.tokens, usage.padded_tokens
+            stats.calls.append(
+                CallStats(
+                    usage.phase,
+                    usage.bucket,
+                    call.seconds,
+                    usage.padded_rows,
+                    usage.tokens,
+                    usage.padded_tokens,
+                )
             )
             if usage.phase == "prefill":
                 stall += call.seconds
             self._busy_s += call.seconds
         if stall and isinstance(report.calls[-1].batch, DecodeBatch):
-            metrics.record_decode_stall(stall)
-        metrics.record_engine_state(report.num_running, report.num_waiting, report.num_slots)
+            stats.decode_stall_s = stall
         elapsed = time.perf_counter() - self._busy_since
         if elapsed >= BUSY_WINDOW_S:
-            metrics.record_engine_busy(min(1.0, self._busy_s / elapsed))
+            stats.busy_ratio = min(1.0, self._busy_s / elapsed)
             self._busy_s, self._busy_since = 0.0, time.perf_counter()
 
 

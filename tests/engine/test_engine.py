@@ -5,6 +5,7 @@ a slot used twice fails the step that uses it."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import random
 import time
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from app import metrics
 from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, Tokens
 from app.backends.sim import CostModel, SimBackend
 from app.engine.engine import LLMEngine
+from app.engine.stats import StepStats
 from app.engine.types import FinishReason, RequestOutput
 from app.errors import (
     DeadlineExceededError,
@@ -27,6 +29,7 @@ from app.errors import (
 from app.tokenizer import Tokenizer
 from tests.engine.helpers import (
     EOS_IDS,
+    TIMEOUT_S,
     TINY_GRID,
     collect,
     expected_tokens,
@@ -340,17 +343,39 @@ def test_stop_cancels_what_is_unfinished(tokenizer: Tokenizer) -> None:
 
 
 def test_metrics_are_recorded(tokenizer: Tokenizer) -> None:
-    def value(name: str, labels: dict[str, str] | None = None) -> float:
-        return metrics.REGISTRY.get_sample_value(metrics.PREFIX + name, labels) or 0.0
+    """The default stats sink records each step's `StepStats` into this process's metrics, replica "0"."""
 
-    before = (value("request_success_total", {"finished_reason": "length"}), value("generation_tokens_total"))
+    def value(name: str, **labels: str) -> float:
+        return metrics.REGISTRY.get_sample_value(metrics.PREFIX + name, {"replica": "0", **labels}) or 0.0
+
+    before = (value("request_success_total", finished_reason="length"), value("generation_tokens_total"))
     with running_engine(tokenizer) as engine:
         run(collect(engine, "m", [5, 6, 7], params(9)))
     # stopped: the output thread has recorded everything
-    assert value("request_success_total", {"finished_reason": "length"}) == before[0] + 1
+    assert value("request_success_total", finished_reason="length") == before[0] + 1
     assert value("generation_tokens_total") == before[1] + 9
-    assert value("step_duration_seconds_count", {"phase": "prefill", "bucket": "16"}) >= 1
-    assert value("num_batched_tokens_padding_total", {"phase": "prefill", "bucket": "16"}) >= 13
+    assert value("step_duration_seconds_count", phase="prefill", bucket="16") >= 1
+    assert value("num_batched_tokens_padding_total", phase="prefill", bucket="16") >= 13
+
+
+def test_steps_are_reported_as_data_to_the_sink(tokenizer: Tokenizer) -> None:
+    """A given sink gets one `StepStats` per step, as plain data: nothing needs Prometheus."""
+    records: list[StepStats] = []
+    engine = LLMEngine(make_backend(), tokenizer, stats_sink=records.append)
+    engine.start()
+    try:
+        run(collect(engine, "s", [5, 6, 7], params(4)))
+    finally:
+        engine.stop(timeout=TIMEOUT_S)
+    assert sum(r.generated_tokens for r in records) == 4
+    assert [f.num_prompt_tokens for r in records for f in r.first_tokens] == [3]
+    assert len([s for r in records for s in r.inter_token_s]) == 3
+    (finished,) = [f for r in records for f in r.finished]
+    assert (finished.reason, finished.failed, finished.num_generated_tokens) == ("length", False, 4)
+    phases = {call.phase for r in records for call in r.calls}
+    assert phases == {"prefill", "decode"}
+    assert all(r.num_slots == TINY_GRID.num_slots for r in records)
+    assert pickle.loads(pickle.dumps(records)) == records  # a replica process ships them to the front
 
 
 def test_running_ahead_gives_every_request_the_tokens_it_gets_in_step(tokenizer: Tokenizer) -> None:

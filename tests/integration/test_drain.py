@@ -61,7 +61,7 @@ async def drain_scenario(server: ServerProcess) -> tuple[list[RequestResult], li
         async def all_streaming() -> bool:
             families = text_string_to_metric_families((await client.get("/metrics")).text)
             running = next(f for f in families if f.name == "inf2serve_num_requests_running")
-            return running.samples[0].value == IN_FLIGHT
+            return sum(sample.value for sample in running.samples) == IN_FLIGHT  # over replicas
 
         await wait_until(all_streaming, "the 32 streams never all held a slot")
         assert not any(task.done() for task in streams)
