@@ -2,23 +2,23 @@
 it is missing), the versions of the Neuron stack (recorded in the manifest at compile time, compared at
 load: the pin table `app/artifacts/manifest.py` checks), and the NeuronCores this process may use.
 
-Core placement: the Neuron runtime reads `NEURON_RT_VISIBLE_CORES` (an index or an inclusive range such
-as `0-1`) or `NEURON_RT_NUM_CORES` once, when the first model is loaded in the process, so placement is
-applied to the environment just before loading. A tp-N artifact gets exactly N cores (whether a compiled
-tp-N model tolerates more visible cores is unconfirmed); comma lists are refused for the same reason.
+Core placement: the Neuron runtime reads `NEURON_RT_VISIBLE_CORES` (every documented form is parsed by
+`app/placement.py`) or `NEURON_RT_NUM_CORES` once, when the first model is loaded in the process, so
+placement is applied to the environment just before loading. A tp-N artifact gets exactly N contiguous
+cores (whether a compiled tp-N model tolerates more visible cores is unconfirmed), exported in range form.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Mapping
 from types import ModuleType
 
 from app.errors import ConfigError
+from app.placement import CORES_VARIABLE, check_group, format_cores, parse_cores
 
 NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
 
@@ -39,8 +39,6 @@ NEURON_PINNED_VERSIONS: dict[str, dict[str, int | None]] = {
     ),
     "neuron-tnx": dict.fromkeys(("neuronx-cc", "torch-neuronx", "transformers-neuronx", RUNTIME_PACKAGE)),
 }
-
-_CORE_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
 def import_library(module: str, backend: str) -> ModuleType:
@@ -71,46 +69,29 @@ def runtime_version() -> str | None:
 
 
 def visible_cores(device: str) -> str | None:
-    """The core range a backend `device` setting names: `neuron:0-1` pins cores 0 and 1; `neuron` (or the
-    settings default `cpu`) leaves placement to the environment."""
+    """The cores a backend `device` setting names: `neuron:0-1` (or any `NEURON_RT_VISIBLE_CORES` form,
+    `neuron:2,3`) pins them; `neuron` (or the settings default `cpu`) leaves placement to the environment."""
     if device in ("neuron", "cpu"):
         return None
     prefix, _, cores = device.partition(":")
     if prefix != "neuron" or not cores:
         raise ConfigError(
-            f"device {device!r} is not a Neuron placement: use 'neuron' or 'neuron:<first>-<last>'"
+            f"device {device!r} is not a Neuron placement: use 'neuron' or 'neuron:<cores>' ('neuron:0-1')"
         )
-    core_count(cores)
+    parse_cores(cores)
     return cores
 
 
-def core_count(cores: str) -> int:
-    """How many cores a `NEURON_RT_VISIBLE_CORES` value names ("3" is one, "0-7" is eight)."""
-    match = _CORE_RANGE.match(cores.strip())
-    if match is None:
-        raise ConfigError(
-            f"NeuronCore placement {cores!r} must be one index or an inclusive range such as '0-1' "
-            "(comma lists are not documented for NEURON_RT_VISIBLE_CORES)"
-        )
-    first, last = int(match[1]), int(match[2] or match[1])
-    if last < first:
-        raise ConfigError(f"NeuronCore range {cores!r} ends before it starts")
-    return last - first + 1
-
-
 def placement_env(visible_cores: str | None, tp_degree: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """The runtime variables that place a tp-`tp_degree` model: the configured range, else a range the
-    operator already exported (a device plugin may), else `NEURON_RT_NUM_CORES` so that the runtime
-    picks free cores (which lets several replicas share a host)."""
-    cores = visible_cores or environ.get("NEURON_RT_VISIBLE_CORES")
-    if cores is None:
+    """The runtime variables that place a tp-`tp_degree` model: the configured cores, else those the
+    operator or the Kubernetes device plugin exported (a comma list there), else `NEURON_RT_NUM_CORES` so
+    that the runtime picks free cores (which lets several servers share a host)."""
+    value = visible_cores or environ.get(CORES_VARIABLE)
+    if value is None:
         return {"NEURON_RT_NUM_CORES": str(tp_degree)}
-    if core_count(cores) != tp_degree:
-        raise ConfigError(
-            f"NEURON_RT_VISIBLE_CORES={cores} names {core_count(cores)} cores but the artifact is "
-            f"compiled for tp_degree {tp_degree}: give it exactly {tp_degree}"
-        )
-    return {"NEURON_RT_VISIBLE_CORES": cores.strip()}
+    cores = parse_cores(value)
+    check_group(cores, tp_degree, f"{CORES_VARIABLE}={value}")
+    return {CORES_VARIABLE: format_cores(cores)}
 
 
 def apply_placement(visible_cores: str | None, tp_degree: int) -> None:

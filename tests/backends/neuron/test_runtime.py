@@ -32,13 +32,14 @@ from .helpers import GRID, spec_for
 
 
 @pytest.mark.parametrize(
-    ("device", "cores"), [("neuron", None), ("cpu", None), ("neuron:0-1", "0-1"), ("neuron:5", "5")]
+    ("device", "cores"),
+    [("neuron", None), ("cpu", None), ("neuron:0-1", "0-1"), ("neuron:5", "5"), ("neuron:0,1", "0,1")],
 )
 def test_device_setting_names_a_core_range(device: str, cores: str | None) -> None:
     assert visible_cores(device) == cores
 
 
-@pytest.mark.parametrize("device", ["cuda", "neuron:", "neuron:0,1", "neuron:3-1", "neuron:a-b"])
+@pytest.mark.parametrize("device", ["cuda", "neuron:", "neuron:1,0", "neuron:3-1", "neuron:a-b"])
 def test_bad_placements_are_refused(device: str) -> None:
     with pytest.raises(ConfigError):
         visible_cores(device)
@@ -48,7 +49,9 @@ def test_placement_env() -> None:
     assert placement_env(None, 2, {}) == {"NEURON_RT_NUM_CORES": "2"}
     assert placement_env("0-1", 2, {}) == {"NEURON_RT_VISIBLE_CORES": "0-1"}
     assert placement_env(None, 2, {"NEURON_RT_VISIBLE_CORES": "4-5"}) == {"NEURON_RT_VISIBLE_CORES": "4-5"}
-    with pytest.raises(ConfigError, match="names 4 cores but the artifact is compiled for tp_degree 2"):
+    # the Kubernetes device plugin's comma list, exported in range form
+    assert placement_env(None, 2, {"NEURON_RT_VISIBLE_CORES": "2,3"}) == {"NEURON_RT_VISIBLE_CORES": "2-3"}
+    with pytest.raises(ConfigError, match="names 4 NeuronCores but the artifact is compiled for tp_degree 2"):
         placement_env("0-3", 2, {})
 
 
