@@ -3,16 +3,14 @@ holds a manifest is complete and is never overwritten. Also the alias objects th
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 from app.artifacts.loader import ALIASES_DIR, Alias
 from app.artifacts.manifest import MANIFEST_NAME, Manifest
+from app.artifacts.paths import NAME_PATTERN
 from app.artifacts.storage import Store, progress_bar
 from app.errors import ArtifactError, ConfigError
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_name(kind: str, name: str) -> str:

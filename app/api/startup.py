@@ -16,12 +16,14 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from app import metrics
 from app.api.state import Runtime
 from app.artifacts.golden import Golden, replay
 from app.artifacts.loader import LocalArtifact, load_artifact
 from app.artifacts.manifest import GOLDEN_NAME
+from app.artifacts.paths import manifest_view, remove_view
 from app.backends import backend_class
 from app.backends.base import Backend
 from app.engine.engine import LLMEngine
@@ -62,11 +64,13 @@ def check_golden(backend: Backend, artifact: LocalArtifact) -> None:
 
 
 def fetch_artifact(settings: ServerSettings) -> LocalArtifact:
-    """Blocking: the artifact, resolved, downloaded and verified."""
+    """Blocking: the artifact, resolved, downloaded and verified, seen through a view of the files its
+    manifest lists (`manifest_view`): nothing else in its folder is ever read. `remove_view` its root."""
     artifact = load_artifact(settings.artifact, settings.cache_dir)
     for name, seconds in artifact.timings.items():
         record_phase(name, seconds)
-    return artifact
+    view = manifest_view(artifact.root, [entry.path for entry in artifact.manifest.files])
+    return replace(artifact, root=view)
 
 
 def load_backend(artifact: LocalArtifact, settings: ServerSettings) -> Backend:
@@ -88,6 +92,14 @@ def load_backend(artifact: LocalArtifact, settings: ServerSettings) -> Backend:
 
 async def build_runtime(settings: ServerSettings) -> Runtime:
     artifact = await asyncio.to_thread(fetch_artifact, settings)
+    try:
+        return await _runtime_of(artifact, settings)
+    except BaseException:
+        remove_view(artifact.root)
+        raise
+
+
+async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runtime:
     with phase("tokenizer"):
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
     backend = await asyncio.to_thread(load_backend, artifact, settings)
@@ -106,6 +118,7 @@ async def build_runtime(settings: ServerSettings) -> Runtime:
     def close() -> None:
         engine.stop(timeout=10.0)
         backend.close()
+        remove_view(artifact.root)
 
     return Runtime(
         engine=engine,

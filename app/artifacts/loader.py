@@ -26,7 +26,16 @@ from pathlib import Path
 
 from app.artifacts.digest import check_entry, recorded_digests, verified_digests
 from app.artifacts.manifest import MANIFEST_NAME, FileEntry, Manifest, check_against_stack
-from app.artifacts.storage import LocalStore, Store, download_file, hash_object, open_store, progress_bar
+from app.artifacts.paths import inside, regular_file
+from app.artifacts.storage import (
+    PARTIAL_SUFFIX,
+    LocalStore,
+    Store,
+    download_file,
+    hash_object,
+    open_store,
+    progress_bar,
+)
 from app.errors import ArtifactError
 
 ALIASES_DIR = "aliases"
@@ -118,7 +127,7 @@ def load_artifact(uri: str, cache_dir: Path | None = None) -> LocalArtifact:
         verify_files(store, manifest)
         timings = {"resolve": resolved - started, "download": 0.0, "verify": time.perf_counter() - resolved}
         return LocalArtifact(uri, store.root, manifest, timings, manifest.total_bytes, 0)
-    root = (cache_dir or DEFAULT_CACHE_DIR) / manifest.artifact_id
+    root = inside(cache_dir or DEFAULT_CACHE_DIR, manifest.artifact_id)
     with cache_lock(root):
         downloaded, timings = sync_cache(store, manifest, root)
     timings = {"resolve": resolved - started, **timings}
@@ -131,6 +140,8 @@ def verify_files(store: Store, manifest: Manifest, every_digest: bool = False) -
     with progress_bar(manifest.total_bytes, f"verify {manifest.artifact_id}") as bar:
 
         def verify(entry: FileEntry) -> None:
+            if isinstance(store, LocalStore):  # read in place: never through a symlink
+                regular_file(store.root, entry.path)
             digests = recorded_digests(entry) if every_digest else verified_digests(entry)
             found = hash_object(store, entry.path, entry.size, digests)
             check_entry(found, entry, store.uri_of(entry.path))
@@ -145,13 +156,16 @@ def sync_cache(store: Store, manifest: Manifest, root: Path) -> tuple[int, dict[
     manifest_bytes = manifest.dumps().encode()
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
     record = _read_record(root, manifest_sha256)
-    stale = [entry for entry in manifest.files if not _unchanged(root / entry.path, record.get(entry.path))]
+    stale = [
+        entry for entry in manifest.files if not _unchanged(inside(root, entry.path), record.get(entry.path))
+    ]
     missing = [entry for entry in stale if not _verified_in_place(root, entry)]
     checked = time.perf_counter()
     with progress_bar(sum(entry.size for entry in missing), f"download {manifest.artifact_id}") as bar:
 
         def fetch(entry: FileEntry) -> None:
-            download_file(store, entry.path, root / entry.path, entry)
+            inside(root, entry.path + PARTIAL_SUFFIX)  # resumed in place: no symlink there either
+            download_file(store, entry.path, inside(root, entry.path), entry)
             bar.update(entry.size)
 
         _for_each(fetch, missing)
@@ -174,7 +188,7 @@ def _for_each(action: Callable[[FileEntry], None], entries: Iterable[FileEntry])
 def _verified_in_place(root: Path, entry: FileEntry) -> bool:
     """A complete file from an earlier run without a record (e.g. a crash before the record was written)
     is kept when it hashes right; a wrong one is removed so it is downloaded again."""
-    path = root / entry.path
+    path = inside(root, entry.path)
     if not path.is_file():
         return False
     if path.stat().st_size == entry.size:

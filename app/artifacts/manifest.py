@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from app import __version__
+from app.artifacts.paths import check_artifact_id, check_file_paths
 from app.backends.base import BackendSpec
 from app.backends.neuron.runtime import NEURON_PINNED_VERSIONS, RUNTIME_PACKAGE, runtime_version
 from app.errors import ArtifactError, ConfigError
@@ -96,6 +97,11 @@ class Manifest:
     compile_seconds: float
     created_at: str
     notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Nothing a manifest names may reach outside its artifact (or the loader's cache)."""
+        check_artifact_id(self.model_name, self.config_hash)
+        check_file_paths(entry.path for entry in self.files)
 
     @property
     def artifact_id(self) -> str:
