@@ -10,6 +10,8 @@ SHARED_MODEL := ../shared/models/stories260K
 # otherwise a tiny randomly initialised Llama that the project generates itself (random weights).
 MODEL ?= $(if $(wildcard $(SHARED_MODEL)/config.json),$(SHARED_MODEL),random:tiny)
 ARTIFACTS ?= artifacts
+# A random-weight default is served on purpose: the server refuses random weights unless told.
+ALLOW_RANDOM_WEIGHTS ?= $(if $(filter random:%,$(MODEL)),--allow-random-weights,)
 PORT ?= 8000
 
 .PHONY: install system-deps run test lint
@@ -32,7 +34,7 @@ system-deps:
 # compile prints the artifact's path as its last stdout line.
 run: install
 	artifact="$$($(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1)" && \
-	  exec $(VENV)/bin/inf2serve serve --artifact "$$artifact" --host 127.0.0.1 --port $(PORT)
+	  exec $(VENV)/bin/inf2serve serve --artifact "$$artifact" --host 127.0.0.1 --port $(PORT) $(ALLOW_RANDOM_WEIGHTS)
 
 test: install system-deps
 	$(PY) -m pytest -q

@@ -170,8 +170,12 @@ def record_startup_phase(phase: str, seconds: float) -> None:
     STARTUP_PHASE.labels(phase).set(seconds)
 
 
-def record_artifact(artifact_id: str, model_name: str, backend: str, bytes_loaded: int) -> None:
-    ARTIFACT.info({"artifact_id": artifact_id, "model_name": model_name, "backend": backend})
+def record_artifact(
+    artifact_id: str, model_name: str, backend: str, bytes_loaded: int, caveats: tuple[str, ...] = ()
+) -> None:
+    """`caveats`: what an operator allowed to serve anyway (`random_weights`, `validation_failed`)."""
+    labels = {"artifact_id": artifact_id, "model_name": model_name, "backend": backend}
+    ARTIFACT.info({**labels, "caveats": ",".join(caveats) or "none"})
     BYTES_LOADED.set(bytes_loaded)
 
 

@@ -36,6 +36,12 @@ class ServerSettings(BaseSettings):
     )
     served_model_name: str | None = Field(None, description="Model name for the API (manifest's if unset).")
     verify_golden: bool = Field(True, description="Replay the artifact's golden prompts before ready.")
+    allow_random_weights: bool = Field(
+        False, description="Serve an artifact with random weights (demos, tests); refused otherwise."
+    )
+    allow_failed_validation: bool = Field(
+        False, description="Serve an artifact whose validation did not pass; refused otherwise."
+    )
 
     # Where to listen and how to stop.
     host: str = "0.0.0.0"

@@ -258,6 +258,7 @@ class ModelCard(ResponseModel):
     owned_by: str = "inf2serve"
     max_model_len: int
     artifact_id: str
+    caveats: list[str] = []  # what the operator allowed to serve anyway: random_weights, validation_failed
 
 
 class ModelList(ResponseModel):

@@ -111,6 +111,7 @@ async def models(serving: ServingDep) -> ModelList:
         created=serving.created,
         max_model_len=serving.limits.max_positions,
         artifact_id=serving.artifact_id,
+        caveats=serving.caveats,
     )
     return ModelList(data=[card])
 

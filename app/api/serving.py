@@ -320,6 +320,7 @@ class Serving:
         self.limits = Limits.resolve(settings, runtime)
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
+        self.caveats = list(runtime.caveats)
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
         self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)

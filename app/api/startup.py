@@ -22,7 +22,7 @@ from app import metrics
 from app.api.state import Runtime
 from app.artifacts.golden import Golden, replay
 from app.artifacts.loader import LocalArtifact, load_artifact
-from app.artifacts.manifest import GOLDEN_NAME
+from app.artifacts.manifest import GOLDEN_NAME, Manifest
 from app.artifacts.paths import manifest_view, remove_view
 from app.backends import backend_class
 from app.backends.base import Backend
@@ -63,12 +63,35 @@ def check_golden(backend: Backend, artifact: LocalArtifact) -> None:
     )
 
 
+def artifact_caveats(manifest: Manifest, settings: ServerSettings) -> tuple[str, ...]:
+    """Refuse an artifact with random weights or a failed validation unless the settings allow it;
+    returns what was allowed, which `/v1/models` and the artifact metric then show."""
+    caveats = []
+    if manifest.random_weights:
+        if not settings.allow_random_weights:
+            raise ArtifactError(
+                f"artifact {manifest.artifact_id} has random weights; serve it only on purpose with "
+                "--allow-random-weights (INF2SERVE_ALLOW_RANDOM_WEIGHTS=true)"
+            )
+        caveats.append("random_weights")
+    if not manifest.validation.passed:
+        if not settings.allow_failed_validation:
+            raise ArtifactError(
+                f"artifact {manifest.artifact_id} failed its validation against the reference model; "
+                "serve it only on purpose with --allow-failed-validation "
+                "(INF2SERVE_ALLOW_FAILED_VALIDATION=true)"
+            )
+        caveats.append("validation_failed")
+    return tuple(caveats)
+
+
 def fetch_artifact(settings: ServerSettings) -> LocalArtifact:
     """Blocking: the artifact, resolved, downloaded and verified, seen through a view of the files its
     manifest lists (`manifest_view`): nothing else in its folder is ever read. `remove_view` its root."""
     artifact = load_artifact(settings.artifact, settings.cache_dir)
     for name, seconds in artifact.timings.items():
         record_phase(name, seconds)
+    artifact_caveats(artifact.manifest, settings)
     view = manifest_view(artifact.root, [entry.path for entry in artifact.manifest.files])
     return replace(artifact, root=view)
 
@@ -104,6 +127,9 @@ async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runt
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
     backend = await asyncio.to_thread(load_backend, artifact, settings)
     manifest = artifact.manifest
+    caveats = artifact_caveats(manifest, settings)
+    for caveat in caveats:
+        log.warning("serving an artifact the settings allow only on purpose", extra={"caveat": caveat})
     try:
         with phase("engine"):
             engine = LLMEngine(backend, tokenizer, settings.engine_config())
@@ -112,7 +138,7 @@ async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runt
         backend.close()
         raise
     metrics.record_artifact(
-        manifest.artifact_id, manifest.model_name, manifest.spec.backend, artifact.bytes_loaded
+        manifest.artifact_id, manifest.model_name, manifest.spec.backend, artifact.bytes_loaded, caveats
     )
 
     def close() -> None:
@@ -128,4 +154,5 @@ async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runt
         backend_name=manifest.spec.backend,
         grid=manifest.spec.grid,
         close=close,
+        caveats=caveats,
     )

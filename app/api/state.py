@@ -29,6 +29,8 @@ class Runtime:
     backend_name: str
     grid: ShapeGrid
     close: Callable[[], None]
+    caveats: tuple[str, ...] = ()
+    """What the operator allowed to serve anyway: `random_weights`, `validation_failed`."""
 
 
 class ServerState:
