@@ -28,8 +28,14 @@ class InvalidRequestError(Inf2ServeError):
 
 
 class AuthenticationError(Inf2ServeError):
+    """No key, or a wrong one (`invalid_token`): answered with a `WWW-Authenticate` challenge."""
+
     status_code = 401
     error_type = "authentication_error"
+
+    def __init__(self, message: str, invalid_token: bool = False) -> None:
+        super().__init__(message)
+        self.invalid_token = invalid_token
 
 
 class NotFoundError(Inf2ServeError):

@@ -7,6 +7,7 @@ SageMaker container contract (listen on 0.0.0.0:8080, or `SAGEMAKER_BIND_TO_PORT
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,10 +16,12 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.engine.config import EngineConfig
+from app.errors import ConfigError
 
 SAGEMAKER_MODEL_DIR = "/opt/ml/model"
 SAGEMAKER_MAX_PAYLOAD_BYTES = 6_291_456  # InvokeEndpoint's request body limit
 _ENGINE = {field.name: field.default for field in fields(EngineConfig)}
+USABLE_KEY = re.compile(r"[\x21-\x7e]{1,4096}")  # visible ASCII, as a bearer token is sent
 
 
 class ServerSettings(BaseSettings):
@@ -61,9 +64,13 @@ class ServerSettings(BaseSettings):
 
     # Access control.
     api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
-        (), description="Accepted bearer tokens, comma-separated. Empty: no authentication."
+        (),
+        description="Accepted bearer tokens, comma-separated. Unset: no authentication; set, it must "
+        "yield at least one key.",
     )
-    api_keys_file: Path | None = Field(None, description="A file with one accepted bearer token per line.")
+    api_keys_file: Path | None = Field(
+        None, description="A file with one accepted bearer token per line (at least one)."
+    )
 
     # Request limits (a request over one gets 400 naming it, 413 for the body).
     max_body_bytes: int = Field(SAGEMAKER_MAX_PAYLOAD_BYTES, ge=1024)
@@ -103,7 +110,20 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _read_keys_file(self) -> ServerSettings:
+        """Authentication fails closed: a key setting that yields no usable key is an error, never "no
+        authentication". Raised as ConfigError, not ValueError: pydantic's message would echo the keys."""
         if self.api_keys_file is not None:
-            lines = self.api_keys_file.read_text().splitlines()
+            try:
+                lines = self.api_keys_file.read_text().splitlines()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ConfigError(f"api_keys_file {self.api_keys_file} cannot be read: {error}") from None
             self.api_keys = (*self.api_keys, *(line.strip() for line in lines if line.strip()))
+        configured = "api_keys" in self.model_fields_set or self.api_keys_file is not None
+        if configured and not self.api_keys:
+            raise ConfigError(
+                "API keys are configured (INF2SERVE_API_KEYS or api_keys_file) but none is usable: every "
+                "entry is empty; give at least one key, or unset both to serve without authentication"
+            )
+        if not all(USABLE_KEY.fullmatch(key) for key in self.api_keys):
+            raise ConfigError("an API key must be 1-4096 visible ASCII characters, without spaces")
         return self

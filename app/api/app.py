@@ -13,10 +13,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
 
 from app import __version__, metrics
 from app.api import routes
+from app.api.auth import require_api_key
 from app.api.errors import install_error_handlers
 from app.api.middleware import RequestContextMiddleware
 from app.api.serving import Serving
@@ -52,7 +54,22 @@ def create_app(
             if state.runtime is not None:
                 await asyncio.to_thread(state.runtime.close)
 
-    app = FastAPI(title="inf2serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # NOTE: no /docs or /redoc (they load scripts from a CDN); /openapi.json needs a key when keys are set.
+    app = FastAPI(
+        title="inf2serve",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None if settings.api_keys else "/openapi.json",
+    )
+    if settings.api_keys:
+        app.add_api_route(
+            "/openapi.json",
+            _openapi_of(app),
+            dependencies=[Depends(require_api_key)],
+            include_in_schema=False,
+        )
     app.state.settings = settings
     app.state.server = state
     app.state.serving = None
@@ -61,6 +78,14 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, state=state)
     return app
+
+
+def _openapi_of(app: FastAPI) -> Callable[[], Awaitable[JSONResponse]]:
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    openapi.__doc__ = "The OpenAPI schema (behind the API key, as the routes it describes)."
+    return openapi
 
 
 async def _start(

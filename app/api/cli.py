@@ -15,6 +15,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import ValidationError
 
+from app.errors import ConfigError
 from app.settings import ServerSettings
 
 _NOT_FLAGS = frozenset({"api_keys"})
@@ -58,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from(args)
     except ValidationError as error:
         print(f"inf2serve serve: invalid settings: {error}", file=sys.stderr)
+        return 2
+    except ConfigError as error:
+        print(f"inf2serve serve: invalid settings: {error.message}", file=sys.stderr)
         return 2
     # NOTE: imported here so that other subcommands (`inf2serve compile`) do not load uvicorn and FastAPI.
     from app.api.server import serve

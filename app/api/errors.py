@@ -15,7 +15,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from app import metrics
-from app.errors import Inf2ServeError, InvalidRequestError, NotFoundError, OverloadedError
+from app.errors import (
+    AuthenticationError,
+    Inf2ServeError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+)
 
 CONTENT_TYPE = (b"content-type", b"application/json")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request": logged, never sent
@@ -40,6 +46,9 @@ def error_headers(error: Inf2ServeError) -> list[tuple[bytes, bytes]]:
     headers = [CONTENT_TYPE]
     if isinstance(error, OverloadedError):
         headers.append((b"retry-after", str(max(1, math.ceil(error.retry_after_s))).encode()))
+    if isinstance(error, AuthenticationError):  # RFC 6750's challenge
+        challenge = 'Bearer realm="inf2serve"' + (', error="invalid_token"' if error.invalid_token else "")
+        headers.append((b"www-authenticate", challenge.encode()))
     return headers
 
 

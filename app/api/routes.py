@@ -7,7 +7,6 @@ answer at once under any load.
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Annotated, Any, TypeVar
 
@@ -18,27 +17,16 @@ from pydantic import BaseModel, ValidationError
 
 from app import metrics
 from app.api import openai, tgi
+from app.api.auth import require_api_key
 from app.api.errors import from_validation_error
 from app.api.logs import REQUEST_ID
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, ModelCard, ModelList
 from app.api.serving import Serving
 from app.api.state import ServerState
-from app.errors import AuthenticationError, InvalidRequestError, NotReadyError, PayloadTooLargeError
+from app.errors import InvalidRequestError, NotReadyError, PayloadTooLargeError
 from app.settings import ServerSettings
 
 M = TypeVar("M", bound=BaseModel)
-
-
-async def require_api_key(request: Request) -> None:
-    keys: tuple[str, ...] = request.app.state.settings.api_keys
-    if not keys:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    matched = False
-    for key in keys:  # every key compared, in constant time, so timing reveals nothing
-        matched |= hmac.compare_digest(token.strip().encode(), key.encode())
-    if scheme.lower() != "bearer" or not matched:
-        raise AuthenticationError("missing or invalid API key (send Authorization: Bearer <key>)")
 
 
 async def get_serving(request: Request) -> Serving:
