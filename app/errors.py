@@ -15,6 +15,17 @@ class Inf2ServeError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled whole (replica processes send errors to the front): subclasses take extra arguments.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[Inf2ServeError], args: tuple[object, ...], state: dict[str, object]) -> Inf2ServeError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequestError(Inf2ServeError):
     """The request is malformed or asks for something the server cannot honour (names the limit)."""
@@ -60,6 +71,14 @@ class OverloadedError(Inf2ServeError):
 
 class NotReadyError(Inf2ServeError):
     """Still starting up, or draining."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class ReplicaLostError(Inf2ServeError):
+    """The replica process serving a request died after the request's first output went out, so it
+    cannot be moved to another replica; the request may be sent again."""
 
     status_code = 503
     error_type = "service_unavailable"

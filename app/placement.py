@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
 
 from app.errors import ConfigError
 
 CORES_VARIABLE = "NEURON_RT_VISIBLE_CORES"
+CORES_PER_DEVICE = 2  # Inf2 (and Trn1): two NeuronCores per /dev/neuron<d>
 _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -75,3 +77,24 @@ def replica_groups(cores: tuple[int, ...], tp_degree: int, replicas: int | None)
     for index, group in enumerate(groups):
         check_group(group, tp_degree, f"replica {index}'s core group")
     return groups
+
+
+def instance_cores(dev: Path = Path("/dev")) -> tuple[int, ...]:
+    """Every NeuronCore of the host's Neuron devices (none where there are none)."""
+    devices = [p for p in dev.glob("neuron*") if p.name[len("neuron") :].isdigit()]
+    return tuple(range(len(devices) * CORES_PER_DEVICE))
+
+
+def replica_devices(device: str, replicas: str, tp_degree: int, visible_cores: str | None) -> list[str]:
+    """The backend `device` of each replica: on neuron, `neuron:<group>` for each contiguous group of
+    `tp_degree` cores among those the device setting, else `visible_cores`, else the instance names;
+    elsewhere the same device for each (`auto` is one replica off neuron)."""
+    count = None if replicas == "auto" else int(replicas)
+    prefix, _, pinned = device.partition(":")
+    if prefix != "neuron":
+        return [device] * (count or 1)
+    value = pinned or visible_cores
+    cores = parse_cores(value) if value else instance_cores()
+    if count == 1 and not pinned and not value:
+        return [device]  # one replica, placement left to the runtime (NEURON_RT_NUM_CORES)
+    return [f"neuron:{format_cores(group)}" for group in replica_groups(cores, tp_degree, count)]

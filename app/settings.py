@@ -34,8 +34,8 @@ class ServerSettings(BaseSettings):
     cache_dir: Path | None = Field(None, description="Where S3 artifacts are downloaded (loader default).")
     device: str = Field(
         "cpu",
-        description="Device the backend runs on (cpu, cuda, neuron); neuron:<first>-<last> pins NeuronCores "
-        "(NEURON_RT_VISIBLE_CORES, exactly tp_degree of them).",
+        description="Device the backend runs on (cpu, cuda, neuron); neuron:<cores> pins NeuronCores "
+        "(any NEURON_RT_VISIBLE_CORES form, tp_degree contiguous cores per replica).",
     )
     served_model_name: str | None = Field(None, description="Model name for the API (manifest's if unset).")
     verify_golden: bool = Field(True, description="Replay the artifact's golden prompts before ready.")
@@ -44,6 +44,21 @@ class ServerSettings(BaseSettings):
     )
     allow_failed_validation: bool = Field(
         False, description="Serve an artifact whose validation did not pass; refused otherwise."
+    )
+    replicas: str = Field(
+        "1",
+        pattern=r"^(auto|[1-9][0-9]*)$",
+        description="Engine processes, each on its own device placement (a contiguous NeuronCore group "
+        "of tp_degree cores on neuron); auto: as many groups as the visible cores hold (1 off neuron).",
+    )
+    replica_routing: Literal["least_work", "round_robin"] = Field(
+        "least_work", description="How the front picks a replica (round_robin: the benchmark baseline)."
+    )
+    visible_cores: str | None = Field(
+        None,
+        validation_alias=AliasChoices("INF2SERVE_VISIBLE_CORES", "NEURON_RT_VISIBLE_CORES"),
+        description="NeuronCores this container may use (NEURON_RT_VISIBLE_CORES, e.g. as the Kubernetes "
+        "device plugin sets it); unset: every core of the instance's Neuron devices.",
     )
 
     # Where to listen and how to stop.

@@ -4,7 +4,9 @@ Phases (each exported as `inf2serve_startup_phase_seconds{phase}`): `resolve`, `
 (the loader's own, which also checks the manifest against the running stack), `tokenizer` (before any
 device work, so a bad tokenizer fails in seconds, not minutes), `backend` (load onto the device),
 `warmup` (every compiled bucket once), `golden` (the artifact's golden prompts replayed through the
-backend; the recorded tokens are required), `engine` (the engine loop). Only after the last one does the
+backend; the recorded tokens are required), `engine` (the engine loop). With several replicas
+(`--replicas`), `backend` to `engine` run in each replica process (app/replicas/) and the front records
+one `replicas` phase: until every replica is ready. Only after the last one does the
 server report ready. The blocking phases run in a worker thread, so `/health` and `/ping` answer
 throughout.
 """
@@ -28,6 +30,8 @@ from app.backends import backend_class
 from app.backends.base import Backend
 from app.engine.engine import LLMEngine
 from app.errors import ArtifactError
+from app.placement import replica_devices
+from app.replicas import pool as replica_pool  # the module: a replica process imports this one
 from app.settings import ServerSettings
 from app.tokenizer import Tokenizer
 
@@ -85,6 +89,13 @@ def artifact_caveats(manifest: Manifest, settings: ServerSettings) -> tuple[str,
     return tuple(caveats)
 
 
+def record_artifact(artifact: LocalArtifact, caveats: tuple[str, ...]) -> None:
+    manifest = artifact.manifest
+    metrics.record_artifact(
+        manifest.artifact_id, manifest.model_name, manifest.spec.backend, artifact.bytes_loaded, caveats
+    )
+
+
 def fetch_artifact(settings: ServerSettings) -> LocalArtifact:
     """Blocking: the artifact, resolved, downloaded and verified, seen through a view of the files its
     manifest lists (`manifest_view`): nothing else in its folder is ever read. `remove_view` its root."""
@@ -113,6 +124,34 @@ def load_backend(artifact: LocalArtifact, settings: ServerSettings) -> Backend:
     return backend
 
 
+async def start_replicas(
+    artifact: LocalArtifact,
+    tokenizer: Tokenizer,
+    settings: ServerSettings,
+    devices: list[str],
+    caveats: tuple[str, ...],
+) -> Runtime:
+    """One engine process per device placement, behind the front's router; ready when all are."""
+    pool = replica_pool.ReplicaPool(artifact, settings, devices, settings.replica_routing)
+    await pool.start()
+    manifest = artifact.manifest
+
+    def close() -> None:
+        pool.close()
+        remove_view(artifact.root)
+
+    return Runtime(
+        engine=pool,
+        tokenizer=tokenizer,
+        model_name=settings.served_model_name or manifest.model_name,
+        artifact_id=manifest.artifact_id,
+        backend_name=manifest.spec.backend,
+        grid=manifest.spec.grid,
+        close=close,
+        caveats=caveats,
+    )
+
+
 async def build_runtime(settings: ServerSettings) -> Runtime:
     artifact = await asyncio.to_thread(fetch_artifact, settings)
     try:
@@ -125,11 +164,20 @@ async def build_runtime(settings: ServerSettings) -> Runtime:
 async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runtime:
     with phase("tokenizer"):
         tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
-    backend = await asyncio.to_thread(load_backend, artifact, settings)
     manifest = artifact.manifest
     caveats = artifact_caveats(manifest, settings)
     for caveat in caveats:
         log.warning("serving an artifact the settings allow only on purpose", extra={"caveat": caveat})
+    devices = replica_devices(
+        settings.device, settings.replicas, manifest.spec.tp_degree, settings.visible_cores
+    )
+    if len(devices) > 1:
+        with phase("replicas"):
+            runtime = await start_replicas(artifact, tokenizer, settings, devices, caveats)
+        record_artifact(artifact, caveats)
+        return runtime
+    settings = settings.model_copy(update={"device": devices[0]})
+    backend = await asyncio.to_thread(load_backend, artifact, settings)
     try:
         with phase("engine"):
             engine = LLMEngine(backend, tokenizer, settings.engine_config())
@@ -137,9 +185,7 @@ async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runt
     except BaseException:
         backend.close()
         raise
-    metrics.record_artifact(
-        manifest.artifact_id, manifest.model_name, manifest.spec.backend, artifact.bytes_loaded, caveats
-    )
+    record_artifact(artifact, caveats)
 
     def close() -> None:
         engine.stop(timeout=10.0)
