@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.artifacts.loader import ALIASES_DIR, load_artifact, open_artifact, verify_files
+from app.artifacts.loader import ALIASES_DIR, load_artifact, open_artifact, pinned_reference, verify_files
 from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from app.artifacts.storage import open_store
 from app.errors import Inf2ServeError
@@ -93,6 +93,9 @@ def run_compile(args: argparse.Namespace) -> None:
     print(compile_artifact(options).uri, flush=True)
 
 
+REFERENCE_HELP = "artifact URI or alias URI, optionally pinned: ...@sha256:<manifest digest>"
+
+
 def register_artifacts(subparsers: Any) -> None:
     parser = subparsers.add_parser("artifacts", help="list, show, verify and promote published artifacts")
     commands = parser.add_subparsers(dest="artifacts_command", required=True, metavar="ACTION")
@@ -104,14 +107,14 @@ def register_artifacts(subparsers: Any) -> None:
         ("verify", run_verify, "re-read every file and check it against the manifest"),
     ):
         command = commands.add_parser(name, help=text)
-        command.add_argument("uri", help="artifact URI or alias URI")
+        command.add_argument("uri", help=REFERENCE_HELP)
         command.set_defaults(handler=run)
     pulling = commands.add_parser("pull", help="download and verify into the local cache; print its path")
-    pulling.add_argument("uri", help="artifact URI or alias URI")
+    pulling.add_argument("uri", help=REFERENCE_HELP)
     pulling.add_argument("--cache-dir", type=Path, help="cache directory (default: the loader's)")
     pulling.set_defaults(handler=run_pull)
     promoting = commands.add_parser("promote", help="point an alias at an artifact")
-    promoting.add_argument("uri", help="artifact URI or alias URI")
+    promoting.add_argument("uri", help=REFERENCE_HELP)
     promoting.add_argument("--alias", required=True, help="alias name, e.g. stable")
     promoting.set_defaults(handler=run_promote)
 
@@ -141,7 +144,9 @@ def describe(uri: str, manifest: Manifest) -> str:
 
 @reports_errors("artifacts show")
 def run_show(args: argparse.Namespace) -> None:
-    print(open_artifact(args.uri)[1].dumps(), end="")
+    store, manifest = open_artifact(args.uri)
+    print(f"pinned: {pinned_reference(store)}", file=sys.stderr)
+    print(manifest.dumps(), end="")
 
 
 @reports_errors("artifacts verify")
@@ -159,4 +164,7 @@ def run_pull(args: argparse.Namespace) -> None:
 
 @reports_errors("artifacts promote")
 def run_promote(args: argparse.Namespace) -> None:
-    print(promote(*open_artifact(args.uri), args.alias))
+    """Prints the alias URI, then the pinned reference to deploy (what the alias names now)."""
+    store, manifest = open_artifact(args.uri)
+    print(promote(store, manifest, args.alias))
+    print(pinned_reference(store))

@@ -1,13 +1,13 @@
 """File digests, and the sink that hashes a download as it arrives and writes it on a thread of its own.
 
 Every artifact file is recorded with its sha256 (the design's checksum) and, from manifest schema 3 on,
-its XXH3-128 as well (schema 2 recorded BLAKE3 instead). A load verifies the fastest digest the manifest
-records (`verified_digests`); `inf2serve artifacts verify` checks every recorded digest. Why XXH3 at
+its XXH3-128 and BLAKE3 as well (schema 2 recorded BLAKE3 only; early schema-3 compiles no BLAKE3). A load
+verifies the fastest digest the manifest records (`verified_digests`), a pinned load (`pin`) the fastest
+cryptographic one; `inf2serve artifacts verify` checks every recorded digest. Why XXH3 at
 load: on one core without AVX2 it hashes 10 GiB/s against BLAKE3's 1.7 and sha256's 1.1, so verifying
 costs a download almost nothing. It detects corruption (a truncated, damaged or wrong object) as well
 as a cryptographic digest does, but not a deliberately forged file; that needs the sha256 check of
-`artifacts verify`, and against someone who can write the bucket, signed manifests (which no digest
-in the same bucket replaces).
+`artifacts verify` or a pinned load, whose digest lives outside the bucket (in the deployment).
 
 `PipelinedSink` hashes each chunk in the receiving thread and hands it to a writer thread. Socket reads,
 hashing and file writes release the GIL, so receiving overlaps writing: a download runs at the pace of
@@ -32,6 +32,7 @@ import blake3
 import xxhash
 
 from app.artifacts.manifest import DIGESTS, RECORDED_DIGESTS, FileEntry
+from app.artifacts.pin import CRYPTOGRAPHIC_FIRST
 from app.errors import ArtifactError
 
 PENDING_CHUNKS = 8  # at most this many chunks (1 MiB each) wait in memory for the writer
@@ -44,9 +45,14 @@ class _Hash(Protocol):
     def hexdigest(self) -> str: ...
 
 
+def _blake3() -> _Hash:
+    """BLAKE3 on as many threads as the host has cores (it splits large updates; small ones stay serial)."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+
 NEW_HASH: dict[str, Callable[[], _Hash]] = {
     "sha256": hashlib.sha256,
-    "blake3": blake3.blake3,
+    "blake3": _blake3,
     "xxh3_128": xxhash.xxh3_128,
 }  # one per FileEntry digest field (manifest.DIGESTS)
 
@@ -56,10 +62,12 @@ def recorded_digests(entry: FileEntry) -> tuple[str, ...]:
     return tuple(name for name in DIGESTS if getattr(entry, name))
 
 
-def verified_digests(entry: FileEntry) -> tuple[str, ...]:
+def verified_digests(entry: FileEntry, pinned: bool = False) -> tuple[str, ...]:
     """What a load checks: the fastest digest the manifest records (XXH3-128 from schema 3 on, BLAKE3
-    in schema 2, sha256 in schema 1)."""
-    return (next((name for name in FASTEST_FIRST if getattr(entry, name)), "sha256"),)
+    in schema 2, sha256 in schema 1); for a pinned load the fastest cryptographic one (BLAKE3, else
+    sha256)."""
+    order = CRYPTOGRAPHIC_FIRST if pinned else FASTEST_FIRST
+    return (next((name for name in order if getattr(entry, name)), "sha256"),)
 
 
 class Digests:

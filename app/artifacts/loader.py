@@ -7,7 +7,8 @@ digest it records: `digest`) before its final rename; a restart reuses the verif
 record of each file's size and mtime taken at verification) and resumes partial files. A local directory,
 such as SageMaker's `/opt/ml/model`, is verified in place and used as is, without copying. Every load
 first checks the manifest against the running stack, so a mismatch is one precise error before any byte
-is downloaded.
+is downloaded. A pinned reference (`uri@sha256:<hex>`, `pin`) is refused unless its manifest hashes to
+the pin, and every file is then verified with a cryptographic digest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +27,7 @@ from pathlib import Path
 from app.artifacts.digest import check_entry, recorded_digests, verified_digests
 from app.artifacts.manifest import MANIFEST_NAME, FileEntry, Manifest, check_against_stack
 from app.artifacts.paths import inside, regular_file
+from app.artifacts.pin import check_pin, pinned, split_pin
 from app.artifacts.storage import (
     PARTIAL_SUFFIX,
     LocalStore,
@@ -37,11 +38,11 @@ from app.artifacts.storage import (
     progress_bar,
 )
 from app.errors import ArtifactError
+from app.settings import ProcessSettings
 
 ALIASES_DIR = "aliases"
 VERIFIED_RECORD = ".verified.json"
 PARALLEL_FILES = 4
-DEFAULT_CACHE_DIR = Path(os.environ.get("INF2SERVE_CACHE_DIR", "~/.cache/inf2serve/artifacts")).expanduser()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +83,10 @@ def is_alias(store: Store) -> bool:
     return store.parent.name == ALIASES_DIR
 
 
-def open_artifact(uri: str) -> tuple[Store, Manifest]:
-    """The store of the published artifact that `uri` names, following an alias, and its manifest
-    (read once)."""
+def open_artifact(reference: str) -> tuple[Store, Manifest]:
+    """The store of the published artifact that `reference` names, following an alias, and its manifest
+    (read once, and refused unless it is the one a pinned reference pins)."""
+    uri, _ = split_pin(reference)
     store = open_store(uri)
     if is_alias(store):
         target = store.parent.parent.child(_alias_target(uri, store))
@@ -98,7 +100,13 @@ def open_artifact(uri: str) -> tuple[Store, Manifest]:
     data = target.read_optional(MANIFEST_NAME)
     if data is None:
         raise ArtifactError(missing)
+    check_pin(reference, data)
     return target, Manifest.loads(data)
+
+
+def pinned_reference(store: Store) -> str:
+    """`<artifact uri>@sha256:<manifest digest>` of the published artifact at `store`."""
+    return pinned(store.uri, store.read(MANIFEST_NAME))
 
 
 def resolve(uri: str) -> Store:
@@ -121,28 +129,30 @@ def load_artifact(uri: str, cache_dir: Path | None = None) -> LocalArtifact:
     """Resolve, check against the stack, then download (S3) or verify in place (local) every file."""
     started = time.perf_counter()
     store, manifest = open_artifact(uri)
+    pinned = split_pin(uri)[1] is not None
     check_against_stack(manifest)
     resolved = time.perf_counter()
     if isinstance(store, LocalStore):
-        verify_files(store, manifest)
+        verify_files(store, manifest, pinned=pinned)
         timings = {"resolve": resolved - started, "download": 0.0, "verify": time.perf_counter() - resolved}
         return LocalArtifact(uri, store.root, manifest, timings, manifest.total_bytes, 0)
-    root = inside(cache_dir or DEFAULT_CACHE_DIR, manifest.artifact_id)
+    root = inside(cache_dir or ProcessSettings.read().cache_dir, manifest.artifact_id)
     with cache_lock(root):
-        downloaded, timings = sync_cache(store, manifest, root)
+        downloaded, timings = sync_cache(store, manifest, root, pinned)
     timings = {"resolve": resolved - started, **timings}
     return LocalArtifact(uri, root, manifest, timings, manifest.total_bytes, downloaded)
 
 
-def verify_files(store: Store, manifest: Manifest, every_digest: bool = False) -> None:
+def verify_files(store: Store, manifest: Manifest, every_digest: bool = False, pinned: bool = False) -> None:
     """Re-read every file of the artifact at `store` and check its size and the digests a load checks
-    (`verified_digests`), or with `every_digest` all that the manifest records."""
+    (`verified_digests`, cryptographic when `pinned`), or with `every_digest` all that the manifest
+    records."""
     with progress_bar(manifest.total_bytes, f"verify {manifest.artifact_id}") as bar:
 
         def verify(entry: FileEntry) -> None:
             if isinstance(store, LocalStore):  # read in place: never through a symlink
                 regular_file(store.root, entry.path)
-            digests = recorded_digests(entry) if every_digest else verified_digests(entry)
+            digests = recorded_digests(entry) if every_digest else verified_digests(entry, pinned)
             found = hash_object(store, entry.path, entry.size, digests)
             check_entry(found, entry, store.uri_of(entry.path))
             bar.update(entry.size)
@@ -150,29 +160,32 @@ def verify_files(store: Store, manifest: Manifest, every_digest: bool = False) -
         _for_each(verify, manifest.files)
 
 
-def sync_cache(store: Store, manifest: Manifest, root: Path) -> tuple[int, dict[str, float]]:
-    """Make `root` a verified copy of the artifact; returns the bytes downloaded and the timings."""
+def sync_cache(
+    store: Store, manifest: Manifest, root: Path, pinned: bool = False
+) -> tuple[int, dict[str, float]]:
+    """Make `root` a verified copy of the artifact; returns the bytes downloaded and the timings. A
+    pinned load trusts only a record of a cryptographic verification (else it re-hashes in place)."""
     started = time.perf_counter()
     manifest_bytes = manifest.dumps().encode()
     manifest_sha256 = hashlib.sha256(manifest_bytes).hexdigest()
-    record = _read_record(root, manifest_sha256)
+    record = _read_record(root, manifest_sha256, pinned)
     stale = [
         entry for entry in manifest.files if not _unchanged(inside(root, entry.path), record.get(entry.path))
     ]
-    missing = [entry for entry in stale if not _verified_in_place(root, entry)]
+    missing = [entry for entry in stale if not _verified_in_place(root, entry, pinned)]
     checked = time.perf_counter()
     with progress_bar(sum(entry.size for entry in missing), f"download {manifest.artifact_id}") as bar:
 
         def fetch(entry: FileEntry) -> None:
             inside(root, entry.path + PARTIAL_SUFFIX)  # resumed in place: no symlink there either
-            download_file(store, entry.path, inside(root, entry.path), entry)
+            download_file(store, entry.path, inside(root, entry.path), entry, pinned=pinned)
             bar.update(entry.size)
 
         _for_each(fetch, missing)
     downloaded = time.perf_counter()
     if stale:  # a warm start over an unchanged cache rewrites nothing
         LocalStore(root).write_bytes(MANIFEST_NAME, manifest_bytes)
-        _write_record(root, manifest_sha256, manifest.files)
+        _write_record(root, manifest_sha256, manifest.files, pinned)
     timings = {"download": downloaded - checked, "verify": checked - started}
     return sum(entry.size for entry in missing), timings
 
@@ -185,7 +198,7 @@ def _for_each(action: Callable[[FileEntry], None], entries: Iterable[FileEntry])
             future.result()
 
 
-def _verified_in_place(root: Path, entry: FileEntry) -> bool:
+def _verified_in_place(root: Path, entry: FileEntry, pinned: bool = False) -> bool:
     """A complete file from an earlier run without a record (e.g. a crash before the record was written)
     is kept when it hashes right; a wrong one is removed so it is downloaded again."""
     path = inside(root, entry.path)
@@ -193,7 +206,7 @@ def _verified_in_place(root: Path, entry: FileEntry) -> bool:
         return False
     if path.stat().st_size == entry.size:
         try:
-            found = hash_object(LocalStore(root), entry.path, digests=verified_digests(entry))
+            found = hash_object(LocalStore(root), entry.path, digests=verified_digests(entry, pinned))
             check_entry(found, entry, str(path))
             return True
         except ArtifactError:
@@ -212,21 +225,23 @@ def _unchanged(path: Path, recorded: list[int] | None) -> bool:
     return [stat.st_size, stat.st_mtime_ns] == recorded
 
 
-def _read_record(root: Path, manifest_sha256: str) -> dict[str, list[int]]:
-    """Per-file [size, mtime_ns] recorded when the cache was last verified, for this manifest only."""
+def _read_record(root: Path, manifest_sha256: str, pinned: bool = False) -> dict[str, list[int]]:
+    """Per-file [size, mtime_ns] recorded when the cache was last verified, for this manifest only (and,
+    for a pinned load, only if that verification was cryptographic)."""
     try:
         record = json.loads((root / VERIFIED_RECORD).read_text())
     except (FileNotFoundError, ValueError):
         return {}
-    if record.get("manifest_sha256") != manifest_sha256:
+    if record.get("manifest_sha256") != manifest_sha256 or (pinned and not record.get("cryptographic")):
         return {}
     return dict(record.get("files", {}))
 
 
-def _write_record(root: Path, manifest_sha256: str, files: tuple[FileEntry, ...]) -> None:
+def _write_record(root: Path, manifest_sha256: str, files: tuple[FileEntry, ...], pinned: bool) -> None:
     stats = {entry.path: (root / entry.path).stat() for entry in files}
     record = {
         "manifest_sha256": manifest_sha256,
+        "cryptographic": pinned,
         "files": {path: [stat.st_size, stat.st_mtime_ns] for path, stat in stats.items()},
     }
     LocalStore(root).write_bytes(VERIFIED_RECORD, json.dumps(record, sort_keys=True).encode())

@@ -25,7 +25,7 @@ from app.errors import ArtifactError, ConfigError
 SCHEMA_VERSION = 3  # 2: files carry a BLAKE3 digest besides their sha256; 3: an XXH3-128 instead
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 DIGESTS = ("sha256", "blake3", "xxh3_128")  # FileEntry fields, in the order they are checked
-RECORDED_DIGESTS = ("sha256", "xxh3_128")  # what a compile records now
+RECORDED_DIGESTS = ("sha256", "blake3", "xxh3_128")  # what a compile records now (blake3: pinned loads)
 MANIFEST_NAME = "manifest.json"
 GOLDEN_NAME = "golden.json"
 HASH_PREFIX_LENGTH = 12  # hex digits of the config hash in an artifact's key and id

@@ -51,6 +51,7 @@ from typing import Any
 from app.artifacts.digest import Digests, PipelinedSink, check_entry, reserve, verified_digests
 from app.artifacts.manifest import RECORDED_DIGESTS, FileEntry
 from app.errors import ArtifactError, ConfigError, StorageError
+from app.settings import ProcessSettings
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class TransferConfig:
     """How S3 reads are cut up (the policy is in the module docstring): `part_bytes` is the first part,
     timed, and the size of every ranged GET after a split (8 MiB, as AWS recommends); `concurrency` the
     ranged GETs in flight per object after a split (1: never split); `ranges` "auto" (split where it pays)
-    or "always" (split after the first part). Environment: INF2SERVE_S3_PART_MB,
+    or "always" (split after the first part). Settings (`ProcessSettings`): INF2SERVE_S3_PART_MB,
     INF2SERVE_S3_CONCURRENCY, INF2SERVE_S3_RANGES."""
 
     part_bytes: int = 8 * 1024 * 1024
@@ -90,10 +91,11 @@ class TransferConfig:
 
     @classmethod
     def from_env(cls) -> TransferConfig:
+        settings = ProcessSettings.read()
         return cls(
-            part_bytes=int(float(os.environ.get("INF2SERVE_S3_PART_MB", "8")) * 1024 * 1024),
-            concurrency=int(os.environ.get("INF2SERVE_S3_CONCURRENCY", "8")),
-            ranges=os.environ.get("INF2SERVE_S3_RANGES", "auto"),
+            part_bytes=int(settings.s3_part_mb * 1024 * 1024),
+            concurrency=settings.s3_concurrency,
+            ranges=settings.s3_ranges,
         )
 
 
@@ -586,19 +588,21 @@ def download_file(
     expected: FileEntry | None = None,
     resume: bool = True,
     digests: Iterable[str] = RECORDED_DIGESTS,
+    pinned: bool = False,
 ) -> FileEntry:
     """Download `key` to `dest` through `<dest>.partial`, hashed as the bytes arrive and written on a
     thread of its own meanwhile (`PipelinedSink`).
 
     With `expected`, the size and the digests a load verifies (`verified_digests`) are checked before
-    the rename, and a mismatch deletes the partial file; without it, `digests` are computed. With
+    the rename (`pinned`: a cryptographic one), and a mismatch deletes the partial file; without it,
+    `digests` are computed. With
     `expected`, a partial file left by an interrupted run is resumed from its end (it always holds a
     prefix: it is written in order); if a resumed download then mismatches, it is downloaded again from
     zero.
     """
     partial = dest.with_name(dest.name + PARTIAL_SUFFIX)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    running = Digests(verified_digests(expected) if expected else digests)
+    running = Digests(verified_digests(expected, pinned) if expected else digests)
     expected_size = expected.size if expected else None
     start = 0
     if resume and expected is not None and partial.exists():
@@ -614,7 +618,7 @@ def download_file(
     except ArtifactError:
         partial.unlink(missing_ok=True)
         if start:
-            return download_file(store, key, dest, expected, resume=False)
+            return download_file(store, key, dest, expected, resume=False, pinned=pinned)
         raise
     except OSError as error:
         partial.unlink(missing_ok=True)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -50,8 +49,9 @@ from app.backends.base import (
     Tokens,
 )
 from app.errors import ConfigError
+from app.settings import ProcessSettings
 
-COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"
+COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"  # ProcessSettings.sim_cost_model
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_EOS_IDS = (2,)
 DEFAULT_SPIN_S = 0.0002
@@ -215,7 +215,7 @@ class SimBackend(Backend):
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> SimBackend:
         artifact_dir = Path(artifact_dir)
         options = _read_json(artifact_dir / "sim.json")
-        cost_value = os.environ.get(COST_MODEL_ENV) or options.get("cost_model", "zero")
+        cost_value = ProcessSettings.read().sim_cost_model or options.get("cost_model", "zero")
         return cls.create(
             spec,
             CostModel.from_value(cost_value),  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 # The entrypoint of both images (Dockerfile for Inferentia2, deploy/docker/Dockerfile.cpu).
 #   serve [flags]  start the server (SageMaker runs `docker run IMAGE serve`), after checking that the
 #                  artifact it is pointed at is there: a local directory needs its manifest.json (an alias
-#                  file or an s3:// URI is resolved by the server itself)
+#                  file or an s3:// URI is resolved by the server itself; a pin, `@sha256:<hex>`, is
+#                  checked by the server)
 #   healthcheck    GET /ping on the serving port (Docker's HEALTHCHECK); exits 0 only on 200
 #   anything else  run as given (a shell, `inf2serve compile ...`)
 set -eu
@@ -14,6 +15,7 @@ check_artifact() {
     case "$artifact" in
         s3://*) return 0 ;;
     esac
+    artifact="${artifact%@sha256:*}"
     if [ -d "$artifact" ] && [ ! -f "$artifact/manifest.json" ]; then
         echo "entrypoint: $artifact holds no published artifact (no manifest.json)." >&2
         echo "entrypoint: give the container a compiled artifact there (SageMaker: ModelDataUrl)," >&2

@@ -20,12 +20,12 @@ REPORT = ValidationReport(True, "test", "fp32", 2e-3, 1, 1, 0, 0, 0.0)
 
 def file_entry(path: str, data: bytes, schema_version: int = SCHEMA_VERSION) -> FileEntry:
     """`data`'s entry as a manifest of that schema records it: sha256 alone (1), with BLAKE3 (2), with
-    XXH3-128 (3), each computed here by its own library."""
+    BLAKE3 and XXH3-128 (3), each computed here by its own library."""
     return FileEntry(
         path,
         len(data),
         hashlib.sha256(data).hexdigest(),
-        blake3.blake3(data).hexdigest() if schema_version == 2 else None,
+        blake3.blake3(data).hexdigest() if schema_version >= 2 else None,
         xxhash.xxh3_128(data).hexdigest() if schema_version >= 3 else None,
     )
 

@@ -134,7 +134,7 @@ def test_a_load_verifies_the_fastest_digest_the_manifest_records() -> None:
     assert verified_digests(file_entry("w.bin", data)) == ("xxh3_128",)  # schema 3
     assert verified_digests(file_entry("w.bin", data, schema_version=2)) == ("blake3",)
     assert verified_digests(file_entry("w.bin", data, schema_version=1)) == ("sha256",)
-    assert recorded_digests(file_entry("w.bin", data)) == ("sha256", "xxh3_128")
+    assert recorded_digests(file_entry("w.bin", data)) == ("sha256", "blake3", "xxh3_128")
     assert recorded_digests(file_entry("w.bin", data, schema_version=2)) == ("sha256", "blake3")
 
 

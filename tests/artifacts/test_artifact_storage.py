@@ -218,7 +218,9 @@ def test_transfer_config_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("INF2SERVE_S3_RANGES", "always")
     assert TransferConfig.from_env() == TransferConfig(16 * MIB, 4, "always")
     monkeypatch.setenv("INF2SERVE_S3_RANGES", "sometimes")
-    with pytest.raises(ConfigError, match="INF2SERVE_S3_RANGES is 'sometimes'"):
+    with pytest.raises(
+        ConfigError, match="INF2SERVE_S3_RANGES is 'sometimes': Input should be 'auto' or 'always'"
+    ):
         TransferConfig.from_env()
     with pytest.raises(ConfigError, match="concurrency"):
         TransferConfig(concurrency=0)

@@ -4,6 +4,7 @@ records on the torch backend; and every rejection happens before any work, leavi
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -56,8 +57,14 @@ def test_compile_publish_promote_and_load(s3, bucket, stories260k, capsys, tmp_p
     assert buckets == {64, 128, 256}
 
     code, out, _ = run(capsys, "artifacts", "promote", uri, "--alias", "stable")
-    alias = out[-1]
+    alias, pinned = out[-2:]
     assert code == 0 and alias == f"s3://{bucket}/art/stories260K/aliases/stable"
+    stored = s3.client().get_object(Bucket=bucket, Key=uri.split("/", 3)[3] + "/manifest.json")["Body"].read()
+    assert pinned == f"{uri}@sha256:{hashlib.sha256(stored).hexdigest()}"
+    code, out, err = run(capsys, "artifacts", "show", f"{alias}@sha256:{hashlib.sha256(stored).hexdigest()}")
+    assert code == 0 and f"pinned: {pinned}" in err
+    code, _, err = run(capsys, "artifacts", "verify", f"{uri}@sha256:{'0' * 64}")
+    assert code != 0 and "is pinned to sha256:" in err
     code, out, _ = run(capsys, "artifacts", "list", f"s3://{bucket}/art")
     assert code == 0 and any(line.startswith(uri) and "validated" in line for line in out)
     assert any(line.startswith(alias) and manifest.artifact_id in line for line in out)
