@@ -2,13 +2,18 @@
 # inf2serve and that release's Neuron wheels. NEURON_SDK is the one setting: it picks the base image and the
 # wheel pins (deploy/neuron/sdk-<release>.txt). Compile artifacts with the same release; the server refuses
 # an artifact whose compiler, runtime or library versions differ. See README, "Neuron stack".
+# NEURON_BASE defaults to the py312 DLC of NEURON_SDK; a release whose DLC is named otherwise, or that has
+# no pins here, stops at the first RUN with the fix (deploy/neuron/check-release.sh; run it beforehand to
+# fail before any pull: `deploy/neuron/check-release.sh 2.31.1` prints the base image).
 #   docker build -t inf2serve:neuron .
 #   docker build --build-arg NEURON_SDK=2.31.1 -t inf2serve:neuron-2.31.1 .
 #   docker run --device=/dev/neuron0 -p 8080:8080 -v /path/to/artifact:/opt/ml/model:ro inf2serve:neuron
 ARG NEURON_SDK=2.28.0
-FROM public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk${NEURON_SDK}-ubuntu24.04
+ARG NEURON_BASE=public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk${NEURON_SDK}-ubuntu24.04
+FROM ${NEURON_BASE}
 
 ARG NEURON_SDK
+ARG NEURON_BASE
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true \
       org.opencontainers.image.title="inf2serve" \
       com.amazonaws.neuron.sdk-release="${NEURON_SDK}"
@@ -17,6 +22,8 @@ ENV PYTHONUNBUFFERED=1 \
     INF2SERVE_DEVICE=neuron
 
 WORKDIR /opt/inf2serve
+COPY deploy/neuron ./deploy/neuron
+RUN deploy/neuron/check-release.sh "${NEURON_SDK}" "${NEURON_BASE}"
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY compile ./compile
@@ -26,7 +33,7 @@ RUN pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazon
         -r "deploy/neuron/sdk-${NEURON_SDK}.txt" /opt/inf2serve
 
 EXPOSE 8080
-HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+HEALTHCHECK --interval=30s --timeout=5s --start-period=1800s --retries=3 \
     CMD ["/opt/inf2serve/deploy/docker/entrypoint.sh", "healthcheck"]
 # Replaces the DLC's entrypoint, which would start TorchServe on `serve`.
 ENTRYPOINT ["/opt/inf2serve/deploy/docker/entrypoint.sh"]

@@ -74,14 +74,51 @@ def test_sagemaker_container_contract(image: str) -> None:
 def test_neuron_image_is_the_dlc_of_one_sdk_release_with_its_pins() -> None:
     dockerfile = DOCKERFILES["neuron"]
     args = [a for name, a in instructions(dockerfile) if name == "ARG"]
-    assert args == [f"NEURON_SDK={DEFAULT_RELEASES['neuron-nxdi']}", "NEURON_SDK"]
-    base = only(dockerfile, "FROM")
-    assert (
-        base.startswith("public.ecr.aws/neuron/pytorch-inference-neuronx:") and "-sdk${NEURON_SDK}-" in base
-    )
-    install = next(a for name, a in instructions(dockerfile) if name == "RUN" and "pip install" in a)
+    release = DEFAULT_RELEASES["neuron-nxdi"]
+    default_base = f"NEURON_BASE={check_release(release).stdout.strip()}".replace(release, "${NEURON_SDK}")
+    assert args == [f"NEURON_SDK={release}", default_base, "NEURON_SDK", "NEURON_BASE"]
+    assert only(dockerfile, "FROM") == "${NEURON_BASE}"
+    runs = [a for name, a in instructions(dockerfile) if name == "RUN"]
+    # The release check runs first, before anything is installed.
+    assert runs[0] == 'deploy/neuron/check-release.sh "${NEURON_SDK}" "${NEURON_BASE}"'
+    install = next(a for a in runs if "pip install" in a)
     assert '-r "deploy/neuron/sdk-${NEURON_SDK}.txt"' in install
     assert "--extra-index-url https://pip.repos.neuron.amazonaws.com" in install
+
+
+def check_release(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(PINS / "check-release.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_a_release_without_a_matching_base_image_fails_early_and_says_why() -> None:
+    unknown = check_release("2.99.0")
+    assert unknown.returncode == 64
+    assert "Neuron SDK 2.99.0: no matching base image" in unknown.stderr
+    assert "Supported releases: 2.25.0 2.28.0 2.31.1" in unknown.stderr
+    # 2.25's DLC is torch 2.7 / py310 / ubuntu22.04: the default base name (py312) does not exist for it.
+    expected = check_release("2.25.0").stdout.strip()
+    assert expected.endswith(":2.7.0-neuronx-py310-sdk2.25.0-ubuntu22.04")
+    wrong = check_release("2.25.0", expected.replace("2.7.0-neuronx-py310", "2.9.0-neuronx-py312"))
+    assert wrong.returncode == 64 and f"--build-arg NEURON_BASE={expected}" in wrong.stderr
+    for release in ("2.28.0", "2.31.1"):
+        base = check_release(release).stdout.strip()
+        assert check_release(release, base).returncode == 0, release  # this Python is >= 3.11
+
+
+def test_runtime_version_is_the_numeric_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.backends.neuron.runtime import runtime_version
+
+    fake = tmp_path / "dpkg-query"
+    fake.write_text("#!/bin/sh\nprintf '1:2.30.51.0-f7e3c8a1b'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert runtime_version() == "2.30.51.0"
 
 
 def pins(path: Path) -> list[str]:
@@ -122,14 +159,15 @@ def test_serve_refuses_to_start_without_an_artifact(tmp_path: Path, layout: str)
     assert str(artifact) in result.stderr and "INF2SERVE_ARTIFACT" in result.stderr
 
 
-def test_serve_execs_the_serve_command_with_its_flags(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pin", ["", "@sha256:" + "ab" * 32])
+def test_serve_execs_the_serve_command_with_its_flags(tmp_path: Path, pin: str) -> None:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "manifest.json").write_text("{}")
     stub = tmp_path / "bin" / "serve"
     stub.parent.mkdir()
     stub.write_text('#!/bin/sh\necho "stub serve pid=$$ args=$*"\n')
     stub.chmod(0o755)
-    env = base_env(INF2SERVE_ARTIFACT=str(tmp_path / "model"))
+    env = base_env(INF2SERVE_ARTIFACT=str(tmp_path / "model") + pin)  # the server checks a pin
     env["PATH"] = f"{stub.parent}{os.pathsep}{env['PATH']}"
     result = run_entrypoint("serve", "--log-level", "debug", env=env)
     assert result.returncode == 0, result.stderr

@@ -40,6 +40,8 @@ NEURON_PINNED_VERSIONS: dict[str, dict[str, int | None]] = {
     "neuron-tnx": dict.fromkeys(("neuronx-cc", "torch-neuronx", "transformers-neuronx", RUNTIME_PACKAGE)),
 }
 
+_NUMERIC_VERSION = re.compile(r"^(?:\d+:)?(\d+(?:\.\d+)*)")
+
 
 def import_library(module: str, backend: str) -> ModuleType:
     """Import a Neuron module, or fail with the one error that says how to install it."""
@@ -54,7 +56,9 @@ def import_library(module: str, backend: str) -> ModuleType:
 
 
 def runtime_version() -> str | None:
-    """The installed Neuron runtime package's version (Debian or RPM), or None where there is none."""
+    """The installed Neuron runtime package's numeric version (Debian or RPM), or None where there is
+    none: `2.30.51.0` from a package version such as `2.30.51.0-f7e3c8a1b` (build suffix and any epoch
+    dropped), so an artifact compiled against one build of a release matches another build of it."""
     queries = (
         ("dpkg-query", "-W", "-f=${Version}", RUNTIME_PACKAGE),
         ("rpm", "-q", "--qf", "%{VERSION}", RUNTIME_PACKAGE),
@@ -63,8 +67,8 @@ def runtime_version() -> str | None:
         if shutil.which(query[0]) is None:
             continue
         result = subprocess.run(query, capture_output=True, text=True, timeout=10, check=False)
-        if result.returncode == 0 and result.stdout.strip():
-            return result.stdout.strip()
+        if result.returncode == 0 and (numeric := _NUMERIC_VERSION.match(result.stdout.strip())):
+            return numeric[1]
     return None
 
 
