@@ -11,7 +11,7 @@ from typing import Any
 import boto3
 from botocore.exceptions import WaiterError
 
-from app.artifacts.loader import resolve
+from app.artifacts.loader import pinned_reference, resolve
 from app.errors import Inf2ServeError
 from deploy.sagemaker.endpoint import Release, outcome, start
 
@@ -25,7 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = targets.add_parser("sagemaker", help="blue/green canary update of a SageMaker endpoint")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--image", required=True, help="the inf2serve image URI in ECR")
-    parser.add_argument("--artifact", required=True, help="s3://bucket/prefix/ of the compiled artifact")
+    parser.add_argument(
+        "--artifact",
+        required=True,
+        help="s3://bucket/prefix/ of the compiled artifact, or an alias; optionally pinned "
+        "(...@sha256:<hex>). It is deployed pinned to the manifest it resolves to.",
+    )
     parser.add_argument("--role", required=True, help="SageMaker execution role ARN")
     parser.add_argument(
         "--alarm", action="append", default=[], help="CloudWatch alarm that rolls back (repeat)"
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     except Inf2ServeError as error:
         print(f"inf2serve deploy sagemaker: {error.message}", file=sys.stderr)
         return 2
-    print(f"{release.endpoint}: deploying endpoint config {config_name}")
+    print(f"{release.endpoint}: deploying endpoint config {config_name} with {release.artifact}")
     if not args.wait:
         return 0
     result = settle(client, release, config_name)
@@ -75,12 +80,13 @@ def settle(client: Any, release: Release, config_name: str) -> str:
 
 
 def _start(args: argparse.Namespace) -> tuple[str, Release, Any]:
-    """Resolve an alias to its artifact (SageMaker mounts a plain prefix), check it is published, start."""
+    """Resolve an alias to its artifact (SageMaker mounts a plain prefix), check it is published (and is
+    the pinned one, if pinned), pin it, start."""
     store = resolve(args.artifact)  # refuses an alias or prefix that holds no published artifact
     release = Release(
         endpoint=args.endpoint,
         image=args.image,
-        artifact=store.uri,
+        artifact=pinned_reference(store),
         role_arn=args.role,
         alarms=tuple(args.alarm),
         instance_type=args.instance_type,

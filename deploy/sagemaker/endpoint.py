@@ -4,6 +4,8 @@
 A release is a new Model (the artifact's S3 prefix mounted uncompressed into /opt/ml/model) and a new,
 immutable EndpointConfig; an existing endpoint is updated blue/green with a canary step and rolls back on
 its own when any of the given CloudWatch alarms fires during the bake. A new endpoint is created directly.
+The artifact is deployed pinned (`uri@sha256:<manifest digest>`): the container refuses any other
+manifest and verifies every file cryptographically. Timeouts come from `deploy.timeouts.sagemaker()`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from app.artifacts.pin import PIN_SEPARATOR, split_pin
 from app.errors import ConfigError
 from app.settings import SAGEMAKER_MODEL_DIR
+from deploy import timeouts
 
 VARIANT = "AllTraffic"
 INFERENCE_AMI = "al2-ami-sagemaker-inference-neuron-2"
 SIGKILL_AFTER_S = 30  # SageMaker's SIGTERM-to-SIGKILL window
+SAGEMAKER_BUDGET = timeouts.sagemaker()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +44,8 @@ class Release:
     startup_timeout_s: int = 1800
     download_timeout_s: int = 1800
     volume_size_gb: int = 128
-    drain_s: int = 10
-    shutdown_timeout_s: int = 15
+    drain_s: int = SAGEMAKER_BUDGET.drain_s
+    shutdown_timeout_s: int = SAGEMAKER_BUDGET.shutdown_timeout_s
 
     def check(self) -> None:
         if not self.artifact.startswith("s3://"):
@@ -68,6 +73,12 @@ class Release:
         return f"{self.endpoint[:39]}-{digest}-{now:%Y%m%d%H%M%S}"
 
 
+def _mounted(reference: str) -> str:
+    """Where the container finds the artifact: /opt/ml/model, carrying the reference's pin if any."""
+    digest = split_pin(reference)[1]
+    return f"{SAGEMAKER_MODEL_DIR}{PIN_SEPARATOR}{digest}" if digest else SAGEMAKER_MODEL_DIR
+
+
 def model_request(release: Release, name: str) -> dict[str, Any]:
     return {
         "ModelName": name,
@@ -77,14 +88,16 @@ def model_request(release: Release, name: str) -> dict[str, Any]:
             "ModelDataSource": {
                 "S3DataSource": {
                     # An S3Prefix URI must end in '/': each key below it becomes a file in /opt/ml/model.
-                    "S3Uri": release.artifact.rstrip("/") + "/",
+                    "S3Uri": split_pin(release.artifact)[0].rstrip("/") + "/",
                     "S3DataType": "S3Prefix",
                     "CompressionType": "None",
                 }
             },
             "Environment": {
-                "INF2SERVE_ARTIFACT": SAGEMAKER_MODEL_DIR,
+                "INF2SERVE_ARTIFACT": _mounted(release.artifact),
                 "INF2SERVE_DEVICE": "neuron",
+                "INF2SERVE_REQUEST_TIMEOUT_S": str(SAGEMAKER_BUDGET.request_timeout_s),
+                "INF2SERVE_KEEP_ALIVE_S": str(SAGEMAKER_BUDGET.keep_alive_s),
                 "INF2SERVE_DRAIN_S": str(release.drain_s),
                 "INF2SERVE_SHUTDOWN_TIMEOUT_S": str(release.shutdown_timeout_s),
             },

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from cfnlint.decode import decode
 
-from app.settings import ServerSettings
+from deploy import timeouts
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SAGEMAKER = DEPLOY / "sagemaker" / "template.yaml"
@@ -65,16 +65,38 @@ class TestSageMaker:
     ) -> None:
         env = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
         assert set(env) <= server_env_names
-        assert env["INF2SERVE_ARTIFACT"] == "/opt/ml/model"
         assert env["INF2SERVE_DEVICE"] == "neuron"
 
-    def test_drain_and_in_flight_fit_before_sigkill(self) -> None:
-        template = _load(SAGEMAKER)
-        env = template["Resources"]["Model"]["Properties"]["PrimaryContainer"]["Environment"]
-        drain_max = template["Parameters"]["DrainSeconds"]["MaxValue"]
-        assert (
-            drain_max + float(env["INF2SERVE_SHUTDOWN_TIMEOUT_S"]) < 30
-        )  # SageMaker: SIGKILL 30 s after SIGTERM
+    def test_timeouts_are_the_budgets(self, resources: dict) -> None:
+        env = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
+        budget = timeouts.sagemaker()
+        assert float(env["INF2SERVE_REQUEST_TIMEOUT_S"]) == budget.request_timeout_s < 60
+        assert float(env["INF2SERVE_DRAIN_S"]) == budget.drain_s
+        assert float(env["INF2SERVE_SHUTDOWN_TIMEOUT_S"]) == budget.shutdown_timeout_s
+        assert float(env["INF2SERVE_KEEP_ALIVE_S"]) == budget.keep_alive_s
+        # SageMaker: SIGKILL 30 s after SIGTERM
+        assert budget.drain_s + budget.shutdown_timeout_s < timeouts.SAGEMAKER_SIGKILL_AFTER_S
+
+    def test_a_pinned_digest_reaches_the_container(self, resources: dict) -> None:
+        env = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
+        assert env["INF2SERVE_ARTIFACT"] == {
+            "Fn::If": ["Pinned", {"Fn::Sub": "/opt/ml/model@${ArtifactDigest}"}, "/opt/ml/model"]
+        }
+
+    def test_role_is_scoped_to_the_artifact(self, resources: dict) -> None:
+        statements = _statements(resources["ExecutionRole"])
+        listing = _granting(statements, "s3:ListBucket")
+        assert listing["Condition"] == {"StringLike": {"s3:prefix": {"Fn::Sub": "${ArtifactPrefix}*"}}}
+        assert _granting(statements, "s3:GetObject")["Resource"] == {
+            "Fn::Sub": "arn:${AWS::Partition}:s3:::${ArtifactBucket}/${ArtifactPrefix}*"
+        }
+        _assert_kms_when_given(statements)
+        alarms = _granting(statements, "cloudwatch:DescribeAlarms")["Resource"]
+        assert alarms == [{"Fn::GetAtt": ["ErrorRateAlarm", "Arn"]}, {"Fn::GetAtt": ["LatencyAlarm", "Arn"]}]
+        granted = {a for s in _plain(statements) for a in _actions(s)}
+        assert "cloudwatch:PutMetricData" not in granted
+        unscoped = {a for s in _plain(statements) if s["Resource"] == "*" for a in _actions(s)}
+        assert unscoped == {"ecr:GetAuthorizationToken"}  # the one action IAM cannot scope
 
     def test_variant_is_inf2_with_loading_timeouts(self) -> None:
         template = _load(SAGEMAKER)
@@ -109,29 +131,100 @@ class TestSageMaker:
 
 class TestAlb:
     def test_listener_forwards_to_both_tracks_by_weight(self, template: dict) -> None:
-        (action,) = template["Resources"]["Listener"]["Properties"]["DefaultActions"]
+        listener = template["Resources"]["Listener"]
+        (action,) = listener["Properties"]["DefaultActions"]
         groups = action["ForwardConfig"]["TargetGroups"]
         assert groups == [
             {"TargetGroupArn": {"Ref": "StableTargetGroup"}, "Weight": {"Ref": "StableWeight"}},
-            {"TargetGroupArn": {"Ref": "CanaryTargetGroup"}, "Weight": {"Ref": "CanaryWeight"}},
+            {
+                "TargetGroupArn": {"Ref": "CanaryTargetGroup"},
+                "Weight": {"Fn::If": ["CanaryHasCapacity", {"Ref": "CanaryWeight"}, 0]},
+            },
         ]
+        # Traffic only once both groups signalled ready.
+        assert set(listener["DependsOn"]) == {"StableGroup", "CanaryGroup"}
+
+    def test_canary_weight_is_zero_by_default_and_while_it_has_no_capacity(self, template: dict) -> None:
+        params = template["Parameters"]
+        assert params["CanaryWeight"]["Default"] == 0
+        assert params["CanaryCapacity"]["Default"] == 0
+        assert template["Conditions"]["CanaryHasCapacity"] == {
+            "Fn::Not": [{"Fn::Equals": [{"Ref": "CanaryCapacity"}, 0]}]
+        }
 
     @pytest.mark.parametrize("track", ["Stable", "Canary"])
     def test_track_health_checks_and_drains(self, template: dict, track: str) -> None:
         group = template["Resources"][f"{track}TargetGroup"]["Properties"]
         assert group["HealthCheckPath"] == "/ready"
         attributes = {a["Key"]: a["Value"] for a in group["TargetGroupAttributes"]}
-        assert attributes["deregistration_delay.timeout_seconds"] == {"Ref": "DrainSeconds"}
+        assert attributes["deregistration_delay.timeout_seconds"] == _budget("DeregistrationDelay")
         asg = template["Resources"][f"{track}Group"]["Properties"]
         assert asg["TargetGroupARNs"] == [{"Ref": f"{track}TargetGroup"}]
         assert asg["HealthCheckType"] == "ELB"
+        assert asg["HealthCheckGracePeriod"] == timeouts.DEFAULT_STARTUP_S
 
-    def test_idle_timeout_below_server_keep_alive(self, template: dict) -> None:
-        params = template["Parameters"]
+    @pytest.mark.parametrize("track", ["Stable", "Canary"])
+    def test_containers_on_the_bridge_network_reach_imdsv2(self, template: dict, track: str) -> None:
+        data = template["Resources"][f"{track}LaunchTemplate"]["Properties"]["LaunchTemplateData"]
+        assert data["MetadataOptions"]["HttpTokens"] == "required"
+        assert data["MetadataOptions"]["HttpPutResponseHopLimit"] == 2  # host + the docker bridge
+        assert "--network" not in data["UserData"]["Fn::Base64"]["Fn::Sub"][0]  # bridge: docker's default
+
+    @pytest.mark.parametrize("track", ["Stable", "Canary"])
+    def test_updates_roll_through_gated_on_ready(self, template: dict, track: str) -> None:
+        group = template["Resources"][f"{track}Group"]
+        rolling = group["UpdatePolicy"]["AutoScalingRollingUpdate"]
+        assert rolling["WaitOnResourceSignals"] is True
+        assert rolling["MaxBatchSize"] == 1
+        assert rolling["MinInstancesInService"] == {"Ref": f"{track}Capacity"}
+        assert group["CreationPolicy"]["ResourceSignal"]["Count"] == {"Ref": f"{track}Capacity"}
+        for policy_time in (rolling["PauseTime"], group["CreationPolicy"]["ResourceSignal"]["Timeout"]):
+            minutes = int(re.fullmatch(r"PT(\d+)M", policy_time)[1])
+            assert timeouts.DEFAULT_STARTUP_S <= minutes * 60 <= 3600  # covers startup; CFN's cap 1 h
+        # MaxSize is capacity + 1 (room for the new instance), looked up since CFN has no arithmetic.
+        select = group["Properties"]["MaxSize"]["Fn::Select"]
+        assert select[0] == {"Ref": f"{track}Capacity"}
+        by_capacity = template["Mappings"]["Surge"]["MaxSize"]["ByCapacity"].split(",")
+        top = template["Parameters"][f"{track}Capacity"]["MaxValue"]
+        assert [int(v) for v in by_capacity[: top + 1]] == [c + 1 for c in range(top + 1)]
+
+    def test_user_data_signals_only_once_ready(self, template: dict) -> None:
+        script = _user_data(template, "Stable")
+        ready = script.index("until curl -sf -o /dev/null http://127.0.0.1:8080/ready")
+        assert script.index("signal SUCCESS") > ready > script.index('"$image" serve')
+        assert "trap 'signal FAILURE' ERR" in script
+
+    def test_timeout_budget_mapping_is_derived(self, template: dict) -> None:
+        param = template["Parameters"]["MaxGenerationSeconds"]
+        assert [int(v) for v in param["AllowedValues"]] == list(timeouts.GENERATION_CHOICES)
+        assert int(param["Default"]) == timeouts.DEFAULT_MAX_GENERATION_S
+        mapping = template["Mappings"]["TimeoutBudget"]
+        for generation in timeouts.GENERATION_CHOICES:
+            budget = timeouts.alb(generation)
+            assert mapping[str(generation)] == {
+                "RequestTimeout": budget.request_timeout_s,
+                "Drain": budget.drain_s,
+                "ShutdownTimeout": budget.shutdown_timeout_s,
+                "KeepAlive": budget.keep_alive_s,
+                "IdleTimeout": budget.idle_timeout_s,
+                "DeregistrationDelay": budget.deregistration_delay_s,
+                "StopTimeout": budget.stop_timeout_s,
+            }
         attributes = template["Resources"]["LoadBalancer"]["Properties"]["LoadBalancerAttributes"]
-        assert {"Key": "idle_timeout.timeout_seconds", "Value": {"Ref": "IdleTimeoutSeconds"}} in attributes
-        assert params["IdleTimeoutSeconds"]["Default"] < params["KeepAliveSeconds"]["Default"]
-        assert ServerSettings.model_fields["keep_alive_s"].default > params["IdleTimeoutSeconds"]["Default"]
+        assert {"Key": "idle_timeout.timeout_seconds", "Value": _budget("IdleTimeout")} in attributes
+
+    def test_role_is_scoped_to_the_two_artifacts(self, template: dict) -> None:
+        statements = _statements(template["Resources"]["InstanceRole"])
+        listing = _granting(statements, "s3:ListBucket")
+        assert listing["Condition"]["StringLike"]["s3:prefix"] == [
+            {"Fn::Sub": "${StableArtifactPrefix}*"},
+            {"Fn::Sub": "${CanaryArtifactPrefix}*"},
+        ]
+        assert all(
+            "ArtifactPrefix}*" in r["Fn::Sub"] for r in _granting(statements, "s3:GetObject")["Resource"]
+        )
+        _assert_kms_when_given(statements)
+        assert _granting(statements, "cloudformation:SignalResource")["Resource"] == {"Ref": "AWS::StackId"}
 
     def test_user_data_runs_the_container_with_neuron_devices(
         self, template: dict, server_env_names: frozenset[str]
@@ -140,18 +233,60 @@ class TestAlb:
         for track in ("Stable", "Canary"):
             data = template["Resources"][f"{track}LaunchTemplate"]["Properties"]["LaunchTemplateData"]
             script, variables = data["UserData"]["Fn::Base64"]["Fn::Sub"]
-            assert variables == {
-                "Image": {"Ref": f"{track}ImageUri"},
-                "Artifact": {"Ref": f"{track}ArtifactUri"},
+            assert variables["Image"] == {"Ref": f"{track}ImageUri"}
+            assert variables["Group"] == f"{track}Group"
+            pinned, unpinned = variables["Artifact"]["Fn::If"][1:]
+            assert pinned == {
+                "Fn::Sub": f"s3://${{ArtifactBucket}}/${{{track}ArtifactPrefix}}@${{{track}ArtifactDigest}}"
             }
+            assert unpinned == {"Fn::Sub": f"s3://${{ArtifactBucket}}/${{{track}ArtifactPrefix}}"}
             scripts[track] = script
         assert scripts["Stable"] == scripts["Canary"], "the two tracks must run the same script"
         script = scripts["Stable"]
         assert 'for dev in /dev/neuron*; do devices+=("--device=$dev")' in script
-        assert re.search(r'"\$image" serve\s*$', script)
+        assert re.search(r'"\$image" serve\n', script)
         assert set(re.findall(r"-e (INF2SERVE_\w+)=", script)) <= server_env_names
-        assert "INF2SERVE_DRAIN_S='${DrainSeconds}'" in script
-        assert "INF2SERVE_KEEP_ALIVE_S='${KeepAliveSeconds}'" in script
+        for name in ("REQUEST_TIMEOUT_S", "DRAIN_S", "SHUTDOWN_TIMEOUT_S", "KEEP_ALIVE_S"):
+            assert f"INF2SERVE_{name}=" in script
+
+
+def _budget(key: str) -> dict:
+    return {"Fn::FindInMap": ["TimeoutBudget", {"Ref": "MaxGenerationSeconds"}, key]}
+
+
+def _user_data(template: dict, track: str) -> str:
+    data = template["Resources"][f"{track}LaunchTemplate"]["Properties"]["LaunchTemplateData"]
+    return data["UserData"]["Fn::Base64"]["Fn::Sub"][0]
+
+
+def _statements(role: dict) -> list:
+    """The role's statements; a conditional one (Fn::If) stays as it is, for _assert_kms_when_given."""
+    (policy,) = role["Properties"]["Policies"]
+    return policy["PolicyDocument"]["Statement"]
+
+
+def _plain(statements: list) -> list[dict]:
+    return [s for s in statements if "Fn::If" not in s]
+
+
+def _actions(statement: dict) -> list[str]:
+    action = statement["Action"]
+    return action if isinstance(action, list) else [action]
+
+
+def _granting(statements: list, action: str) -> dict:
+    (statement,) = [s for s in _plain(statements) if action in _actions(s)]
+    return statement
+
+
+def _assert_kms_when_given(statements: list) -> None:
+    (kms,) = [s for s in statements if "Fn::If" in s]
+    condition, grant, otherwise = kms["Fn::If"]
+    assert condition == "ArtifactsUseKms" and otherwise == {"Ref": "AWS::NoValue"}
+    assert grant["Action"] == "kms:Decrypt" and grant["Resource"] == {"Ref": "ArtifactKmsKeyArn"}
+    assert grant["Condition"] == {
+        "StringEquals": {"kms:ViaService": {"Fn::Sub": "s3.${AWS::Region}.amazonaws.com"}}
+    }
 
 
 def _render_sub(script: str, values: dict[str, str]) -> str:
@@ -164,13 +299,12 @@ def _render_sub(script: str, values: dict[str, str]) -> str:
 
 
 def test_user_data_renders_to_valid_bash(template: dict, tmp_path: Path) -> None:
-    data = template["Resources"]["StableLaunchTemplate"]["Properties"]["LaunchTemplateData"]
-    script, _ = data["UserData"]["Fn::Base64"]["Fn::Sub"]
     values = {"Image": "1.dkr.ecr.us-east-1.amazonaws.com/inf2serve:1", "Artifact": "s3://b/llm/3f2a/"}
-    values |= {"AWS::Region": "us-east-1", "DrainSeconds": "30", "InFlightSeconds": "60"}
-    values |= {"KeepAliveSeconds": "75"}
+    values |= {"AWS::Region": "us-east-1", "AWS::StackName": "inf2serve", "Group": "StableGroup"}
+    budget = template["Mappings"]["TimeoutBudget"]["300"]
+    values |= {key: str(value) for key, value in budget.items()}
     path = tmp_path / "user-data.sh"
-    path.write_text(_render_sub(script, values))
+    path.write_text(_render_sub(_user_data(template, "Stable"), values))
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=10)
     rendered = path.read_text()
-    assert '"${devices[@]}"' in rendered and "--stop-timeout $(( 30 + 60 + 5 ))" in rendered
+    assert '"${devices[@]}"' in rendered and "--stop-timeout '330'" in rendered

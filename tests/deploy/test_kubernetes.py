@@ -162,7 +162,8 @@ def test_alb_timings_match_the_server(rendered: dict[str, list[dict]]) -> None:
         "alb.ingress.kubernetes.io/target-group-attributes",
     )
     assert attribute(lb, "idle_timeout.timeout_seconds") < float(env["INF2SERVE_KEEP_ALIVE_S"])
-    assert attribute(tg, "deregistration_delay.timeout_seconds") == float(env["INF2SERVE_DRAIN_S"])
+    grace = _one(docs, "Rollout")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert attribute(tg, "deregistration_delay.timeout_seconds") == grace  # never cut the pod's last request
     assert annotations["alb.ingress.kubernetes.io/healthcheck-path"] == "/ready"
 
 
@@ -198,3 +199,39 @@ def test_service_monitor_scrapes_each_pod_once(rendered: dict[str, list[dict]]) 
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
     assert "rollouts-pod-template-hash" in monitor["podTargetLabels"]  # analysis queries select on it
+
+
+def test_pods_go_through_the_neuron_scheduler(rendered: dict[str, list[dict]]) -> None:
+    for tree in TREES:
+        pod = _one(rendered[tree], "Rollout")["spec"]["template"]["spec"]
+        cores = int(_container(rendered[tree])["resources"]["requests"]["aws.amazon.com/neuroncore"])
+        # Several cores must be adjacent: only the Neuron scheduler extension guarantees it.
+        assert cores == 1 or pod["schedulerName"] == "neuron-scheduler"
+
+
+def test_artifact_cache_has_a_sized_volume(rendered: dict[str, list[dict]]) -> None:
+    docs = rendered["base"]
+    container = _container(docs)
+    (volume,) = _one(docs, "Rollout")["spec"]["template"]["spec"]["volumes"]
+    (mount,) = container["volumeMounts"]
+    assert mount["name"] == volume["name"] and _env(docs)["INF2SERVE_CACHE_DIR"] == mount["mountPath"]
+    assert volume["emptyDir"]["sizeLimit"] == container["resources"]["requests"]["ephemeral-storage"]
+
+
+def test_a_disruption_budget_covers_the_pods(rendered: dict[str, list[dict]]) -> None:
+    for tree in TREES:
+        docs = rendered[tree]
+        budget = _one(docs, "PodDisruptionBudget")["spec"]
+        labels = _one(docs, "Rollout")["spec"]["template"]["metadata"]["labels"]
+        assert budget["selector"]["matchLabels"].items() <= labels.items()
+        assert budget["maxUnavailable"] == 1
+
+
+def test_each_overlay_sets_the_service_monitor_release_label(rendered: dict[str, list[dict]]) -> None:
+    readme = (EKS.parent / "README.md").read_text()
+    assert "release: <its Helm release name>" in readme
+    for tree in TREES[1:]:
+        kustomization = yaml.safe_load((EKS / tree / "kustomization.yaml").read_text())
+        patched = [p for p in kustomization["patches"] if p["target"]["kind"] == "ServiceMonitor"]
+        assert len(patched) == 1 and "/metadata/labels/release" in patched[0]["patch"], tree
+        assert _one(rendered[tree], "ServiceMonitor")["metadata"]["labels"]["release"]

@@ -7,6 +7,7 @@ template's), and what SageMaker itself does during a bake."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,6 +71,8 @@ def _expect_model_and_config(stubber: Stubber) -> None:
             "Environment": {
                 "INF2SERVE_ARTIFACT": "/opt/ml/model",
                 "INF2SERVE_DEVICE": "neuron",
+                "INF2SERVE_REQUEST_TIMEOUT_S": "55",
+                "INF2SERVE_KEEP_ALIVE_S": "65",
                 "INF2SERVE_DRAIN_S": "10",
                 "INF2SERVE_SHUTDOWN_TIMEOUT_S": "15",
             },
@@ -215,6 +218,9 @@ def test_helper_defaults_are_the_template_defaults() -> None:
     resources = _with_defaults(template["Resources"], template["Parameters"])
     defaults = replace(RELEASE, alarms=())
     environment = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
+    condition, _, unpinned = environment["INF2SERVE_ARTIFACT"]["Fn::If"]
+    assert condition == "Pinned" and template["Parameters"]["ArtifactDigest"]["Default"] == ""
+    environment["INF2SERVE_ARTIFACT"] = unpinned
     expected_environment = model_request(defaults, NAME)["PrimaryContainer"]["Environment"]
     assert {name: str(value) for name, value in environment.items()} == expected_environment
     (variant,) = resources["EndpointConfig"]["Properties"]["ProductionVariants"]
@@ -246,7 +252,22 @@ def test_cli_resolves_an_alias_to_the_published_prefix(
         assert main([*CLI, "--artifact", alias]) == 0
     source = created[0]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]
     assert source["S3Uri"] == f"s3://{bucket}/llm/{artifact}/"
-    assert "llm: deploying endpoint config llm-" in capsys.readouterr().out
+    # Deployed pinned: the container refuses any manifest but the one the alias named at release time.
+    digest = hashlib.sha256((Path(stable_artifact.uri) / "manifest.json").read_bytes()).hexdigest()
+    assert (
+        created[0]["PrimaryContainer"]["Environment"]["INF2SERVE_ARTIFACT"]
+        == f"/opt/ml/model@sha256:{digest}"
+    )
+    out = capsys.readouterr().out
+    assert "llm: deploying endpoint config llm-" in out
+    assert f"s3://{bucket}/llm/{artifact}@sha256:{digest}" in out
+
+
+def test_cli_refuses_a_pin_the_manifest_does_not_match(s3, bucket, stable_artifact, capsys) -> None:
+    artifact = stable_artifact.manifest.artifact_id
+    upload_tree(s3.client(), Path(stable_artifact.uri), bucket, f"pin/{artifact}")
+    assert main([*CLI, "--artifact", f"s3://{bucket}/pin/{artifact}@sha256:{'0' * 64}"]) == 2
+    assert f"is pinned to sha256:{'0' * 64}, but its manifest.json hashes to" in capsys.readouterr().err
 
 
 def test_cli_refuses_an_unpublished_artifact(s3, bucket, capsys) -> None:

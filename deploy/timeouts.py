@@ -1,0 +1,148 @@
+"""The one timeout budget every deployment file derives its numbers from.
+
+Everything starts from two figures an operator chooses: the longest generation a request may take
+(`max_generation_s`, the server's request deadline) and the longest allowed startup (`startup_s`). Each
+platform then adds its own fixed facts (health-check detection, SageMaker's 60 s invocation limit and its
+SIGKILL 30 s after SIGTERM) and a safety margin. `budget()` computes the whole table; deploy/README.md
+shows it (`markdown_table()` renders it, and a test keeps the two equal), the ALB template carries it as
+a `Mappings` table keyed by `max_generation_s`, and the EKS manifests and the SageMaker template carry the
+default's values. Why each line is what it is, in order of a request's end of life:
+
+- EC2 behind an ALB: the Auto Scaling group deregisters the instance first; the balancer lets in-flight
+  requests finish for the deregistration delay, and only then is the instance terminated and the
+  container sent SIGTERM. So the deregistration delay must cover the longest generation, not the drain.
+- EKS: endpoint removal and SIGTERM run in parallel; the preStop sleep holds SIGTERM back while the
+  removal reaches the ALB, and `terminationGracePeriodSeconds` counts preStop + drain + in-flight.
+- SageMaker: a non-streamed InvokeEndpoint is cut at 60 s, whatever the client's timeout, and SIGKILL
+  follows SIGTERM by 30 s: the server's deadline stays under the first, drain + in-flight under the second.
+- Everywhere a balancer keeps idle connections open: a non-streamed generation sends no byte until it is
+  done, so the idle timeout must exceed the longest generation, and the server's keep-alive must exceed
+  the idle timeout (or the balancer reuses a connection the server closed: 502).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MARGIN_S = 5
+DEFAULT_MAX_GENERATION_S = 300
+DEFAULT_STARTUP_S = 1800
+# The choices the ALB template offers (its Mappings hold one column per value).
+GENERATION_CHOICES = (120, 300, 600, 900)
+ALB_HEALTH_INTERVAL_S = 10
+ALB_UNHEALTHY_THRESHOLD = 2
+K8S_READINESS_PERIOD_S = 5
+K8S_READINESS_FAILURES = 2
+K8S_PRESTOP_S = 15  # endpoint removal reaching the AWS Load Balancer Controller and the ALB
+SAGEMAKER_INVOCATION_LIMIT_S = 60
+SAGEMAKER_SIGKILL_AFTER_S = 30
+SAGEMAKER_DRAIN_S = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Every timeout of one platform, in seconds (0 where the platform has no such thing)."""
+
+    request_timeout_s: int  # INF2SERVE_REQUEST_TIMEOUT_S: the server's deadline of one request
+    drain_s: int  # INF2SERVE_DRAIN_S: not ready, still serving, after SIGTERM
+    shutdown_timeout_s: int  # INF2SERVE_SHUTDOWN_TIMEOUT_S: in-flight requests after the drain
+    keep_alive_s: int  # INF2SERVE_KEEP_ALIVE_S
+    idle_timeout_s: int  # ALB idle_timeout.timeout_seconds
+    deregistration_delay_s: int  # target group deregistration_delay.timeout_seconds
+    stop_timeout_s: int  # docker --stop-timeout (EC2) / terminationGracePeriodSeconds (EKS) / SIGKILL
+    prestop_s: int  # EKS preStop sleep
+    startup_s: int  # HEALTHCHECK start period, ASG grace, startupProbe window, SageMaker startup timeout
+    client_timeout_s: int  # read timeout a client (the canary) should use
+
+
+def alb(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAULT_STARTUP_S) -> Budget:
+    detection = ALB_HEALTH_INTERVAL_S * ALB_UNHEALTHY_THRESHOLD
+    drain = detection + MARGIN_S
+    idle = max_generation_s + MARGIN_S
+    return Budget(
+        request_timeout_s=max_generation_s,
+        drain_s=drain,
+        shutdown_timeout_s=max_generation_s,
+        keep_alive_s=idle + MARGIN_S,
+        idle_timeout_s=idle,
+        deregistration_delay_s=max_generation_s + MARGIN_S,
+        stop_timeout_s=drain + max_generation_s + MARGIN_S,
+        prestop_s=0,
+        startup_s=startup_s,
+        client_timeout_s=idle + MARGIN_S,
+    )
+
+
+def eks(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAULT_STARTUP_S) -> Budget:
+    drain = K8S_READINESS_PERIOD_S * K8S_READINESS_FAILURES
+    grace = K8S_PRESTOP_S + drain + max_generation_s + MARGIN_S
+    idle = max_generation_s + MARGIN_S
+    return Budget(
+        request_timeout_s=max_generation_s,
+        drain_s=drain,
+        shutdown_timeout_s=max_generation_s,
+        keep_alive_s=idle + MARGIN_S,
+        idle_timeout_s=idle,
+        deregistration_delay_s=grace,
+        stop_timeout_s=grace,
+        prestop_s=K8S_PRESTOP_S,
+        startup_s=startup_s,
+        client_timeout_s=idle + MARGIN_S,
+    )
+
+
+def sagemaker(startup_s: int = DEFAULT_STARTUP_S) -> Budget:
+    """SageMaker's limits decide: the deadline answers before the 60 s cut (a clear 504 rather than a
+    ModelError), and drain + in-flight end before the SIGKILL. Longer generations must stream."""
+    request = SAGEMAKER_INVOCATION_LIMIT_S - MARGIN_S
+    return Budget(
+        request_timeout_s=request,
+        drain_s=SAGEMAKER_DRAIN_S,
+        shutdown_timeout_s=SAGEMAKER_SIGKILL_AFTER_S - SAGEMAKER_DRAIN_S - MARGIN_S,
+        keep_alive_s=SAGEMAKER_INVOCATION_LIMIT_S + MARGIN_S,
+        idle_timeout_s=0,
+        deregistration_delay_s=0,
+        stop_timeout_s=SAGEMAKER_SIGKILL_AFTER_S,
+        prestop_s=0,
+        startup_s=startup_s,
+        client_timeout_s=SAGEMAKER_INVOCATION_LIMIT_S + 10,  # AWS: a 70 s socket timeout for 60 s models
+    )
+
+
+def budget() -> dict[str, Budget]:
+    return {"EC2 + ALB": alb(), "EKS": eks(), "SageMaker": sagemaker()}
+
+
+ROWS = {
+    "request_timeout_s": ("request deadline `INF2SERVE_REQUEST_TIMEOUT_S`", "G (SageMaker: 60 - m)"),
+    "drain_s": ("drain `INF2SERVE_DRAIN_S`", "health-check detection + m (EKS: readiness 5 s x 2)"),
+    "shutdown_timeout_s": ("in-flight `INF2SERVE_SHUTDOWN_TIMEOUT_S`", "G (SageMaker: 30 - drain - m)"),
+    "keep_alive_s": ("keep-alive `INF2SERVE_KEEP_ALIVE_S`", "idle timeout + m"),
+    "idle_timeout_s": ("ALB idle timeout", "G + m"),
+    "deregistration_delay_s": ("deregistration delay", "EC2: G + m; EKS: grace period"),
+    "stop_timeout_s": (
+        "kill after SIGTERM",
+        "EC2 `--stop-timeout`: drain + G + m; EKS grace: preStop + drain + G + m",
+    ),
+    "prestop_s": ("preStop sleep", "EKS endpoint propagation"),
+    "startup_s": ("startup window", "S: HEALTHCHECK start period, ASG grace, startupProbe"),
+    "client_timeout_s": ("client read timeout (canary)", "keep-alive (SageMaker: 70, AWS's advice)"),
+}
+
+
+def markdown_table() -> str:
+    """The budget as deploy/README.md shows it (G = 300 s, S = 1800 s, m = 5 s)."""
+    columns = budget()
+    lines = [
+        "| Timeout | Rule | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for field, (name, rule) in ROWS.items():
+        values = [asdict(b)[field] for b in columns.values()]
+        cells = " | ".join(str(v) if v else "—" for v in values)
+        lines.append(f"| {name} | {rule} | {cells} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
