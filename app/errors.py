@@ -58,6 +58,12 @@ class PayloadTooLargeError(InvalidRequestError):
     status_code = 413
 
 
+class RequestTimeoutError(InvalidRequestError):
+    """The client took too long to send its request; the connection is closed after the answer."""
+
+    status_code = 408
+
+
 class OverloadedError(Inf2ServeError):
     """The waiting queue is full; `retry_after_s` estimates when a slot frees up."""
 

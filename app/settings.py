@@ -78,6 +78,20 @@ class ServerSettings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # Slow or greedy clients (app/api/connections.py).
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time to send a request's headers, from connecting (or its first byte); 408."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Time to send a request's whole body once its headers are in; 408."
+    )
+    max_header_bytes: int = Field(
+        65536, ge=1024, description="Size of a request's headers, request line included; beyond it, 431."
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="Open connections (and requests in progress); beyond it, 503 at once."
+    )
+
     # Access control.
     api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
         (),

@@ -76,7 +76,7 @@ def create_app(
     app.include_router(routes.inference)
     app.include_router(routes.probes)
     install_error_handlers(app)
-    app.add_middleware(RequestContextMiddleware, state=state)
+    app.add_middleware(RequestContextMiddleware, state=state, body_timeout_s=settings.body_timeout_s)
     return app
 
 

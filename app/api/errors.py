@@ -21,6 +21,7 @@ from app.errors import (
     InvalidRequestError,
     NotFoundError,
     OverloadedError,
+    RequestTimeoutError,
 )
 
 CONTENT_TYPE = (b"content-type", b"application/json")
@@ -46,6 +47,8 @@ def error_headers(error: Inf2ServeError) -> list[tuple[bytes, bytes]]:
     headers = [CONTENT_TYPE]
     if isinstance(error, OverloadedError):
         headers.append((b"retry-after", str(max(1, math.ceil(error.retry_after_s))).encode()))
+    if isinstance(error, RequestTimeoutError):  # the rest of a slow body is not waited for
+        headers.append((b"connection", b"close"))
     if isinstance(error, AuthenticationError):  # RFC 6750's challenge
         challenge = 'Bearer realm="inf2serve"' + (', error="invalid_token"' if error.invalid_token else "")
         headers.append((b"www-authenticate", challenge.encode()))

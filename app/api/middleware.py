@@ -16,6 +16,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import metrics
+from app.api.connections import receive_with_deadline
 from app.api.errors import error_headers, error_json, internal_error
 from app.api.logs import REQUEST_ID
 from app.api.state import ServerState
@@ -38,9 +39,10 @@ def request_id_from(scope: Scope) -> str:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, body_timeout_s: float) -> None:
         self.app = app
         self.state = state
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,7 +66,7 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, receive_with_deadline(receive, self.body_timeout_s), send_with_headers)
         except Exception:
             log.exception("unhandled error", extra={"path": scope["path"]})
             if not response_started:

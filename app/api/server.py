@@ -16,9 +16,11 @@ import time
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from app import metrics
 from app.api.app import create_app
+from app.api.connections import ConnectionLimits, LimitedHttpToolsProtocol
 from app.api.logs import configure_logging
 from app.api.state import ServerState
 from app.settings import ServerSettings
@@ -64,6 +66,22 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
+    limits = ConnectionLimits(settings.header_timeout_s, settings.max_header_bytes)
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=LimitedHttpToolsProtocol.with_limits(limits),
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=math.ceil(settings.keep_alive_s),
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
+        log_config=None,
+        access_log=False,
+        server_header=False,
+    )
+
+
 def serve(settings: ServerSettings) -> int:
     """Serve until stopped; 0 after a clean stop or drain, 1 if startup failed."""
     configure_logging(settings.log_level)
@@ -74,17 +92,7 @@ def serve(settings: ServerSettings) -> int:
             server.fail()
 
     app = create_app(settings, on_fatal=on_fatal)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        timeout_keep_alive=math.ceil(settings.keep_alive_s),
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
-        log_config=None,
-        access_log=False,
-        server_header=False,
-    )
-    server = DrainingServer(config, app.state.server, settings.drain_s)
+    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings.drain_s)
     log.info("listening", extra={"host": settings.host, "port": settings.port, "artifact": settings.artifact})
     server.run()
     return 1 if server.failed or not server.started else 0

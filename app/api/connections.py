@@ -1,0 +1,138 @@
+"""Bounds on what one HTTP connection may hold: the time to send a request's headers, their size, the
+time to send its body, and the number of open connections.
+
+uvicorn bounds none of the first three (its keep-alive timer runs only between requests, and its httptools
+parser takes headers of any size), so a client that connects and trickles bytes (slowloris) holds a
+connection and its memory forever. They are bounded here, in the server itself rather than in a proxy in
+front of it, because the server runs bare too (SageMaker, EKS, `make run`):
+
+- `LimitedHttpToolsProtocol` (uvicorn's httptools protocol, which `uvicorn[standard]` uses by default)
+  answers 408 and closes a connection whose request headers are not complete `header_timeout_s` after
+  it opened or after the request's first byte (on a kept-alive connection), and 431 to headers (request
+  line included) larger than `max_header_bytes`. Both are answered before the app sees the request.
+- `receive_with_deadline` (used by the request middleware) fails a request whose body is not complete
+  `body_timeout_s` after its headers with 408 (`RequestTimeoutError`), closing the connection.
+- The number of connections is uvicorn's `limit_concurrency` (`max_connections`): beyond it a request is
+  answered 503 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from asyncio import TimerHandle
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from starlette.types import Message, Receive
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.errors import RequestTimeoutError
+
+REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    max_header_bytes: int
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    limits: ClassVar[ConnectionLimits]
+
+    @classmethod
+    def with_limits(cls, limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
+        return type(cls.__name__, (cls,), {"limits": limits})
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: TimerHandle | None = None
+        self._header_bytes = 0
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # a refusal stopped the parser: its error is not the client's
+            super().send_400_response(msg)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        if self._header_timer is None:  # a kept-alive connection's next request: its clock starts now
+            self._start_header_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)  # as sent: "name: value\r\n"
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._stop_header_timer()
+        super().on_headers_complete()
+
+    def _count_header_bytes(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(431, f"the request headers exceed {self.limits.max_header_bytes} bytes")
+            raise ValueError("headers too large")  # stops the parser; httptools reports a callback error
+
+    def _start_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_too_slow)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self._refuse(408, f"the request headers took longer than {self.limits.header_timeout_s} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer before any app sees the request, and close."""
+        self._refused = True
+        self._stop_header_timer()
+        body = message.encode()
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n" % (status, REASONS[status])
+        head += b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        self.logger.info("refused a connection: %s", message)
+        self.transport.write(head + body)
+        self.transport.close()
+
+
+def receive_with_deadline(receive: Receive, timeout_s: float) -> Receive:
+    """`receive`, failing with RequestTimeoutError if the request's body is not all in after `timeout_s`;
+    once it is, messages pass through unbounded (a stream waits for a disconnect as long as it lasts)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    body_done = False
+
+    async def bounded() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            message = await asyncio.wait_for(receive(), max(remaining, 0.0))
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the request body was not received within {timeout_s} s (body_timeout_s)"
+            ) from None
+        body_done = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return bounded
