@@ -3,10 +3,16 @@ library on `tokenizer.json`, and the chat template from `tokenizer_config.json` 
 rendered in a sandboxed jinja2 environment, as transformers does. The server never imports transformers:
 that import alone took seconds of every startup.
 
-The HTTP layer encodes prompts and renders chat templates with it, outside the engine loop; the engine
-decodes with `decode` and uses the id sets below for incremental detokenization. EOS ids come from
-`generation_config.json` when present (Llama 3 and stories260K list several there), else from the
-tokenizer config.
+The HTTP layer encodes prompts and renders chat templates with it, off the event loop (`encode` goes
+through the Rust library's batch call, which releases the GIL, so a long prompt stalls no other thread);
+the engine decodes with `decode` and uses the id sets below for incremental detokenization.
+
+User text is encoded as text: a special token's string (`"</s>"`) in a prompt or in chat content stays
+plain text, and control tokens come only from the tokenizer's own template (BOS) or the chat template,
+as Meta's reference chat format does. A completion may opt in to reading them (`split_special_tokens`).
+
+EOS ids come from `generation_config.json` when present (Llama 3 and stories260K list several there),
+else from the tokenizer config.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import pre_tokenizers
 
 from app.errors import ConfigError, InvalidRequestError
 
@@ -32,6 +39,7 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_MARKER = re.compile("\ue000(\\d+)\ue001")  # stands for message i's content while the template renders
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -40,6 +48,8 @@ class Tokenizer:
         self, rust: RustTokenizer, config: Mapping[str, Any], chat_template: str | None, eos: tuple[int, ...]
     ) -> None:
         self._rust = rust
+        self._text = _as_text(rust, first=True)
+        self._text_after_special = _as_text(rust, first=False)
         self.special_tokens = {name: _content(config.get(name)) for name in _SPECIAL_NAMES}
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
         self.eos_token_ids = eos or _ids_of(rust, [self.special_tokens["eos_token"]])
@@ -49,6 +59,16 @@ class Tokenizer:
         self.byte_fallback_ids = frozenset(
             i for token, i in rust.get_vocab(with_added_tokens=False).items() if _BYTE_TOKEN.fullmatch(token)
         )
+        specials = {t.content: i for i, t in rust.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = specials
+        self._special_pattern = (
+            re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+            if specials
+            else None
+        )
+        # No token covers more characters of input than its own string has: a text of more than
+        # max_token_chars * n characters has more than n tokens (the cheap check before tokenizing).
+        self.max_token_chars = max(len(token) for token in rust.get_vocab(with_added_tokens=True)) + 1
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -64,9 +84,14 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         return cls(rust, config, _chat_template(path, config), _generation_eos(path))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, with BOS (and any other special prefix) as the model expects."""
-        return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of `text`, with BOS (and any other special prefix) as the model expects when
+        `add_special_tokens`; special-token strings in `text` stay text unless `split_special_tokens` is
+        false. The batch call releases the GIL while it runs."""
+        rust = self._text if split_special_tokens else self._rust
+        return rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `token_ids`, without any space clean-up (so decoding is a pure function of the ids,
@@ -74,19 +99,50 @@ class Tokenizer:
         return self._rust.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation. The template writes the special prefix (BOS) itself,
-        so the rendered text is encoded without adding another."""
+        so the rendered text is encoded without adding another; special tokens come only from the
+        template, never from a message's content."""
+        if self._special_pattern is None or not any(
+            self._special_pattern.search(m["content"]) for m in messages
+        ):
+            text = self._render(messages, add_generation_prompt, template_kwargs)
+            return self._rust.encode_batch([text], add_special_tokens=False)[0].ids
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        rendered = self._render(marked, add_generation_prompt, template_kwargs)
+        return self._encode_pieces(_pieces(rendered, [m["content"] for m in messages], self._special_pattern))
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
         try:
-            text = self._template.render(
+            return self._template.render(
+                **(template_kwargs or {}),
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 **{name: token or "" for name, token in self.special_tokens.items()},
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", "messages") from exc
-        return self.encode(text, add_special_tokens=False)
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Text pieces encoded as text, special pieces as their ids: what the library does when it
+        splits a text at its special tokens, with only the template's ones counted as special."""
+        ids: list[int] = []
+        for position, (piece, special) in enumerate(pieces):
+            if special:
+                ids.append(self._special_ids[piece])
+            elif piece:
+                rust = self._text if position == 0 else self._text_after_special
+                ids += rust.encode_batch([piece], add_special_tokens=False)[0].ids
+        return ids
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -99,6 +155,37 @@ class Tokenizer:
             value, ensure_ascii=False, indent=indent
         )
         return env.from_string(self.chat_template)
+
+
+def _pieces(rendered: str, contents: list[str], specials: re.Pattern[str]) -> list[tuple[str, bool]]:
+    """`(text, is_special)` pieces of a rendered template whose contents are markers: the template's own
+    text split at special tokens, each message's content put back as plain text."""
+    pieces: list[tuple[str, bool]] = []
+    text = ""
+    for i, part in enumerate(_MARKER.split(rendered)):
+        if i % 2:  # a marker's group: the message index
+            text += contents[int(part)]
+            continue
+        start = 0
+        for match in specials.finditer(part):
+            pieces += [(text + part[start : match.start()], False), (match.group(), True)]
+            text, start = "", match.end()
+        text += part[start:]
+    return [*pieces, (text, False)]
+
+
+def _as_text(rust: RustTokenizer, first: bool) -> RustTokenizer:
+    """A copy of `rust` that reads special-token strings as text. `first=False`: for a piece that follows a
+    special token, where a sentencepiece pre-tokenizer that marks only the text's start ("first") adds no
+    leading space marker."""
+    copy = RustTokenizer.from_str(rust.to_str())
+    copy.encode_special_tokens = True
+    pre = copy.pre_tokenizer
+    if not first and isinstance(pre, pre_tokenizers.Metaspace) and pre.prepend_scheme == "first":
+        copy.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=pre.replacement, prepend_scheme="never", split=pre.split
+        )
+    return copy
 
 
 def _raise_exception(message: str) -> None:

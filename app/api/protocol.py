@@ -1,22 +1,48 @@
 """The HTTP request and response bodies, as pydantic models: OpenAI's completions, chat completions and
-models, and the `{"inputs", "parameters", "stream"}` body that TGI and LMI containers take on SageMaker.
+models, vLLM's extensions to them, and the `{"inputs", "parameters", "stream"}` body that TGI and LMI
+containers take on SageMaker.
 
-Requests forbid unknown fields, and every parameter this server cannot honour is declared with its
-neutral value in `UNSUPPORTED`: a request that sets it to anything else is refused with 400 naming it,
-never silently ignored. Validation against server limits happens in `app/api/serving.py`.
+Requests are strict (`"max_tokens": "10"` and `"stream": "yes"` are refused, not coerced) and forbid
+unknown fields, as OpenAI's API does. Every numeric field is bounded here to what a backend can
+represent (a seed is an int64, top_k an int32). What each vLLM extension field does here, and which
+values are refused, is one table in `app/api/validation.py`, which is also where a body is checked
+against the server's limits and the backend's abilities.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["system", "developer", "user", "assistant"]
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+def _valid_unicode(text: str) -> str:
+    """A lone UTF-16 surrogate (JSON `"\\ud800"`) is no Unicode text: no tokenizer can encode it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"the text holds a lone UTF-16 surrogate ({text[error.start]!r} at character "
+                f"{error.start}); text must be valid Unicode"
+            ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ResponseModel(BaseModel):
@@ -24,27 +50,57 @@ class ResponseModel(BaseModel):
 
 
 class StreamOptions(RequestModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = Field(False, description="vLLM: usage in every chunk.")
 
 
 class SamplingFields(RequestModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions: OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1: all.")
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=INT32_MAX)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: Seed | None = None
     user: str | None = None
-    ignore_eos: bool = Field(False, description="Extension: generate max_tokens even past EOS.")
-    # Refused unless neutral (see UNSUPPORTED).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's sampling extensions
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
+    use_beam_search: bool = False
+    top_k: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="Keep the k most likely tokens; 0/-1: all."
+    )
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = Field(False, description="Generate max_tokens even past EOS.")
+    min_tokens: Count = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    allowed_token_ids: list[TokenId] | None = None
+    prompt_logprobs: Count | None = None
+    # vLLM's extra parameters
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    request_id: str | None = Field(None, max_length=256)
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -52,28 +108,38 @@ class SamplingFields(RequestModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+    structures: list[Any] | None = None
+    triggers: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
-    best_of: int | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="0 with echo: score the prompt.")
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    echo: bool | None = False
     suffix: str | None = None
+    prompt_embeds: Any = None
+    add_special_tokens: bool = Field(True, description="vLLM: add the tokenizer's BOS (and such).")
+    split_special_tokens: bool = Field(
+        True,
+        description="transformers' name: special-token strings in the prompt are plain text; false "
+        "opts in to reading them as control tokens.",
+    )
+    response_format: ResponseFormat | None = None
 
 
 class TextPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(RequestModel):
     role: Role
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     name: str | None = None
 
     @property
@@ -83,23 +149,31 @@ class ChatMessage(RequestModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(RequestModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    # Refused unless neutral (see UNSUPPORTED).
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    # vLLM's chat extensions
+    bad_words: list[str] | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    structural_tag: str | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -109,61 +183,50 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class GenerateParameters(RequestModel):
-    """TGI's `parameters` object (the subset this server honours, plus neutral-only fields)."""
+    """TGI's `parameters` object."""
 
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
     do_sample: bool | None = None
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    return_full_text: bool = False
+    stop: list[Text] = Field(default_factory=list)
+    seed: Seed | None = None
+    return_full_text: bool | None = False
     details: bool = False
     ignore_eos: bool = False
-    # Refused unless neutral (see UNSUPPORTED).
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    typical_p: float | None = None
-    truncate: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    frequency_penalty: Penalty | None = None
+    typical_p: float | None = Field(None, gt=0.0, le=1.0)
+    truncate: int | None = Field(None, ge=1, le=INT32_MAX)
     watermark: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     decoder_input_details: bool = False
-    top_n_tokens: int | None = None
+    top_n_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     grammar: Any = None
     adapter_id: str | None = None
 
 
 class GenerateRequest(RequestModel):
-    inputs: str
+    inputs: Text
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False
 
 
-# Parameter -> the values that mean "not used". Anything else is refused with 400 naming the parameter.
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0, None),
-    "logit_bias": (None, {}),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
-    "repetition_penalty": (None, 1.0),
-    "typical_p": (None, 1.0),
-    "truncate": (None,),
-    "watermark": (False,),
-    "decoder_input_details": (False,),
-    "top_n_tokens": (None, 0),
-    "grammar": (None,),
-    "adapter_id": (None,),
-}
-
-
 # Responses.
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    """Every error, as OpenAI words it."""
+
+    error: ErrorInfo
 
 
 class UsageInfo(ResponseModel):
@@ -173,9 +236,12 @@ class UsageInfo(ResponseModel):
 
 
 class CompletionLogprobs(ResponseModel):
+    """OpenAI's completions format; with `echo` the prompt's tokens come first (the first one's
+    logprob and alternatives are null: nothing precedes it)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -289,3 +355,7 @@ class GenerateStreamEvent(ResponseModel):
     token: GenerateToken | None
     generated_text: str | None = None
     details: GenerateDetails | None = None
+
+
+class Status(ResponseModel):
+    status: str

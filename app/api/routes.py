@@ -1,4 +1,5 @@
-"""The routes: thin functions that read the body, check it, and hand it to the API it belongs to.
+"""The routes: thin functions that read the body, validate it (`app/api/validation.py`, off the event
+loop), and hand it to the API it belongs to.
 
 `inference` (OpenAI and SageMaker's `/invocations`) requires an API key when keys are configured;
 `probes` (`/health`, `/ready`, `/ping`, `/metrics`) never do and never touch the engine loop, so they
@@ -7,26 +8,22 @@ answer at once under any load.
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 
 from app import metrics
 from app.api import openai, tgi
 from app.api.auth import require_api_key
-from app.api.errors import from_validation_error
 from app.api.logs import REQUEST_ID
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, ModelCard, ModelList
+from app.api.protocol import ModelCard, ModelList
 from app.api.serving import Serving
 from app.api.state import ServerState
-from app.errors import InvalidRequestError, NotReadyError, PayloadTooLargeError
+from app.api.validation import Api
+from app.errors import NotReadyError, PayloadTooLargeError
 from app.settings import ServerSettings
-
-M = TypeVar("M", bound=BaseModel)
 
 
 async def get_serving(request: Request) -> Serving:
@@ -40,8 +37,8 @@ async def get_serving(request: Request) -> Serving:
 ServingDep = Annotated[Serving, Depends(get_serving)]
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object, refused with 413 past `max_body_bytes` (before reading all of it)."""
+async def read_body(request: Request) -> bytes:
+    """The body's bytes, refused with 413 past `max_body_bytes` (before reading all of it)."""
     settings: ServerSettings = request.app.state.settings
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
@@ -53,20 +50,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         if size > limit:
             raise PayloadTooLargeError(f"the body is over max_body_bytes ({limit} bytes)")
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except ValueError as error:
-        raise InvalidRequestError(f"the body is not valid JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the body must be a JSON object")
-    return body
-
-
-def parse(model: type[M], body: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise from_validation_error(error) from None
+    return b"".join(chunks)
 
 
 def request_id() -> str:
@@ -80,15 +64,15 @@ probes = APIRouter()
 @inference.post("/v1/completions")
 async def completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI text completions; `stream: true` for server-sent events."""
-    body = parse(CompletionRequest, await read_json(request))
-    return await openai.create_completion(serving, body, request, request_id())
+    validated = await serving.validate(Api.COMPLETION, await read_body(request))
+    return await openai.create_completion(serving, validated, request, request_id())
 
 
 @inference.post("/v1/chat/completions")
 async def chat_completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI chat completions through the model's chat template; `stream: true` for events."""
-    body = parse(ChatCompletionRequest, await read_json(request))
-    return await openai.create_chat_completion(serving, body, request, request_id())
+    validated = await serving.validate(Api.CHAT, await read_body(request))
+    return await openai.create_chat_completion(serving, validated, request, request_id())
 
 
 @inference.get("/v1/models")
@@ -107,16 +91,12 @@ async def models(serving: ServingDep) -> ModelList:
 @inference.post("/invocations")
 async def invocations(request: Request, serving: ServingDep) -> Response:
     """SageMaker: an OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's `inputs` body."""
-    body = await read_json(request)
-    if "messages" in body:
-        chat = parse(ChatCompletionRequest, body)
-        return await openai.create_chat_completion(serving, chat, request, request_id())
-    if "prompt" in body:
-        completion = parse(CompletionRequest, body)
-        return await openai.create_completion(serving, completion, request, request_id())
-    if "inputs" in body:
-        return await tgi.generate(serving, parse(GenerateRequest, body), request, request_id())
-    raise InvalidRequestError("the body needs messages (chat), prompt (completion) or inputs (generate)")
+    validated = await serving.validate(None, await read_body(request))
+    if validated.api is Api.CHAT:
+        return await openai.create_chat_completion(serving, validated, request, request_id())
+    if validated.api is Api.COMPLETION:
+        return await openai.create_completion(serving, validated, request, request_id())
+    return await tgi.generate(serving, validated, request, request_id())
 
 
 def _state(request: Request) -> ServerState:

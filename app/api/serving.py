@@ -1,191 +1,35 @@
-"""From a validated API body to engine requests, and from engine outputs back to choices.
+"""Running a validated request (`app/api/validation.py`) and reading its outputs back as choices.
 
-Shared by the OpenAI routes and `/invocations`: the server's limits (`Limits`), refusal of parameters
-the backend cannot honour, tokenization (outside the engine loop), seeds (a request without one gets a
-random seed; choice i > 0 gets a seed derived from it), and `Job`: the n engine requests behind one HTTP
-request, started together, read as one ordered stream of `(choice index, delta)`, aborted together.
+Shared by the OpenAI routes and `/invocations`: `Serving` (the runtime one request needs; it runs the
+validation step in a worker thread, so tokenizing and templating never block the event loop), and `Job`:
+the n engine requests behind one HTTP request, started together, read as one ordered stream of
+`(choice index, delta)`, aborted together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import itertools
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
+import anyio
 
-from app.api.protocol import UNSUPPORTED
-from app.backends.base import SampledToken, SamplingParams
+from app.api.validation import Api, EngineRequest, Limits, Validated, Validator
+from app.backends.base import SampledToken
 from app.engine.detokenizer import DecodeRules
-from app.engine.types import EngineClient, FinishReason, GenerationParams, RequestOutput, RequestTimings
-from app.errors import InvalidRequestError, NotFoundError
+from app.engine.types import EngineClient, FinishReason, RequestOutput, RequestTimings
 from app.settings import ServerSettings
 
 if TYPE_CHECKING:
     from app.api.state import Runtime
 
-SEED_SPACE = 2**63
+VALIDATION_THREADS = 4  # requests tokenized at once: more would only share the same cores
 # NOTE: a client may reuse its X-Request-Id; a process-wide sequence number keeps engine ids unique.
 _ENGINE_SEQUENCE = itertools.count()
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """The server's request limits, resolved against the artifact's compiled grid."""
-
-    max_prompt_tokens: int
-    max_output_tokens: int
-    max_positions: int
-    default_max_tokens: int
-    max_n: int
-    max_stop_strings: int
-    max_stop_string_chars: int
-    max_logprobs: int
-
-    @classmethod
-    def resolve(cls, settings: ServerSettings, runtime: Runtime) -> Limits:
-        grid = runtime.grid
-        return cls(
-            max_prompt_tokens=min(
-                settings.max_prompt_tokens or grid.max_prompt_tokens, grid.max_prompt_tokens
-            ),
-            max_output_tokens=min(settings.max_output_tokens or grid.max_positions, grid.max_positions),
-            max_positions=grid.max_positions,
-            default_max_tokens=settings.default_max_tokens,
-            max_n=settings.max_n,
-            max_stop_strings=settings.max_stop_strings,
-            max_stop_string_chars=settings.max_stop_string_chars,
-            max_logprobs=settings.max_logprobs,
-        )
-
-    def check_prompt(self, token_ids: Sequence[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(token_ids) > self.max_prompt_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}",
-                param="prompt",
-            )
-
-    def check_n(self, n: int) -> None:
-        if n > self.max_n:
-            raise InvalidRequestError(f"n is {n}; the limit is {self.max_n} (max_n)", param="n")
-
-    def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
-        if len(stop) > self.max_stop_strings:
-            raise InvalidRequestError(
-                f"{len(stop)} stop strings; the limit is {self.max_stop_strings} (max_stop_strings)",
-                param=param,
-            )
-        if any(not s for s in stop):
-            raise InvalidRequestError("stop strings must not be empty", param=param)
-        if any(len(s) > self.max_stop_string_chars for s in stop):
-            raise InvalidRequestError(
-                f"a stop string is longer than {self.max_stop_string_chars} characters "
-                "(max_stop_string_chars)",
-                param=param,
-            )
-
-    def check_logprobs(self, num: int, param: str) -> None:
-        if num > self.max_logprobs:
-            raise InvalidRequestError(
-                f"{param} is {num}; the limit is {self.max_logprobs} (max_logprobs)", param=param
-            )
-
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str, default: int | None) -> int:
-        """The request's output budget: `requested`, or `default`, or all positions the prompt leaves."""
-        if requested is not None and requested > self.max_output_tokens:
-            raise InvalidRequestError(
-                f"{param} is {requested}; the limit is {self.max_output_tokens} (max_output_tokens)",
-                param=param,
-            )
-        if requested is not None:
-            return requested
-        if default is not None:
-            return default
-        room = min(self.max_output_tokens, self.max_positions - prompt_len)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens and leaves no room to generate within "
-                f"max_positions {self.max_positions}",
-                param="prompt",
-            )
-        return room
-
-
-def refuse_unsupported(body: BaseModel) -> None:
-    """400 naming the first parameter set to a value the backend cannot honour."""
-    for name in body.model_fields_set:
-        neutral = UNSUPPORTED.get(name)
-        if neutral is not None and getattr(body, name) not in neutral:
-            raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-
-
-def choice_seeds(seed: int | None, n: int) -> list[int]:
-    """Seed of each choice: the request's (or a random one) for the first, derived ones after it."""
-    base = secrets.randbelow(SEED_SPACE) if seed is None else seed % SEED_SPACE
-    return [base] + [_derive_seed(base, i) for i in range(1, n)]
-
-
-def _derive_seed(base: int, index: int) -> int:
-    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % SEED_SPACE
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """One request's sampling knobs, before a seed is chosen per choice."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    num_top_logprobs: int
-    stop_strings: tuple[str, ...]
-    ignore_eos: bool
-
-    def params(self, seed: int, max_tokens: int) -> GenerationParams:
-        sampling = SamplingParams(
-            temperature=self.temperature,
-            top_k=max(self.top_k, 0),
-            top_p=self.top_p,
-            seed=seed,
-            num_top_logprobs=self.num_top_logprobs,
-        )
-        return GenerationParams(
-            sampling=sampling,
-            max_tokens=max_tokens,
-            stop_strings=self.stop_strings,
-            ignore_eos=self.ignore_eos,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    prompt_index: int
-    prompt_token_ids: list[int]
-    params: GenerationParams
-
-
-def fan_out(
-    prompts: Sequence[list[int]],
-    n: int,
-    seed: int | None,
-    build: Sampling,
-    max_tokens: Sequence[int],
-) -> list[EngineRequest]:
-    """n engine requests per prompt, choice index = prompt index * n + i (OpenAI's order)."""
-    seeds = choice_seeds(seed, n)
-    return [
-        EngineRequest(p, prompt, build.params(seeds[i], max_tokens[p]))
-        for p, prompt in enumerate(prompts)
-        for i in range(n)
-    ]
 
 
 @dataclass
@@ -317,7 +161,9 @@ class Serving:
     def __init__(self, runtime: Runtime, settings: ServerSettings) -> None:
         self.engine = runtime.engine
         self.tokenizer = runtime.tokenizer
-        self.limits = Limits.resolve(settings, runtime)
+        self.limits = Limits.resolve(settings, runtime.grid)
+        self.validator = Validator(self.limits, runtime.tokenizer, runtime.engine, runtime.model_name)
+        self._threads = anyio.CapacityLimiter(VALIDATION_THREADS)
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
@@ -325,19 +171,9 @@ class Serving:
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
         self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise NotFoundError(f"model {model!r} does not exist; this server serves {self.model_name!r}")
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.limits.check_prompt(token_ids)
-        return token_ids
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        token_ids = list(self.tokenizer.apply_chat_template(messages))
-        self.limits.check_prompt(token_ids)
-        return token_ids
+    async def validate(self, api: Api | None, raw: bytes) -> Validated:
+        """The validation step (`Validator.validate`), in a worker thread."""
+        return await anyio.to_thread.run_sync(self.validator.validate, api, raw, limiter=self._threads)
 
     def start(self, request_id: str, requests: list[EngineRequest]) -> Job:
         return Job(self.engine, request_id, requests).start()

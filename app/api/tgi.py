@@ -14,44 +14,24 @@ from fastapi.responses import Response
 from app.api import streaming
 from app.api.protocol import (
     GenerateDetails,
-    GenerateParameters,
     GenerateRequest,
     GenerateResponse,
     GenerateStreamEvent,
     GenerateToken,
 )
-from app.api.serving import ChoiceOutput, Job, Sampling, Serving, fan_out, refuse_unsupported
+from app.api.serving import ChoiceOutput, Job, Serving
+from app.api.validation import Validated
 from app.engine.types import FinishReason, RequestOutput
 
 
-def wants_sampling(params: GenerateParameters) -> bool:
-    warpers = (
-        (params.temperature is not None and params.temperature not in (0.0, 1.0))
-        or bool(params.top_k)
-        or (params.top_p is not None and params.top_p < 1.0)
-    )
-    return bool(params.do_sample) or warpers
-
-
-def sampling(params: GenerateParameters) -> Sampling:
-    sample = wants_sampling(params) and params.temperature != 0.0
-    return Sampling(
-        temperature=(params.temperature or 1.0) if sample else 0.0,
-        top_p=params.top_p or 1.0,
-        top_k=params.top_k or 0,
-        num_top_logprobs=0,
-        stop_strings=tuple(params.stop),
-        ignore_eos=params.ignore_eos,
-    )
-
-
 class GenerateRenderer:
-    def __init__(self, serving: Serving, job: Job, params: GenerateParameters, prompt_text: str) -> None:
+    def __init__(self, serving: Serving, job: Job, validated: Validated) -> None:
+        assert isinstance(validated.body, GenerateRequest)
         self.eos_token_ids = serving.engine.eos_token_ids
         self.special_token_ids = serving.tokenizer.special_token_ids
         self.job = job
-        self.details_wanted = params.details
-        self.prefix = prompt_text if params.return_full_text else ""
+        self.details_wanted = validated.body.parameters.details
+        self.prefix = "".join(validated.prompt_texts)
         self.sampled = job.requests[0].params.sampling.temperature > 0
 
     def finish_reason(self, output: ChoiceOutput) -> str:
@@ -95,15 +75,7 @@ class GenerateRenderer:
         return b"[" + response.model_dump_json(exclude=omitted).encode() + b"]"
 
 
-async def generate(serving: Serving, body: GenerateRequest, request: Request, request_id: str) -> Response:
-    params = body.parameters
-    refuse_unsupported(params)
-    serving.limits.check_stop(params.stop, "parameters.stop")
-    prompt = serving.encode(body.inputs)
-    max_tokens = [
-        serving.limits.max_tokens(params.max_new_tokens, len(prompt), "parameters.max_new_tokens", None)
-    ]
-    requests = fan_out([prompt], 1, params.seed, sampling(params), max_tokens)
-    job = serving.start(request_id, requests)
-    renderer = GenerateRenderer(serving, job, params, body.inputs)
-    return await streaming.respond(request, job, renderer, body.stream)
+async def generate(serving: Serving, validated: Validated, request: Request, request_id: str) -> Response:
+    job = serving.start(request_id, validated.requests)
+    renderer = GenerateRenderer(serving, job, validated)
+    return await streaming.respond(request, job, renderer, validated.stream)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from app.errors import InvalidRequestError
 from app.shapes import ShapeGrid
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -41,17 +42,38 @@ FED_BACK = -1  # a decode row's last token: the one the device sampled last for 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-sequence sampling. temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filter."""
+    """Per-sequence sampling. temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filter. The fields
+    after `num_top_logprobs` are features a backend may lack (`Backend.sampling_features`); each has a
+    neutral value (`NEUTRAL_SAMPLING`) that every backend honours.
+
+    `prompt_logprobs`: a prefill also returns the prompt's logprobs with this many alternatives each
+    (`SampledToken.prompt`); None: not asked for."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
     num_top_logprobs: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+NEUTRAL_SAMPLING: dict[str, object] = {
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+    "prompt_logprobs": None,
+}
 
 
 GREEDY = SamplingParams()
@@ -81,9 +103,13 @@ class DecodeBatch:
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
+    """A generated token; the first one of a prefill asked for `prompt_logprobs` also carries the
+    prompt's tokens scored (the first prompt token has nothing before it: not included)."""
+
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    prompt: tuple[SampledToken, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +150,21 @@ class ModelInfo:
 Tokens = Callable[[], list["SampledToken"]]  # waits for a launched call's tokens
 
 
+def check_sampling(params: SamplingParams, vocab: int, features: frozenset[str], backend: str) -> None:
+    """What every backend refuses: numbers past the vocabulary, and features it lacks."""
+    if not 0 <= params.top_k <= vocab:
+        raise InvalidRequestError(
+            f"top_k is {params.top_k}; the vocabulary has {vocab} tokens", param="top_k"
+        )
+    if max(params.num_top_logprobs, params.prompt_logprobs or 0) > vocab:
+        raise InvalidRequestError(
+            f"more logprobs asked than the vocabulary's {vocab} tokens", param="logprobs"
+        )
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        if getattr(params, name) != neutral and name not in features:
+            raise InvalidRequestError(f"{name} is not supported by the {backend} backend", param=name)
+
+
 class Backend(ABC):
     """A device running one compiled model over slots. Not thread-safe: one caller (the engine loop)."""
 
@@ -131,6 +172,7 @@ class Backend(ABC):
     spec: BackendSpec
     model: ModelInfo
     feeds_back_tokens: ClassVar[bool] = False  # decode rows may carry FED_BACK (module docstring)
+    sampling_features: ClassVar[frozenset[str]] = frozenset()  # NEUTRAL_SAMPLING fields it honours
 
     @classmethod
     @abstractmethod
@@ -148,9 +190,10 @@ class Backend(ABC):
         tokens = self.prefill(batch) if isinstance(batch, PrefillBatch) else self.decode(batch)
         return lambda: tokens
 
-    def check_sampling(self, params: SamplingParams) -> None:  # noqa: B027  (most backends honour all)
-        """Raise InvalidRequestError (naming the parameter) for sampling this backend cannot honour.
-        Called at admission, so a request is refused before it reaches a step."""
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the parameter) for sampling this backend cannot honour or
+        represent. Called at admission, so a request is refused before it reaches a step."""
+        check_sampling(params, self.model.vocab_size, self.sampling_features, self.name)
 
     def warmup(self) -> None:
         """Run every compiled shape once (and capture graphs where the backend has them)."""

@@ -46,6 +46,7 @@ from app.backends.base import (
     ModelInfo,
     PrefillBatch,
     SampledToken,
+    SamplingParams,
     Tokens,
 )
 from app.errors import ConfigError
@@ -157,6 +158,8 @@ def sim_hash(seed: int, position: int, previous_token: int) -> int:
 class SimBackend(Backend):
     name: ClassVar[str] = "sim"
     feeds_back_tokens: ClassVar[bool] = True
+    # As the torch backend, so a sim-backed server accepts what a torch-backed one does.
+    sampling_features: ClassVar[frozenset[str]] = frozenset({"min_p", "prompt_logprobs"})
     spec: BackendSpec
     model: ModelInfo
     cost_model: CostModel = field(default_factory=CostModel)
@@ -245,7 +248,9 @@ class SimBackend(Backend):
     def _prefill_tokens(self, batch: PrefillBatch) -> list[SampledToken]:
         self._check_prefill(batch)
         tokens = [
-            self.sample_token(params.seed, len(prompt), prompt[-1], params.num_top_logprobs)
+            self.sample_token(
+                params.seed, len(prompt), prompt[-1], params.num_top_logprobs, self._scored(prompt, params)
+            )
             for prompt, params in zip(batch.prompts, batch.sampling, strict=True)
         ]
         for slot, prompt, token in zip(batch.slots, batch.prompts, tokens, strict=True):
@@ -273,7 +278,12 @@ class SimBackend(Backend):
         return tokens
 
     def sample_token(
-        self, seed: int, position: int, previous_token: int, num_top_logprobs: int = 0
+        self,
+        seed: int,
+        position: int,
+        previous_token: int,
+        num_top_logprobs: int = 0,
+        prompt: tuple[SampledToken, ...] | None = None,
     ) -> SampledToken:
         """The token this device generates at `position` after `previous_token`: a pure function."""
         h = sim_hash(seed, position, previous_token)
@@ -281,10 +291,21 @@ class SimBackend(Backend):
             token = self.model.eos_token_ids[0]
         else:
             token = self._plain_ids[h % len(self._plain_ids)]
+        return SampledToken(token, *self._scores(h, token, num_top_logprobs), prompt)
+
+    def _scores(self, h: int, token: int, num_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         logprob = -((h >> 20) & 0xFFFF) / 16384.0
         vocab = self.model.vocab_size
-        top = tuple(((token + i) % vocab, logprob - i) for i in range(min(num_top_logprobs, vocab)))
-        return SampledToken(token, logprob, top)
+        return logprob, tuple(((token + i) % vocab, logprob - i) for i in range(min(num_top, vocab)))
+
+    def _scored(self, prompt: tuple[int, ...], params: SamplingParams) -> tuple[SampledToken, ...] | None:
+        """Prompt logprobs: a pure function of the prompt (the seed plays no part)."""
+        if params.prompt_logprobs is None:
+            return None
+        return tuple(
+            SampledToken(token, *self._scores(sim_hash(0, i, prompt[i - 1]), token, params.prompt_logprobs))
+            for i, token in enumerate(prompt[1:], start=1)
+        )
 
     def _wait(
         self, batch: PrefillBatch | DecodeBatch, start: float, end: float, tokens: list[SampledToken]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from app.errors import ConfigError
@@ -36,14 +37,16 @@ class DecodeRules:
     anchor_len: int  # len(decode(anchor))
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> DecodeRules:
+    def of(cls, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> DecodeRules:
+        """`skip_special_tokens=False`: special tokens' text is part of the output text."""
         anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
         anchor_text = tokenizer.decode(anchor)
         if not anchor_text or REPLACEMENT_CHAR in anchor_text or anchor_text[0].isspace():
             raise ConfigError(f"the tokenizer has no plain-text token for 'a' (got {anchor_text!r})")
+        special = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         return cls(
-            decode=tokenizer.decode,
-            hold_ids=tokenizer.byte_fallback_ids | tokenizer.special_token_ids,
+            decode=partial(tokenizer.decode, skip_special_tokens=skip_special_tokens),
+            hold_ids=tokenizer.byte_fallback_ids | special,
             anchor=tuple(anchor),
             anchor_len=len(anchor_text),
         )

@@ -92,6 +92,7 @@ class LLMEngine:
         self.grid = backend.spec.grid
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
         self._decode_rules = DecodeRules.of(tokenizer)
+        self._decode_rules_with_special = DecodeRules.of(tokenizer, skip_special_tokens=False)
         self._scheduler = Scheduler(self.grid, self.config)
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
         self._last_done = 0.0  # when the last call's tokens were back (time.perf_counter())
@@ -132,8 +133,9 @@ class LLMEngine:
         its deltas as an async iterator bound to the running event loop."""
         loop = asyncio.get_running_loop()
         prompt = tuple(prompt_token_ids)
-        self._validate(prompt, params)
-        continues_text = self._decode_rules.continues_text(prompt)
+        self.check_request(prompt, params)
+        rules = self._decode_rules if params.skip_special_tokens else self._decode_rules_with_special
+        continues_text = rules.continues_text(prompt)
         stop_ids = stop_token_ids(params, self.eos_token_ids)
         with self._lock:
             self._check_admission()
@@ -142,8 +144,9 @@ class LLMEngine:
             if deadline is None and self.config.request_timeout_s is not None:
                 deadline = now + self.config.request_timeout_s
             stream = RequestStream(request_id, loop, self.abort)
-            detokenizer = IncrementalDetokenizer(self._decode_rules, continues_text)
-            output = OutputState(stream, detokenizer, StopStringMatcher.of(params.stop_strings))
+            detokenizer = IncrementalDetokenizer(rules, continues_text)
+            matcher = StopStringMatcher.of(params.stop_strings, params.include_stop_str_in_output)
+            output = OutputState(stream, detokenizer, matcher)
             request = Request(request_id, prompt, params, now, stop_ids, deadline, output)
             self._output.admit(request)
             self._inbox.append(request)
@@ -185,7 +188,8 @@ class LLMEngine:
         step_s = self._output.step_s or DEFAULT_STEP_S
         return step_s * self._output.request_tokens * (self.num_waiting / self.grid.num_slots + 1)
 
-    def _validate(self, prompt: tuple[int, ...], params: GenerationParams) -> None:
+    def check_request(self, prompt: Sequence[int], params: GenerationParams) -> None:
+        """What the engine and its backend can run (`EngineClient.check_request`)."""
         if not prompt:
             raise InvalidRequestError("the prompt has no tokens", param="prompt")
         if params.max_tokens < 1:
@@ -198,6 +202,10 @@ class LLMEngine:
             bad = next(t for t in prompt if not 0 <= t < vocab)
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+            )
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must lie in the vocabulary (0..{vocab - 1})", param="stop_token_ids"
             )
         n, limit = len(prompt), self.grid.max_prompt_tokens
         if n > limit:

@@ -32,17 +32,18 @@ def token_stop_reason(request: Request) -> FinishReason | None:
 
 
 class StopStringMatcher:
-    """Streams text through, cutting it before the first stop string."""
+    """Streams text through, cutting it before the first stop string (after it, with `include_stop`)."""
 
-    __slots__ = ("_held", "_stops")
+    __slots__ = ("_held", "_include", "_stops")
 
-    def __init__(self, stop_strings: Iterable[str]) -> None:
+    def __init__(self, stop_strings: Iterable[str], include_stop: bool = False) -> None:
         self._stops = tuple(s for s in stop_strings if s)
+        self._include = include_stop
         self._held = ""
 
     @classmethod
-    def of(cls, stop_strings: tuple[str, ...]) -> StopStringMatcher | None:
-        return cls(stop_strings) if any(stop_strings) else None
+    def of(cls, stop_strings: tuple[str, ...], include_stop: bool = False) -> StopStringMatcher | None:
+        return cls(stop_strings, include_stop) if any(stop_strings) else None
 
     def push(self, piece: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found)."""
@@ -50,7 +51,8 @@ class StopStringMatcher:
         hits = [(i + len(s), i) for s in self._stops if (i := text.find(s)) >= 0]  # (end, start)
         if hits:
             self._held = ""
-            return text[: min(hits)[1]], True
+            end, start = min(hits)
+            return text[: end if self._include else start], True
         keep = self._partial_match_length(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False

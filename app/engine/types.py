@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -27,6 +27,8 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     deadline: float | None = None  # time.monotonic() after which the request fails
+    skip_special_tokens: bool = True  # special tokens' text is left out of the output text
+    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,12 @@ class EngineClient(Protocol):
         """Admit the request (raising InvalidRequestError / OverloadedError / NotReadyError at once) and
         yield its deltas in order, exactly once, ending with one whose `finished` is true. Closing the
         iterator early (client gone) aborts the request and frees its slot at the next step."""
+        ...
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: GenerationParams) -> None:
+        """Raise InvalidRequestError (naming the field) for what the engine or its backend cannot run:
+        token ids outside the vocabulary, a prompt plus max_tokens past the compiled grid, sampling the
+        backend lacks. `generate` checks the same; the HTTP layer calls it before admitting anything."""
         ...
 
     def abort(self, request_id: str) -> None: ...

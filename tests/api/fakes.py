@@ -2,8 +2,9 @@
 
 Tokenizer: one token per byte (id = byte + 3), BOS 1, EOS 2. Engine: the k-th generated token of a
 request is the letter `"abcdefghijklmnopqrstuvwxyz"[(seed * greedy_off + prompt length + k) % 26]`, one
-delta per token, `step_s` apart; stop strings and max_tokens end it as the real engine does. `aborted`
-lists the ids `abort` was called with (what `Job.close` owes a client gone), nothing else.
+delta per token (the first carries prompt logprobs of -1.0 when asked for), `step_s` apart; stop
+strings and max_tokens end it as the real engine does. `aborted` lists the ids `abort` was called with
+(what `Job.close` owes a client gone), nothing else. It refuses the sampling features no backend has.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import string
 from collections.abc import AsyncIterator
 
 from app.api.state import Runtime
-from app.backends.base import SampledToken
+from app.backends.base import SampledToken, check_sampling
 from app.engine.types import FinishReason, GenerationParams, RequestOutput, RequestTimings
+from app.errors import InvalidRequestError
 from app.shapes import ShapeGrid
 
 BOS, EOS, OFFSET = 1, 2, 3
+VOCAB_SIZE = 256 + OFFSET
 GRID = ShapeGrid(4, 256, (64, 128), (128, 256), (1, 2, 4))
 
 
@@ -25,15 +28,20 @@ class FakeTokenizer:
     eos_token_ids = (EOS,)
     special_token_ids = frozenset({BOS, EOS})
     byte_fallback_ids = frozenset()
+    max_token_chars = 1
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = True
+    ) -> list[int]:
         prefix = [BOS] if add_special_tokens else []
         return prefix + [b + OFFSET for b in text.encode()]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, template_kwargs=None
+    ) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
 
@@ -45,9 +53,11 @@ def expected_text(prompt_len: int, max_tokens: int, seed: int = 0, greedy: bool 
 class FakeEngine:
     eos_token_ids = frozenset({EOS})
 
-    def __init__(self, step_s: float = 0.0) -> None:
+    def __init__(self, step_s: float = 0.0, vocab_size: int = VOCAB_SIZE) -> None:
         self.step_s = step_s
+        self.vocab_size = vocab_size
         self.fail_with: Exception | None = None  # raised by `generate` (admission errors, bugs)
+        self.reject_with: Exception | None = None  # raised by `check_request` (what the backend lacks)
         self.requests: dict[str, GenerationParams] = {}
         self.aborted: list[str] = []
         self.finished: list[str] = []
@@ -60,6 +70,13 @@ class FakeEngine:
             raise self.fail_with
         self.requests[request_id] = params
         return self._run(request_id, prompt_token_ids, params)
+
+    def check_request(self, prompt_token_ids: list[int], params: GenerationParams) -> None:
+        if self.reject_with is not None:
+            raise self.reject_with
+        check_sampling(params.sampling, self.vocab_size, frozenset({"prompt_logprobs"}), "fake")
+        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError("a token id is outside the vocabulary", param="prompt")
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -88,7 +105,7 @@ class FakeEngine:
                 request_id=request_id,
                 token_ids=(token,),
                 text=delta,
-                samples=(SampledToken(token, -0.5, top),),
+                samples=(SampledToken(token, -0.5, top, prompt_samples(prompt, params) if k == 0 else None),),
                 num_prompt_tokens=len(prompt),
                 num_generated_tokens=k + 1,
                 finished=done,
@@ -100,6 +117,14 @@ class FakeEngine:
             if done:
                 self.finished.append(request_id)
                 return
+
+
+def prompt_samples(prompt: list[int], params: GenerationParams) -> tuple[SampledToken, ...] | None:
+    """Prompt logprobs: -1.0 for every prompt token after the first, alternatives as for outputs."""
+    num_top = params.sampling.prompt_logprobs
+    if num_top is None:
+        return None
+    return tuple(SampledToken(t, -1.0, tuple((t + i, -1.0 - i) for i in range(num_top))) for t in prompt[1:])
 
 
 def fake_runtime(engine: FakeEngine | None = None) -> Runtime:

@@ -81,8 +81,11 @@ def test_completion_logprobs_and_echo(client):
     assert list(logprobs["top_logprobs"][0].values()) == [-0.5, -1.5]
     echoed = complete(client, prompt="hi", max_tokens=2, temperature=0, echo=True).json()
     assert echoed["choices"][0]["text"] == "hi" + expected_text(3, 2)
-    refused = complete(client, prompt="hi", echo=True, logprobs=1)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    scored = complete(client, prompt="hi", echo=True, logprobs=1, max_tokens=1, temperature=0).json()[
+        "choices"
+    ][0]
+    assert scored["logprobs"]["tokens"] == ["", "h", "i", expected_text(3, 1)]  # BOS reads as ""
+    assert scored["logprobs"]["token_logprobs"] == [None, -1.0, -1.0, -0.5]
 
 
 def test_chat_uses_template_and_default_max_tokens(client, engine):

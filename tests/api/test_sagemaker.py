@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 
 from app.api import startup
 from app.api.app import create_app
-from app.api.protocol import GenerateParameters
-from app.api.serving import ChoiceOutput, Job, Serving, fan_out
-from app.api.tgi import GenerateRenderer, sampling
+from app.api.serving import ChoiceOutput, Job, Serving
+from app.api.tgi import GenerateRenderer
+from app.api.validation import Api
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
 from app.errors import ArtifactError, ConfigError
@@ -90,7 +90,7 @@ def test_generate_stream_events(client):
     ("parameters", "param"),
     [
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"watermark": True}, "watermark"),
+        ({"watermark": True}, "parameters.watermark"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "parameters.stop"),
         ({"max_new_tokens": 10_000}, "parameters.max_new_tokens"),
         ({"typo": 1}, "parameters.typo"),
@@ -110,9 +110,10 @@ def test_invocations_without_a_known_body(client):
 
 def tgi_renderer() -> GenerateRenderer:
     serving = Serving(fake_runtime(), ServerSettings())
-    params = GenerateParameters()
-    job = Job(serving.engine, "r", fan_out([[1]], 1, None, sampling(params), [1]))
-    return GenerateRenderer(serving, job, params, "")
+    validated = serving.validator.validate(
+        Api.GENERATE, b'{"inputs": "x", "parameters": {"max_new_tokens": 1}}'
+    )
+    return GenerateRenderer(serving, Job(serving.engine, "r", validated.requests), validated)
 
 
 def test_eos_finish_is_named_like_tgi():

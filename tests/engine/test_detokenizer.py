@@ -79,3 +79,11 @@ def test_a_space_after_prompt_text_is_kept(tokenizer: Tokenizer, rules: DecodeRu
     prompt = tokenizer.encode("Once upon a")
     detokenizer = IncrementalDetokenizer(rules, rules.continues_text(prompt))
     assert detokenizer.push(tokenizer.encode("a time")[2:]) == " time"
+
+
+def test_special_tokens_are_text_when_not_skipped(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    one_by_one = [1] * (len(ids) + 1)
+    with_special = DecodeRules.of(tokenizer, skip_special_tokens=False)
+    assert "".join(stream(with_special, [1, *ids], [*ids, 2], one_by_one)).endswith("</s>")
+    assert "</s>" not in "".join(stream(DecodeRules.of(tokenizer), [1, *ids], [*ids, 2], one_by_one))

@@ -68,3 +68,8 @@ def test_streaming_equals_cutting_the_whole_text(text: str, stops: list[str], cu
 def test_stop_token_ids_include_eos_unless_ignored() -> None:
     assert stop_token_ids(params(stop_token_ids=(7,)), (1, 2)) == {1, 2, 7}
     assert stop_token_ids(params(stop_token_ids=(7,), ignore_eos=True), (1, 2)) == {7}
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_after_it() -> None:
+    emitted, hit = stream(StopStringMatcher(["STOP"], include_stop=True), ["once S", "T", "OP and more"])
+    assert hit and "".join(emitted) == "once STOP"

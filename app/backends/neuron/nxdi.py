@@ -171,6 +171,7 @@ class NxdiBackend(NeuronBackend):
         return cls(neuron_model, sampling.prepare_sampling_params, spec, info, view)
 
     def check_sampling(self, params: SamplingParams) -> None:
+        super().check_sampling(params)
         sampling_row(params, self.max_top_k)
 
     def close(self) -> None:

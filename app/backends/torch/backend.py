@@ -5,6 +5,7 @@ pass on every rank and samples on rank 0; only token ids and logprobs come back 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from app.backends.torch.checkpoint import LlamaSpec, read_llama_config, read_mod
 from app.backends.torch.cuda_graphs import DecodeGraphs
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
 from app.backends.torch.parallel import TorchDistributedGroup, WorkerPool, rank_device
-from app.backends.torch.sampling import SamplingTensors, sample_tokens, sampled_tokens
+from app.backends.torch.sampling import SamplingTensors, prompt_logprobs, sample_tokens, sampled_tokens
 from app.errors import ConfigError, GenerationError
 
 HOST = torch.device("cpu")
@@ -32,6 +33,7 @@ class TorchBackend(Backend):
     """A Llama on torch over slots; tensor parallel across processes when `spec.tp_degree > 1`."""
 
     name = "torch"
+    sampling_features = frozenset({"min_p", "prompt_logprobs"})
 
     def __init__(
         self, spec: BackendSpec, model: ModelInfo, runner: LlamaRunner, workers: WorkerPool | None
@@ -68,15 +70,23 @@ class TorchBackend(Backend):
         return cls(spec, model, runner, workers)
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
-        logits = self._forward(self._prefill_step(batch))
+        score_rows = tuple(i for i, p in enumerate(batch.sampling) if p.prompt_logprobs is not None)
+        logits, every = self._forward_scored(self._prefill_step(batch, score_rows))
         positions = [len(prompt) for prompt in batch.prompts]
-        return sample_tokens(logits, batch.sampling, positions, self.model.vocab_size)
+        tokens = sample_tokens(logits, batch.sampling, positions, self.model.vocab_size)
+        if every is None:
+            return tokens
+        for scored, row in enumerate(score_rows):
+            prompt, params = batch.prompts[row], batch.sampling[row]
+            tokens[row] = replace(tokens[row], prompt=prompt_logprobs(every[scored], prompt, params))
+        return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         step = self._decode_step(batch)
         next_positions = [position + 1 for position in batch.positions]
         if self.graphs is None:
-            return sample_tokens(self._forward(step), batch.sampling, next_positions, self.model.vocab_size)
+            logits = self._forward_scored(step)[0]
+            return sample_tokens(logits, batch.sampling, next_positions, self.model.vocab_size)
         self._check_open()
         # Built on the host: the copy into the graph's static buffers is then the one transfer.
         tensors = SamplingTensors.build(
@@ -87,11 +97,11 @@ class TorchBackend(Backend):
     def prefill_logits(self, batch: PrefillBatch) -> torch.Tensor:
         """Run a prefill step and return its fp32 logits [prompts, vocab] instead of sampling
         (parity checks against a reference model)."""
-        return self._forward(self._prefill_step(batch))[: len(batch.slots)]
+        return self._forward_scored(self._prefill_step(batch))[0][: len(batch.slots)]
 
     def decode_logits(self, batch: DecodeBatch) -> torch.Tensor:
         """Run a decode step (eagerly) and return its fp32 logits [rows, vocab] instead of sampling."""
-        return self._forward(self._decode_step(batch))[: len(batch.slots)]
+        return self._forward_scored(self._decode_step(batch))[0][: len(batch.slots)]
 
     def warmup(self) -> None:
         """On a single CUDA device, capture every decode shape as a CUDA graph; then run every shape."""
@@ -108,14 +118,14 @@ class TorchBackend(Backend):
         if self.workers is not None:
             self.workers.close()
 
-    def _forward(self, step: PrefillStep | DecodeStep) -> torch.Tensor:
+    def _forward_scored(self, step: PrefillStep | DecodeStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_open()
         with torch.inference_mode():
             if self.workers is None:
-                return self.runner.run(step)
+                return self.runner.run_scored(step)
             self.workers.send(step)
             try:
-                return self.runner.run(step)
+                return self.runner.run_scored(step)
             except RuntimeError as error:  # a collective failed: a peer rank died or timed out
                 raise GenerationError(f"tensor-parallel step failed: {error}") from error
 
@@ -123,7 +133,7 @@ class TorchBackend(Backend):
         if self.closed:
             raise GenerationError("the torch backend is closed")
 
-    def _prefill_step(self, batch: PrefillBatch) -> PrefillStep:
+    def _prefill_step(self, batch: PrefillBatch, score_rows: tuple[int, ...] = ()) -> PrefillStep:
         grid, bucket = self.spec.grid, batch.context_bucket
         count = _check_rows(batch.slots, batch.prompts, batch.sampling)
         _check_in(bucket, grid.context_buckets, "context bucket")
@@ -138,6 +148,7 @@ class TorchBackend(Backend):
             + ((0,) * bucket,) * padding,
             last_index=tuple(len(prompt) - 1 for prompt in batch.prompts) + (0,) * padding,
             slots=batch.slots + (self.runner.scratch_slot,) * padding,
+            score_rows=score_rows,
         )
 
     def _decode_step(self, batch: DecodeBatch) -> DecodeStep:

@@ -49,11 +49,13 @@ class SingleRank:
 
 @dataclass(frozen=True, slots=True)
 class PrefillStep:
-    """Prompts padded to [rows, context_bucket]; `last_index` is each row's last real token."""
+    """Prompts padded to [rows, context_bucket]; `last_index` is each row's last real token;
+    `score_rows`: rows whose logits at every position come back too (prompt logprobs)."""
 
     tokens: tuple[tuple[int, ...], ...]
     last_index: tuple[int, ...]
     slots: tuple[int, ...]
+    score_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,15 +231,21 @@ class LlamaRunner:
 
     def run(self, step: PrefillStep | DecodeStep) -> torch.Tensor:
         """Full-vocabulary fp32 logits [rows, vocab] for a step given as host values."""
+        return self.run_scored(step)[0]
+
+    def run_scored(self, step: PrefillStep | DecodeStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run`'s logits and, for a prefill with `score_rows`, those rows' logits at every position
+        [len(score_rows), length, vocab] (None otherwise)."""
         ints = {"dtype": torch.int64, "device": self.device}
         slots = torch.tensor(step.slots, **ints)
         if isinstance(step, PrefillStep):
-            return self.prefill_logits(
-                torch.tensor(step.tokens, **ints), torch.tensor(step.last_index, **ints), slots
-            )
+            tokens, last_index = torch.tensor(step.tokens, **ints), torch.tensor(step.last_index, **ints)
+            if step.score_rows:
+                return self.scored_prefill_logits(tokens, last_index, slots, step.score_rows)
+            return self.prefill_logits(tokens, last_index, slots), None
         tokens, positions = torch.tensor(step.tokens, **ints), torch.tensor(step.positions, **ints)
         in_place = all(slot in (row, self.scratch_slot) for row, slot in enumerate(step.slots))
-        return self.decode_logits(tokens, positions, slots, step.span, slots_are_rows=in_place)
+        return self.decode_logits(tokens, positions, slots, step.span, slots_are_rows=in_place), None
 
     def prefill_logits(
         self, tokens: torch.Tensor, last_index: torch.Tensor, slots: torch.Tensor
@@ -247,19 +255,46 @@ class LlamaRunner:
         The last layer still writes every position's K/V, but only each row's last token goes on through
         its attention and MLP: nothing reads the other positions' outputs."""
         rows, length = tokens.shape
-        x = self._embed(tokens)
+        x, (last_layer, last_cache) = self._prefill_body(tokens, slots)
         cos, sin = self.cos[:length, None, :], self.sin[:length, None, :]
-        *body, (last_layer, last_cache) = zip(self.weights.layers, self.kv_cache, strict=True)
-        for layer, cache in body:
-            queries, keys, values = self._prefill_qkv(layer, cache, x, cos, sin, slots)
-            attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
-            x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(rows, length, -1))
         queries, keys, values = self._prefill_qkv(last_layer, last_cache, x, cos, sin, slots)
         row_ids = torch.arange(rows, device=self.device)
         query = queries[row_ids, :, last_index].unflatten(1, (self.num_kv_heads, -1))
         visible = (torch.arange(length, device=self.device)[None, :] <= last_index[:, None])[:, None, None, :]
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
         return self._logits(self._finish_layer(last_layer, x[row_ids, last_index], attn.reshape(rows, -1)))
+
+    def scored_prefill_logits(
+        self, tokens: torch.Tensor, last_index: torch.Tensor, slots: torch.Tensor, score_rows: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill_logits`, with the last layer run at every position, and `score_rows`' logits at every
+        position [len(score_rows), length, vocab]."""
+        rows, length = tokens.shape
+        x, last = self._prefill_body(tokens, slots)
+        x = self._prefill_layer(*last, x, slots)
+        row_ids = torch.arange(rows, device=self.device)
+        scored = x[list(score_rows)]
+        every = self._logits(scored.reshape(-1, scored.shape[-1])).unflatten(0, (len(score_rows), length))
+        return self._logits(x[row_ids, last_index]), every
+
+    def _prefill_body(
+        self, tokens: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[LayerWeights, torch.Tensor]]:
+        """Every layer but the last over the prompt block; the hidden states and the last layer."""
+        x = self._embed(tokens)
+        *body, last = zip(self.weights.layers, self.kv_cache, strict=True)
+        for layer, cache in body:
+            x = self._prefill_layer(layer, cache, x, slots)
+        return x, last
+
+    def _prefill_layer(
+        self, layer: LayerWeights, cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        rows, length = x.shape[:2]
+        cos, sin = self.cos[:length, None, :], self.sin[:length, None, :]
+        queries, keys, values = self._prefill_qkv(layer, cache, x, cos, sin, slots)
+        attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        return self._finish_layer(layer, x, attn.transpose(1, 2).reshape(rows, length, -1))
 
     def decode_logits(
         self,

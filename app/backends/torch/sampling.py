@@ -1,4 +1,5 @@
-"""Sampling inside the step, on the device: greedy, temperature, top-k, top-p and per-request seeds.
+"""Sampling inside the step, on the device: greedy, temperature, top-k, top-p, min-p and per-request
+seeds.
 
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row
 draws one uniform number from a counter-based hash of (seed, position), computed with tensor ops, and
@@ -27,6 +28,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32 [rows], 1.0 on greedy rows
     top_k: torch.Tensor  # int64 [rows], the vocabulary size when unfiltered
     top_p: torch.Tensor  # float32 [rows]
+    min_p: torch.Tensor  # float32 [rows], 0.0 when unfiltered
     keys: torch.Tensor  # int64 [rows]: hash of (seed, position of the generated token)
 
     @classmethod
@@ -47,6 +49,7 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature or 1.0 for p in padded], device=device),
             top_k=torch.tensor([p.top_k or vocab_size for p in padded], device=device),
             top_p=torch.tensor([p.top_p for p in padded], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in padded], dtype=torch.float32, device=device),
             keys=row_keys(seeds, torch.tensor(steps, dtype=torch.int64, device=device)),
         )
 
@@ -86,7 +89,7 @@ def sample_tokens(
     live = logits[: len(params)]
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
     random = any(not p.is_greedy for p in params)
-    filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     return sampled_tokens(sample(live, tensors, random=random, filtered=filtered), params)
 
 
@@ -105,20 +108,40 @@ def sampled_tokens(output: SampleOutput, params: Sequence[SamplingParams]) -> li
     return [SampledToken(*row) for row in zip(token_ids, logprobs, alternatives, strict=True)]
 
 
+@torch.inference_mode()
+def prompt_logprobs(
+    logits: torch.Tensor, prompt: Sequence[int], params: SamplingParams
+) -> tuple[SampledToken, ...]:
+    """Each prompt token after the first, scored by the logits at the position before it (fp32 `logits`
+    [>= len(prompt), vocab]), with `params.prompt_logprobs` alternatives: the raw distribution, as for a
+    generated token's logprob."""
+    logprobs = torch.log_softmax(logits[: len(prompt) - 1], dim=-1)
+    targets = torch.tensor(prompt[1:], dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+    num_top = params.prompt_logprobs or 0
+    if num_top == 0:
+        return tuple(SampledToken(t, lp) for t, lp in zip(prompt[1:], chosen, strict=True))
+    values, ids = logprobs.topk(num_top, dim=-1)
+    alternatives = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return tuple(SampledToken(*row) for row in zip(prompt[1:], chosen, alternatives, strict=True))
+
+
 def _draw(logits: torch.Tensor, tensors: SamplingTensors, filtered: bool) -> torch.Tensor:
     """Inverse-CDF sampling of softmax(logits / temperature), restricted by top-k / top-p. The CDF runs
     in vocabulary order whatever the filters, so a row's token never depends on its batch mates'."""
     probs = torch.softmax(logits / tensors.temperature[:, None], dim=-1)
     if filtered:
-        probs = probs * (probs >= _cutoff(probs, tensors.top_k, tensors.top_p))
+        probs = probs * (probs >= _cutoff(probs, tensors.top_k, tensors.top_p, tensors.min_p))
     cdf = probs.cumsum(dim=-1)
     target = uniform(tensors.keys)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, target).clamp_(max=logits.shape[-1] - 1).squeeze(1)
 
 
-def _cutoff(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row [rows, 1], the smallest probability inside both the top-k and the top-p nucleus (the
-    most likely token is always inside)."""
+def _cutoff(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Per row [rows, 1], the smallest probability inside the top-k, the top-p nucleus and at least
+    min_p times the most likely token's (which is always inside)."""
     ordered = probs.sort(dim=-1, descending=True).values
     rank = torch.arange(ordered.shape[-1], device=probs.device)[None, :]
     in_top_k = rank < top_k[:, None]
@@ -126,7 +149,7 @@ def _cutoff(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> to
     nucleus_mass = top_p[:, None] * (ordered * in_top_k).sum(dim=-1, keepdim=True)
     in_nucleus = (mass_before < nucleus_mass) | (top_p[:, None] >= 1.0)
     kept = (in_top_k & in_nucleus).sum(dim=-1, keepdim=True).clamp_(min=1)
-    return ordered.gather(1, kept - 1)
+    return torch.maximum(ordered.gather(1, kept - 1), min_p[:, None] * ordered[:, :1])
 
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

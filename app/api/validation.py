@@ -1,0 +1,545 @@
+"""The one request-validation step: a protocol body in, the engine's typed requests out, or a refusal
+(400 naming the field or the limit), as TGI's `Validation::validate` does. Every generation route and
+`/invocations` go through it; nothing after it checks a request again except the engine's own admission
+(queue bound, shutdown).
+
+In order: the JSON body (depth, lone surrogates), the protocol model (strict types, bounds on every
+number), the table below (fields this server refuses unless neutral), the server's limits, a cheap
+length check (no token covers more than `Tokenizer.max_token_chars` characters, so a text that long
+cannot fit), tokenization and chat templating, then the engine's check of what its backend can run
+(`EngineClient.check_request` -> `Backend.check_sampling`). `Serving.validate` runs all of it in a
+worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, NamedTuple, TypeVar
+
+import pydantic_core
+from pydantic import BaseModel, ValidationError
+
+from app.api.errors import from_validation_error
+from app.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateParameters,
+    GenerateRequest,
+    SamplingFields,
+)
+from app.backends.base import SamplingParams
+from app.engine.types import EngineClient, GenerationParams
+from app.errors import InvalidRequestError, NotFoundError
+from app.settings import ServerSettings
+from app.shapes import ShapeGrid
+from app.tokenizer import Tokenizer
+
+M = TypeVar("M", bound=BaseModel)
+SEED_SPACE = 2**63
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
+
+
+class Use(StrEnum):
+    HOST = "honoured on the host"  # changes nothing the device samples
+    DEVICE = "sampling: the backend honours it or refuses it at admission (Backend.check_sampling)"
+    REFUSED = "refused (400 naming it) unless it has a neutral value"
+
+
+class Field(NamedTuple):
+    use: Use
+    neutral: tuple[Any, ...]  # the values that mean "not used" (for REFUSED: the only ones accepted)
+    note: str
+
+
+# Every request field beyond OpenAI's plain completion: what it does here. vLLM's fields were read from
+# vllm-project/vllm vllm/entrypoints/openai/protocol.py at 0052bed36509c7a5a2d8e48265334e40cf2f5a0e
+# (CompletionRequest, ChatCompletionRequest, StreamOptions); OpenAI's and TGI's that this server does not
+# implement are listed too, so one table says what is refused.
+FIELDS: dict[str, Field] = {
+    # vLLM: StreamOptions
+    "include_usage": Field(Use.HOST, (None, False), "a last chunk with the usage"),
+    "continuous_usage_stats": Field(Use.HOST, (None, False), "usage so far in every chunk"),
+    # vLLM: sampling parameters (both APIs)
+    "top_k": Field(Use.DEVICE, (None, 0, -1), "every backend; at most the vocabulary (neuron: its top-k)"),
+    "min_p": Field(Use.DEVICE, (None, 0.0), "torch and sim; refused by the neuron backends"),
+    "repetition_penalty": Field(Use.DEVICE, (None, 1.0), "no backend yet: refused by each"),
+    "min_tokens": Field(Use.DEVICE, (0,), "masks EOS on the device: no backend yet, refused by each"),
+    "stop_token_ids": Field(Use.HOST, (None, []), "the engine's stop rule"),
+    "include_stop_str_in_output": Field(Use.HOST, (False,), "the stop string stays in the text"),
+    "ignore_eos": Field(Use.HOST, (False,), "the engine's stop rule ignores EOS"),
+    "skip_special_tokens": Field(Use.HOST, (True,), "detokenization"),
+    "spaces_between_special_tokens": Field(Use.HOST, (True,), "no effect with fast tokenizers (as vLLM)"),
+    "truncate_prompt_tokens": Field(Use.HOST, (None,), "keeps the prompt's last k tokens"),
+    "use_beam_search": Field(Use.REFUSED, (False,), "no beam search"),
+    "length_penalty": Field(Use.REFUSED, (1.0,), "beam search only"),
+    "allowed_token_ids": Field(Use.REFUSED, (None,), "no logits masks"),
+    "bad_words": Field(Use.REFUSED, (None, []), "no logits masks"),
+    "prompt_logprobs": Field(Use.REFUSED, (None,), "use echo with logprobs (OpenAI's format)"),
+    # vLLM: extra parameters
+    "add_special_tokens": Field(
+        Use.HOST, (), "completions: BOS (default true); chat: BOS before the template"
+    ),
+    "add_generation_prompt": Field(Use.HOST, (True,), "passed to the chat template"),
+    "chat_template_kwargs": Field(Use.HOST, (None, {}), "passed to the chat template"),
+    "request_id": Field(Use.HOST, (None,), "the response's id"),
+    "return_tokens_as_token_ids": Field(Use.HOST, (None, False), "logprob tokens as 'token_id:<id>'"),
+    "cache_salt": Field(Use.HOST, (None,), "no prefix cache here: nothing to salt"),
+    "echo": Field(Use.HOST, (None, False), "completions: the prompt (and its logprobs) first; chat: refused"),
+    "continue_final_message": Field(Use.REFUSED, (False,), "not implemented"),
+    "documents": Field(Use.REFUSED, (None,), "no RAG templates"),
+    "chat_template": Field(Use.REFUSED, (None,), "only the artifact's template is rendered"),
+    "mm_processor_kwargs": Field(Use.REFUSED, (None, {}), "text only"),
+    "prompt_embeds": Field(Use.REFUSED, (None,), "token ids or text only"),
+    "guided_json": Field(Use.REFUSED, (None,), "no structured output"),
+    "guided_regex": Field(Use.REFUSED, (None,), "no structured output"),
+    "guided_choice": Field(Use.REFUSED, (None,), "no structured output"),
+    "guided_grammar": Field(Use.REFUSED, (None,), "no structured output"),
+    "guided_decoding_backend": Field(Use.REFUSED, (None,), "no structured output"),
+    "guided_whitespace_pattern": Field(Use.REFUSED, (None,), "no structured output"),
+    "structural_tag": Field(Use.REFUSED, (None,), "no structured output"),
+    "priority": Field(Use.REFUSED, (0,), "one priority"),
+    "logits_processors": Field(Use.REFUSED, (None, []), "no user code"),
+    "kv_transfer_params": Field(Use.REFUSED, (None,), "no disaggregated serving"),
+    "vllm_xargs": Field(Use.REFUSED, (None, {}), "no custom extensions"),
+    # OpenAI fields without an implementation here
+    "presence_penalty": Field(Use.DEVICE, (None, 0.0), "no backend yet: refused by each"),
+    "frequency_penalty": Field(Use.DEVICE, (None, 0.0), "no backend yet: refused by each"),
+    "logit_bias": Field(Use.REFUSED, (None, {}), "no logits masks"),
+    "best_of": Field(Use.REFUSED, (None, 1), "no ranking of candidates (best_of equal to n is accepted)"),
+    "suffix": Field(Use.REFUSED, (None, ""), "no fill-in-the-middle"),
+    "tools": Field(Use.REFUSED, (None, []), "no tool calls"),
+    "tool_choice": Field(Use.REFUSED, (None, "none"), "no tool calls"),
+    "functions": Field(Use.REFUSED, (None, []), "no tool calls"),
+    "function_call": Field(Use.REFUSED, (None, "none"), "no tool calls"),
+    "parallel_tool_calls": Field(Use.REFUSED, (None,), "no tool calls"),
+    "reasoning_effort": Field(Use.REFUSED, (None,), "no reasoning models"),
+    "include_reasoning": Field(Use.HOST, (True,), "no reasoning parser: the text is the content"),
+    # TGI's parameters without an implementation here
+    "typical_p": Field(Use.REFUSED, (None, 1.0), "not implemented"),
+    "watermark": Field(Use.REFUSED, (False,), "not implemented"),
+    "decoder_input_details": Field(Use.REFUSED, (False,), "not implemented"),
+    "top_n_tokens": Field(Use.REFUSED, (None, 0), "not implemented"),
+    "grammar": Field(Use.REFUSED, (None,), "no structured output"),
+    "adapter_id": Field(Use.REFUSED, (None,), "no adapters"),
+}
+
+
+class Api(StrEnum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+    GENERATE = "generate"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The server's request limits, resolved against the artifact's compiled grid."""
+
+    max_prompt_tokens: int
+    max_output_tokens: int
+    max_positions: int
+    default_max_tokens: int
+    max_n: int
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_logprobs: int
+
+    @classmethod
+    def resolve(cls, settings: ServerSettings, grid: ShapeGrid) -> Limits:
+        return cls(
+            max_prompt_tokens=min(
+                settings.max_prompt_tokens or grid.max_prompt_tokens, grid.max_prompt_tokens
+            ),
+            max_output_tokens=min(settings.max_output_tokens or grid.max_positions, grid.max_positions),
+            max_positions=grid.max_positions,
+            default_max_tokens=settings.default_max_tokens,
+            max_n=settings.max_n,
+            max_stop_strings=settings.max_stop_strings,
+            max_stop_string_chars=settings.max_stop_string_chars,
+            max_logprobs=settings.max_logprobs,
+        )
+
+    def check_prompt(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(token_ids) > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}",
+                param="prompt",
+            )
+
+    def check_chars(self, chars: int, max_token_chars: int, param: str) -> None:
+        """Cheap, before tokenizing: a text of more than max_token_chars characters per token allowed
+        has more tokens than allowed."""
+        if chars > self.max_prompt_tokens * max_token_chars:
+            raise InvalidRequestError(
+                f"the prompt has {chars} characters: more than max_prompt_tokens ({self.max_prompt_tokens}) "
+                f"tokens of at most {max_token_chars} characters each",
+                param=param,
+            )
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise InvalidRequestError(f"n is {n}; the limit is {self.max_n} (max_n)", param="n")
+
+    def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
+        if len(stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                f"{len(stop)} stop strings; the limit is {self.max_stop_strings} (max_stop_strings)",
+                param=param,
+            )
+        if any(not s for s in stop):
+            raise InvalidRequestError("stop strings must not be empty", param=param)
+        if any(len(s) > self.max_stop_string_chars for s in stop):
+            raise InvalidRequestError(
+                f"a stop string is longer than {self.max_stop_string_chars} characters "
+                "(max_stop_string_chars)",
+                param=param,
+            )
+
+    def check_logprobs(self, num: int, param: str) -> None:
+        if num > self.max_logprobs:
+            raise InvalidRequestError(
+                f"{param} is {num}; the limit is {self.max_logprobs} (max_logprobs)", param=param
+            )
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str, default: int | None) -> int:
+        """The request's output budget: `requested`, or `default`, or all positions the prompt leaves."""
+        if requested is not None and requested > self.max_output_tokens:
+            raise InvalidRequestError(
+                f"{param} is {requested}; the limit is {self.max_output_tokens} (max_output_tokens)",
+                param=param,
+            )
+        if requested is not None:
+            return requested
+        if default is not None:
+            return default
+        room = min(self.max_output_tokens, self.max_positions - prompt_len)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens and leaves no room to generate within "
+                f"max_positions {self.max_positions}",
+                param="prompt",
+            )
+        return room
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: GenerationParams
+
+
+@dataclass(frozen=True, slots=True)
+class Validated:
+    """A request the server will run: its engine requests (choice index = prompt index * n + i) and what
+    the renderer needs from the body."""
+
+    api: Api
+    body: CompletionRequest | ChatCompletionRequest | GenerateRequest
+    requests: list[EngineRequest]
+    prompt_texts: list[str]  # each prompt's text, where the response repeats it (echo, full text)
+    score_only: bool = False  # max_tokens 0 with echo: one token is generated and dropped
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.stream)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 for what is not JSON, nests deeper than the parser's limit, or
+    escapes a lone UTF-16 surrogate."""
+    try:
+        body = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as error:
+        if "recursion limit" in str(error):
+            raise InvalidRequestError(f"the body nests JSON too deeply ({error})") from None
+        if _SURROGATE_ESCAPE.search(raw):
+            raise InvalidRequestError(
+                f"the body escapes a lone UTF-16 surrogate ({error}); text must be valid Unicode"
+            ) from None
+        raise InvalidRequestError(f"the body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return body
+
+
+def parse(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def refuse_unsupported(body: BaseModel, prefix: str = "") -> None:
+    """400 naming the first field the table refuses, set to a value that is not neutral."""
+    for name in sorted(body.model_fields_set):
+        field = FIELDS.get(name)
+        if field is not None and field.use is Use.REFUSED and getattr(body, name) not in field.neutral:
+            raise InvalidRequestError(
+                f"{prefix}{name} is not supported by this server ({field.note})", param=prefix + name
+            )
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int]:
+    """Seed of each choice: the request's (or a random one) for the first, derived ones after it."""
+    base = secrets.randbelow(SEED_SPACE) if seed is None else seed % SEED_SPACE
+    return [base] + [_derive_seed(base, i) for i in range(1, n)]
+
+
+def _derive_seed(base: int, index: int) -> int:
+    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_SPACE
+
+
+def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of prompts, each text or token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """One request's sampling and stop rules, before a seed and max_tokens are chosen per choice."""
+
+    sampling: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def params(self, seed: int, max_tokens: int) -> GenerationParams:
+        return GenerationParams(
+            sampling=SamplingParams(**{**_fields(self.sampling), "seed": seed}),
+            max_tokens=max_tokens,
+            stop_strings=self.stop_strings,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+def _fields(sampling: SamplingParams) -> dict[str, Any]:
+    return {name: getattr(sampling, name) for name in SamplingParams.__slots__}
+
+
+class Validator:
+    """Turns bodies into engine requests for one runtime: its limits, tokenizer and engine."""
+
+    def __init__(self, limits: Limits, tokenizer: Tokenizer, engine: EngineClient, model_name: str) -> None:
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.model_name = model_name
+
+    def validate(self, api: Api | None, raw: bytes) -> Validated:
+        """The whole step, on a worker thread. `api` None: SageMaker's `/invocations`, which takes an
+        OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's (`inputs`)."""
+        body = parse_json(raw)
+        api = api or _invocation_api(body)
+        if api is Api.COMPLETION:
+            return self.completion(parse(CompletionRequest, body))
+        if api is Api.CHAT:
+            return self.chat(parse(ChatCompletionRequest, body))
+        return self.generate(parse(GenerateRequest, body))
+
+    def completion(self, body: CompletionRequest) -> Validated:
+        self._check_common(body)
+        if body.response_format is not None and body.response_format.type != "text":
+            raise InvalidRequestError(
+                "response_format other than text is not supported", param="response_format"
+            )
+        logprobs = body.logprobs
+        if logprobs is not None:
+            self.limits.check_logprobs(logprobs, "logprobs")
+        score_only = body.max_tokens == 0
+        if score_only and not body.echo:
+            raise InvalidRequestError("max_tokens is 0: set echo to score the prompt", param="max_tokens")
+        prompts = [self._encode(p, body) for p in split_prompts(body.prompt)]
+        prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+        knobs = self._knobs(body, logprobs or 0, prompt_logprobs)
+        requested = 1 if score_only else body.max_tokens
+        max_tokens = [
+            self.limits.max_tokens(requested, len(p), "max_tokens", self.limits.default_max_tokens)
+            for p in prompts
+        ]
+        texts = [self.tokenizer.decode(p) for p in prompts] if body.echo else []
+        requests = self._fan_out(prompts, body.n, body.seed, knobs, max_tokens)
+        return Validated(Api.COMPLETION, body, requests, texts, score_only)
+
+    def chat(self, body: ChatCompletionRequest) -> Validated:
+        self._check_common(body)
+        if body.echo:
+            raise InvalidRequestError("echo is not supported for chat completions", param="echo")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise InvalidRequestError(
+                "response_format other than text is not supported", param="response_format"
+            )
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise InvalidRequestError("set max_completion_tokens or max_tokens, not both", param="max_tokens")
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
+        self.limits.check_logprobs(top_logprobs, "top_logprobs")
+        messages = chat_messages(body)
+        self.limits.check_chars(
+            sum(len(m["content"]) for m in messages), self.tokenizer.max_token_chars, "messages"
+        )
+        prompt = self.tokenizer.apply_chat_template(
+            messages, body.add_generation_prompt, _template_kwargs(body.chat_template_kwargs)
+        )
+        if body.add_special_tokens:
+            prompt = self.tokenizer.encode("", add_special_tokens=True) + prompt
+        prompt = self._truncate(prompt, body.truncate_prompt_tokens)
+        self.limits.check_prompt(prompt)
+        requested, param = (
+            (body.max_completion_tokens, "max_completion_tokens")
+            if body.max_completion_tokens is not None
+            else (body.max_tokens, "max_tokens")
+        )
+        max_tokens = [self.limits.max_tokens(requested, len(prompt), param, None)]
+        knobs = self._knobs(body, top_logprobs, None)
+        return Validated(Api.CHAT, body, self._fan_out([prompt], body.n, body.seed, knobs, max_tokens), [])
+
+    def generate(self, body: GenerateRequest) -> Validated:
+        params = body.parameters
+        refuse_unsupported(params, "parameters.")
+        if params.best_of not in (None, 1):
+            raise InvalidRequestError(
+                "parameters.best_of is not supported by this server", param="parameters.best_of"
+            )
+        self.limits.check_stop(params.stop, "parameters.stop")
+        self.limits.check_chars(len(body.inputs), self.tokenizer.max_token_chars, "inputs")
+        prompt = self._truncate(self.tokenizer.encode(body.inputs), params.truncate)
+        self.limits.check_prompt(prompt)
+        max_tokens = [
+            self.limits.max_tokens(params.max_new_tokens, len(prompt), "parameters.max_new_tokens", None)
+        ]
+        knobs = Knobs(
+            sampling=tgi_sampling(params),
+            stop_strings=tuple(params.stop),
+            ignore_eos=params.ignore_eos,
+        )
+        requests = self._fan_out([prompt], 1, params.seed, knobs, max_tokens)
+        return Validated(Api.GENERATE, body, requests, [body.inputs] if params.return_full_text else [])
+
+    # --- the parts ---
+
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise NotFoundError(
+                f"model {body.model!r} does not exist; this server serves {self.model_name!r}"
+            )
+        refuse_unsupported(body)
+        if body.best_of is not None and body.best_of not in (1, body.n):
+            raise InvalidRequestError("best_of other than n is not supported by this server", param="best_of")
+        self.limits.check_n(body.n)
+        self.limits.check_stop(body.stop_strings)
+
+    def _encode(self, prompt: str | list[int], body: CompletionRequest) -> list[int]:
+        if isinstance(prompt, str):
+            self.limits.check_chars(len(prompt), self.tokenizer.max_token_chars, "prompt")
+            token_ids = self.tokenizer.encode(prompt, body.add_special_tokens, body.split_special_tokens)
+        else:
+            token_ids = list(prompt)
+        token_ids = self._truncate(token_ids, body.truncate_prompt_tokens)
+        self.limits.check_prompt(token_ids)
+        return token_ids
+
+    @staticmethod
+    def _truncate(token_ids: list[int], keep: int | None) -> list[int]:
+        return token_ids if keep is None else token_ids[-keep:]
+
+    def _knobs(self, body: SamplingFields, num_top_logprobs: int, prompt_logprobs: int | None) -> Knobs:
+        temperature = 1.0 if body.temperature is None else body.temperature
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_k=max(body.top_k or 0, 0),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            num_top_logprobs=num_top_logprobs,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            min_tokens=body.min_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+        return Knobs(
+            sampling=sampling,
+            stop_strings=body.stop_strings,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+
+    def _fan_out(
+        self, prompts: Sequence[list[int]], n: int, seed: int | None, knobs: Knobs, max_tokens: Sequence[int]
+    ) -> list[EngineRequest]:
+        """n engine requests per prompt, each checked by the engine (its backend's abilities) before any is
+        admitted."""
+        seeds = choice_seeds(seed, n)
+        requests = [
+            EngineRequest(p, prompt, knobs.params(seeds[i], max_tokens[p]))
+            for p, prompt in enumerate(prompts)
+            for i in range(n)
+        ]
+        for request in requests[::n]:
+            self.engine.check_request(request.prompt_token_ids, request.params)
+        return requests
+
+
+def tgi_sampling(params: GenerateParameters) -> SamplingParams:
+    """TGI's rule: greedy unless `do_sample` or a sampling parameter (temperature != 1, top_k, top_p < 1)."""
+    warpers = (
+        (params.temperature is not None and params.temperature not in (0.0, 1.0))
+        or bool(params.top_k)
+        or (params.top_p is not None and params.top_p < 1.0)
+    )
+    sample = (bool(params.do_sample) or warpers) and params.temperature != 0.0
+    return SamplingParams(
+        temperature=(params.temperature or 1.0) if sample else 0.0,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k or 0,
+        repetition_penalty=params.repetition_penalty or 1.0,
+        frequency_penalty=params.frequency_penalty or 0.0,
+    )
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; OpenAI's `developer` role is a system message."""
+    messages = []
+    for message in body.messages:
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": message.text})
+    return messages
+
+
+_RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    reserved = sorted(_RESERVED_TEMPLATE_NAMES.intersection(kwargs or {}))
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs"
+        )
+    return kwargs or {}
+
+
+def _invocation_api(body: dict[str, Any]) -> Api:
+    if "messages" in body:
+        return Api.CHAT
+    if "prompt" in body:
+        return Api.COMPLETION
+    if "inputs" in body:
+        return Api.GENERATE
+    raise InvalidRequestError("the body needs messages (chat), prompt (completion) or inputs (generate)")
