@@ -24,11 +24,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from app import metrics
-from app.backends.base import Backend, SampledToken, Tokens
+from app.backends.base import Backend, PrefillBatch, SampledToken, Tokens
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
 from app.engine.output import (
@@ -44,6 +44,7 @@ from app.engine.stats import StatsSink
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
 from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
+from app.shapes import ShapeGrid
 
 if TYPE_CHECKING:
     from app.tokenizer import Tokenizer
@@ -303,6 +304,8 @@ class LLMEngine:
         """Hand every request its token (or its call's error), and the step to the output thread."""
         if not outcomes:
             return
+        if not self._run_ahead:  # NOTE: running ahead, the next step is in flight on the failed rows
+            outcomes = [part for outcome in outcomes for part in self._isolate(outcome)]
         now = time.monotonic()
         records: list[tuple[Request, int, bool]] = []
         for outcome in outcomes:
@@ -313,6 +316,17 @@ class LLMEngine:
                 self._scheduler.fail(outcome.requests, error, now)
             records += [(r, len(r.output_token_ids), r.state is FINISHED) for r in outcome.requests]
         self._report(records, outcomes, now)
+
+    def _isolate(self, outcome: CallOutcome) -> list[CallOutcome]:
+        """A failed call of several requests, run again one request at a time (nothing else is in
+        flight), so that only a request whose own call fails gets an error: one bad row does not fail the
+        requests that shared its step. A KV write repeated at the same position writes the same values,
+        and a token is a function of (logits, seed, position), so a rerun row gives the tokens it would
+        have."""
+        if outcome.error is None or len(outcome.requests) < 2:
+            return [outcome]
+        logger.warning("a call of %d requests failed; running each alone", len(outcome.requests))
+        return [self._wait(self._launch(group)) for group in _one_per_row(outcome, self.grid)]
 
     def _wait(self, call: LaunchedCall) -> CallOutcome:
         """The call's tokens, or why there are none; its device time runs from when it could start (its
@@ -358,6 +372,38 @@ class LLMEngine:
             self._report(_final_records(self._scheduler.finish_all(reason, now, error)), (), now)
         finally:
             self._output.close()
+
+
+def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | DecodeGroup]:
+    batch, requests = outcome.batch, outcome.requests
+    if isinstance(batch, PrefillBatch):
+        return [
+            PrefillGroup(
+                (r,),
+                replace(
+                    batch,
+                    slots=batch.slots[i : i + 1],
+                    prompts=batch.prompts[i : i + 1],
+                    sampling=batch.sampling[i : i + 1],
+                ),
+            )
+            for i, r in enumerate(requests)
+        ]
+    rows = grid.batch_bucket(1)
+    return [
+        DecodeGroup(
+            (r,),
+            replace(
+                batch,
+                slots=batch.slots[i : i + 1],
+                last_tokens=batch.last_tokens[i : i + 1],
+                positions=batch.positions[i : i + 1],
+                sampling=batch.sampling[i : i + 1],
+                batch_bucket=rows,
+            ),
+        )
+        for i, r in enumerate(requests)
+    ]
 
 
 def _final_records(requests: list[Request]) -> list[tuple[Request, int, bool]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import random
+import threading
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -14,11 +15,11 @@ from functools import partial
 import pytest
 
 from app import metrics
-from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, Tokens
+from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, SamplingParams, Tokens
 from app.backends.sim import CostModel, SimBackend
 from app.engine.engine import LLMEngine
 from app.engine.stats import StepStats
-from app.engine.types import FinishReason, RequestOutput
+from app.engine.types import FinishReason, GenerationParams, RequestOutput
 from app.errors import (
     DeadlineExceededError,
     GenerationError,
@@ -319,10 +320,13 @@ def test_the_engine_serves_on_after_a_failing_decode(tokenizer: Tokenizer, run_a
         failed = run(main(engine))
         served = run(collect(engine, "after", [9, 9], params(4)))
         check_idle(engine)
-    for outputs in failed:
+    for i, outputs in enumerate(failed):
         check_stream(outputs)
-        assert outputs[-1].finish_reason is FinishReason.ERROR and len(joined(outputs)[0]) == 1
-        assert isinstance(outputs[-1].error, GenerationError)
+        if run_ahead:
+            assert outputs[-1].finish_reason is FinishReason.ERROR and len(joined(outputs)[0]) == 1
+            assert isinstance(outputs[-1].error, GenerationError)
+        else:  # each row run again alone: the device failed once, so every row now succeeds
+            assert joined(outputs)[0] == expected_tokens(backend, [5, i + 6], i, 6)
     assert served[-1].finish_reason is FinishReason.LENGTH and served[-1].num_generated_tokens == 4
 
 
@@ -453,3 +457,50 @@ def test_in_step_each_call_is_waited_for_before_the_next_is_launched(tokenizer: 
     step_decode = backend.batches[second_prefill + 1]
     assert isinstance(step_decode, DecodeBatch) and step_decode.slots == (0,)  # that step decoded the first
     assert backend.events == [(kind, i) for i in range(len(backend.batches)) for kind in ("launch", "wait")]
+
+
+class PoisonSim(SimBackend):
+    """A call of kind `poisoned` fails on the device when any of its rows samples with top_k 7 (one bad
+    row, as a value the device cannot represent would be). The first call waits for `gate`, so the test
+    can queue requests that then share one step."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.poisoned: type = PrefillBatch
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
+        self.entered.set()
+        assert self.gate.wait(TIMEOUT_S)
+        if isinstance(batch, self.poisoned) and any(p.top_k == 7 for p in batch.sampling):
+            raise RuntimeError("a row the device cannot run")
+        return super().launch(batch)
+
+
+@pytest.mark.parametrize("poisoned", [PrefillBatch, DecodeBatch], ids=["prefill", "decode"])
+def test_a_bad_row_fails_only_its_own_request(tokenizer: Tokenizer, poisoned: type) -> None:
+    backend = make_backend(cls=PoisonSim)
+    backend.poisoned = poisoned
+    prompts = [[5, 6], [7, 8, 9]]  # with "first" and "bad": every slot, one step
+    bad = GenerationParams(SamplingParams(seed=9, top_k=7), 6)
+
+    async def main(engine: LLMEngine) -> list[list[RequestOutput]]:
+        first = asyncio.create_task(collect(engine, "first", [3, 4], params(6, 0)))
+        await asyncio.to_thread(backend.entered.wait, TIMEOUT_S)  # the engine waits in the first call
+        others = [
+            asyncio.create_task(collect(engine, f"r{i}", p, params(6, i + 1))) for i, p in enumerate(prompts)
+        ]
+        others.append(asyncio.create_task(collect(engine, "bad", [13, 14], bad)))
+        await asyncio.sleep(0)  # each task has called generate: all are queued for one step
+        backend.gate.set()
+        return await asyncio.gather(first, *others)
+
+    with running_engine(tokenizer, backend, max_prefills_per_step=4, run_ahead=False) as engine:
+        first, *good, bad_outputs = run(main(engine))
+        check_idle(engine)
+    assert bad_outputs[-1].finish_reason is FinishReason.ERROR
+    assert isinstance(bad_outputs[-1].error, GenerationError)
+    assert joined(first)[0] == expected_tokens(backend, [3, 4], 0, 6)
+    for i, outputs in enumerate(good):
+        check_stream(outputs)
+        assert joined(outputs)[0] == expected_tokens(backend, prompts[i], i + 1, 6)
