@@ -76,10 +76,11 @@ class OverloadedError(Inf2ServeError):
 
 
 class NotReadyError(Inf2ServeError):
-    """Still starting up, or draining."""
+    """Still starting up, or draining, or stopped before the request finished: try again (elsewhere)."""
 
     status_code = 503
     error_type = "service_unavailable"
+    retry_after_s = 1.0
 
 
 class ReplicaLostError(Inf2ServeError):

@@ -139,6 +139,17 @@ class ServerSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _check_shutdown(self) -> ServerSettings:
+        """Requests accepted until the end of the drain window get `shutdown_timeout_s` to finish."""
+        if self.shutdown_timeout_s < self.drain_s:
+            raise ValueError(
+                f"shutdown_timeout_s ({self.shutdown_timeout_s}) must be at least drain_s ({self.drain_s}): "
+                "requests accepted during the drain window would otherwise get less time to finish than "
+                "the window itself lasts"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _read_keys_file(self) -> ServerSettings:
         """Authentication fails closed: a key setting that yields no usable key is an error, never "no
         authentication". Raised as ConfigError, not ValueError: pydantic's message would echo the keys."""

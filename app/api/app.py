@@ -52,7 +52,7 @@ def create_app(
             if state.device_metrics is not None:
                 await state.device_metrics.stop()
             if state.runtime is not None:
-                await asyncio.to_thread(state.runtime.close)
+                await asyncio.to_thread(state.close_runtime)
 
     # NOTE: no /docs or /redoc (they load scripts from a CDN); /openapi.json needs a key when keys are set.
     app = FastAPI(

@@ -20,6 +20,7 @@ from app.errors import (
     Inf2ServeError,
     InvalidRequestError,
     NotFoundError,
+    NotReadyError,
     OverloadedError,
     RequestTimeoutError,
 )
@@ -45,7 +46,7 @@ def error_payload(error: Inf2ServeError) -> dict[str, object]:
 
 def error_headers(error: Inf2ServeError) -> list[tuple[bytes, bytes]]:
     headers = [CONTENT_TYPE]
-    if isinstance(error, OverloadedError):
+    if isinstance(error, OverloadedError | NotReadyError):
         headers.append((b"retry-after", str(max(1, math.ceil(error.retry_after_s))).encode()))
     if isinstance(error, RequestTimeoutError):  # the rest of a slow body is not waited for
         headers.append((b"connection", b"close"))

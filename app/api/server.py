@@ -3,12 +3,18 @@
 uvicorn's own SIGTERM handling stops accepting connections at once, so a balancer that has not yet
 noticed gets refused connections. Here SIGTERM instead starts a drain: readiness (`/ready`, `/ping`)
 fails immediately while new requests are still accepted and served for `drain_s` seconds; then the
-listener closes, in-flight requests and streams finish (up to `shutdown_timeout_s`), the runtime is
-released, and the process exits 0. SIGINT (or a second SIGTERM) stops at once, gracefully.
+listener closes and in-flight requests and streams finish, for up to `shutdown_timeout_s`. What is
+still unfinished then is cut by the server itself, not by uvicorn's cancellation (which would end a
+stream with no error and a waiting request with a bare 500): the runtime is released, so every
+unfinished request ends with NotReadyError, which a request whose response has not started gets as
+503 + Retry-After and a started stream gets as its last, error, event. The exit code says how it went:
+0 after a clean stop or drain, 1 if startup failed, 3 if a stream had to be cut (`EXIT_CUT`).
+SIGINT (or a second SIGTERM) stops at once, gracefully, with the same cut.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import signal
@@ -27,12 +33,16 @@ from app.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
+EXIT_CUT = 3
+CUT_GRACE_S = 5.0  # after the cut: for the 503s and error events to be written before uvicorn cancels
+
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, settings: ServerSettings) -> None:
         super().__init__(config)
         self.state = state
-        self.drain_s = drain_s
+        self.drain_s = settings.drain_s
+        self.shutdown_timeout_s = settings.shutdown_timeout_s
         self.drain_deadline: float | None = None
         self.drain_announced = False
         self.failed = False
@@ -65,6 +75,36 @@ class DrainingServer(uvicorn.Server):
             return True
         return await super().on_tick(counter)
 
+    async def shutdown(self, sockets: list | None = None) -> None:
+        """uvicorn's graceful shutdown, with the server's own cut `shutdown_timeout_s` into it."""
+        cut = asyncio.create_task(self._cut_after(self.shutdown_timeout_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+            await asyncio.gather(cut, return_exceptions=True)
+            self._log_outcome()
+
+    async def _cut_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if not self.server_state.tasks:
+            return
+        log.warning(
+            "shutdown timeout over: ending the unfinished requests",
+            extra={"requests": len(self.server_state.tasks), "shutdown_timeout_s": self.shutdown_timeout_s},
+        )
+        await asyncio.to_thread(self.state.close_runtime)
+        deadline = time.monotonic() + CUT_GRACE_S - 1.0
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.state.responses_cut += len(self.server_state.tasks)  # uvicorn cancels these next
+
+    def _log_outcome(self) -> None:
+        if self.state.responses_cut:
+            log.error("stopped with responses cut short", extra={"cut": self.state.responses_cut})
+        elif self.started:
+            log.info("stopped: every accepted request was completed or refused before its first byte")
+
 
 def uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
     limits = ConnectionLimits(settings.header_timeout_s, settings.max_header_bytes)
@@ -75,7 +115,7 @@ def uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
         http=LimitedHttpToolsProtocol.with_limits(limits),
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=math.ceil(settings.keep_alive_s),
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + CUT_GRACE_S),
         log_config=None,
         access_log=False,
         server_header=False,
@@ -92,7 +132,9 @@ def serve(settings: ServerSettings) -> int:
             server.fail()
 
     app = create_app(settings, on_fatal=on_fatal)
-    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings.drain_s)
+    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings)
     log.info("listening", extra={"host": settings.host, "port": settings.port, "artifact": settings.artifact})
     server.run()
-    return 1 if server.failed or not server.started else 0
+    if server.failed or not server.started:
+        return 1
+    return EXIT_CUT if server.state.responses_cut else 0

@@ -6,6 +6,7 @@ plain attribute so that a signal handler can set it without taking a lock.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,6 +40,17 @@ class ServerState:
         self.startup_error: str | None = None
         self.device_metrics: DeviceMetrics | None = None
         self.draining = False
+        self.responses_cut = 0  # started responses ended by shutdown before their natural end
+        self._runtime_closed = threading.Lock()
+
+    def close_runtime(self) -> None:
+        """Release the runtime, once (the shutdown's cut and the app's shutdown both ask); blocking."""
+        if self.runtime is not None and self._runtime_closed.acquire(blocking=False):
+            self.runtime.close()
+
+    def record_cut(self) -> None:
+        """A stream ended by shutdown, with an error event."""
+        self.responses_cut += 1
 
     @property
     def artifact_id(self) -> str:

@@ -10,7 +10,7 @@ during the stream Starlette cancels the body, whose `finally` does the same.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
 from fastapi import Request
@@ -20,7 +20,7 @@ from app import metrics
 from app.api.errors import ClientGone, error_json
 from app.api.serving import Job, server_timing
 from app.engine.types import RequestOutput
-from app.errors import Inf2ServeError
+from app.errors import Inf2ServeError, NotReadyError
 
 T = TypeVar("T")
 
@@ -87,7 +87,7 @@ async def _stream(request: Request, job: Job, renderer: Renderer) -> Response:
         job.close()
         raise
     headers = {**SSE_HEADERS, "server-timing": server_timing([first.timings])}
-    body = _events(job, outputs, index, first, renderer)
+    body = _events(job, outputs, index, first, renderer, request.app.state.server.record_cut)
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
@@ -97,11 +97,14 @@ async def _events(
     index: int,
     first: RequestOutput,
     renderer: Renderer,
+    on_cut: Callable[[], None],
 ) -> AsyncIterator[bytes]:
     try:
         yield renderer.delta(index, first)
         async for index, out in outputs:
             if out.error is not None:
+                if isinstance(out.error, NotReadyError):  # the server stopped under it
+                    on_cut()
                 yield _error_event(out.error)
                 break
             yield renderer.delta(index, out)
