@@ -1,23 +1,39 @@
-"""`inf2serve canary --baseline URL --candidate URL`: exit 0 to promote the candidate, 1 to roll it back,
-2 when it cannot judge (no prompts, an endpoint unreachable)."""
+"""`inf2serve canary --baseline TARGET --candidate TARGET`: exit 0 to promote the candidate, 1 to roll it
+back, 2 when it cannot judge (too few samples, an endpoint unreachable, no golden record).
+
+TARGET is a base URL, `alb:<URL>#stable|canary` (one track behind the ALB template's listener) or
+`sagemaker:<endpoint>[/<variant>]` (deploy/canary/targets.py). The verdict's statistics are in
+deploy/canary/verdict.py.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
 
 from app.artifacts.golden import Golden
 from app.artifacts.loader import resolve
 from app.errors import ConfigError, Inf2ServeError
-from deploy.canary.metrics import Scrape
-from deploy.canary.replay import Prompt, file_prompts, golden_prompts, replay, scrape
-from deploy.canary.verdict import Observation, Thresholds, evaluate, render
+from deploy import timeouts
+from deploy.canary.replay import GoldenSet, file_prompts, replay, side_by_side, workload
+from deploy.canary.targets import Prompt, Target, open_target
+from deploy.canary.verdict import (
+    Check,
+    Thresholds,
+    agreement,
+    agreement_check,
+    decide,
+    error_check,
+    latency_checks,
+    render,
+)
 
-PROMOTE, ROLL_BACK, CANNOT_JUDGE = 0, 1, 2
+EXIT = {"PROMOTE": 0, "ROLL BACK": 1, "CANNOT JUDGE": 2}
+DEFAULT_SAMPLES = 64
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,79 +41,96 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "canary",
         help="compare a candidate endpoint with the baseline; exit 0 to promote, 1 to roll back",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--baseline", required=True, help="URL of a server running the stable artifact")
-    parser.add_argument("--candidate", required=True, help="URL of a server running the canary artifact")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--artifact", help="artifact URI whose golden.json prompts to replay")
-    source.add_argument("--golden", type=Path, help="a golden.json file whose prompts to replay")
+    parser.add_argument("--baseline", required=True, help="target serving the stable artifact")
+    parser.add_argument("--candidate", required=True, help="target serving the canary artifact")
+    for side in ("baseline", "candidate"):
+        source = parser.add_mutually_exclusive_group()
+        source.add_argument(
+            f"--{side}-artifact", help=f"artifact (URI or alias) the {side} serves: its golden"
+        )
+        source.add_argument(f"--{side}-golden", type=Path, help=f"the {side} artifact's golden.json")
+    parser.add_argument("--prompts", type=Path, help="more latency prompts: one per line, or JSON lines")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="latency requests per side")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight per side")
+    parser.add_argument("--api-key", help="bearer token for both targets (or INF2SERVE_CANARY_API_KEY)")
     parser.add_argument(
-        "--prompts", type=Path, help="more prompts: one per line, or JSON lines with 'prompt'"
+        "--timeout", type=float, default=float(timeouts.alb().client_timeout_s), help="seconds per request"
     )
-    parser.add_argument("--repeat", type=int, default=1, help="replay the prompt set this many times")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight per endpoint")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    parser.add_argument("--model", help="the `model` field to send (default: none, the server's one model)")
     defaults = Thresholds()
     parser.add_argument("--min-agreement", type=float, default=defaults.min_agreement)
-    parser.add_argument("--max-replay-error-rate", type=float, default=defaults.max_replay_error_rate)
     parser.add_argument("--max-error-rate-increase", type=float, default=defaults.max_error_rate_increase)
-    parser.add_argument("--max-latency-ratio", type=float, default=defaults.max_latency_ratio)
-    parser.add_argument("--latency-slack-ms", type=float, default=defaults.latency_slack_s * 1000)
+    parser.add_argument(
+        "--alpha", type=float, default=defaults.alpha, help="false-alarm rate of the latency test"
+    )
+    parser.add_argument(
+        "--min-effect", type=float, default=defaults.min_effect, help="smallest ratio - 1 that fails"
+    )
+    parser.add_argument("--min-samples", type=int, default=defaults.min_samples)
     parser.set_defaults(handler=run)
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    baseline_golden: GoldenSet | None
+    candidate_golden: GoldenSet | None
+    latency: list[Prompt]
+    concurrency: int
+
+
 def run(args: argparse.Namespace) -> int:
-    thresholds = Thresholds(
-        min_agreement=args.min_agreement,
-        max_replay_error_rate=args.max_replay_error_rate,
-        max_error_rate_increase=args.max_error_rate_increase,
-        max_latency_ratio=args.max_latency_ratio,
-        latency_slack_s=args.latency_slack_ms / 1000,
+    limits = Thresholds(
+        args.min_agreement, args.max_error_rate_increase, args.alpha, args.min_effect, args.min_samples
     )
+    api_key = args.api_key or os.environ.get("INF2SERVE_CANARY_API_KEY")
     try:
-        prompts = load_prompts(args.artifact, args.golden, args.prompts) * max(args.repeat, 1)
-        baseline, candidate = asyncio.run(
-            observe(args.baseline, args.candidate, prompts, args.concurrency, args.timeout, args.model)
-        )
-    except (Inf2ServeError, httpx.HTTPError) as error:
-        print(f"inf2serve canary: cannot judge: {getattr(error, 'message', error)}", file=sys.stderr)
-        return CANNOT_JUDGE
-    checks = evaluate(baseline, candidate, thresholds)
+        plan = make_plan(args)
+        baseline = open_target(args.baseline, api_key, args.timeout)
+        candidate = open_target(args.candidate, api_key, args.timeout)
+        checks = asyncio.run(judge(baseline, candidate, plan, limits))
+    except Inf2ServeError as error:
+        print(f"inf2serve canary: cannot judge: {error.message}", file=sys.stderr)
+        return EXIT["CANNOT JUDGE"]
     print(render(checks))
-    return PROMOTE if all(c.passed for c in checks) else ROLL_BACK
+    return EXIT[decide(checks)]
 
 
-def load_prompts(artifact: str | None, golden: Path | None, extra: Path | None) -> list[Prompt]:
-    prompts: list[Prompt] = []
+def _golden(artifact: str | None, path: Path | None) -> GoldenSet | None:
     if artifact is not None:
-        prompts += golden_prompts(Golden.loads(resolve(artifact).read("golden.json")))
-    if golden is not None:
-        prompts += golden_prompts(Golden.load(golden))
-    if extra is not None:
-        prompts += file_prompts(extra)
-    if not prompts:
-        raise ConfigError("no prompts to replay: give --artifact or --golden, and/or --prompts")
-    return prompts
+        return GoldenSet.of(Golden.loads(resolve(artifact).read("golden.json")))
+    return GoldenSet.of(Golden.load(path)) if path is not None else None
 
 
-async def observe(
-    baseline_url: str,
-    candidate_url: str,
-    prompts: list[Prompt],
-    concurrency: int,
-    timeout: float,
-    model: str | None,
-) -> tuple[Observation, Observation]:
-    """Scrape both, replay on both at once (same load window), scrape both again."""
-    async with (
-        httpx.AsyncClient(base_url=baseline_url, timeout=timeout) as baseline,
-        httpx.AsyncClient(base_url=candidate_url, timeout=timeout) as candidate,
-    ):
-        before = await asyncio.gather(scrape(baseline), scrape(candidate))
-        replies = await asyncio.gather(
-            replay(baseline, prompts, concurrency, model), replay(candidate, prompts, concurrency, model)
+def make_plan(args: argparse.Namespace) -> Plan:
+    baseline = _golden(args.baseline_artifact, args.baseline_golden)
+    candidate = _golden(args.candidate_artifact, args.candidate_golden)
+    if candidate is None:
+        raise ConfigError(
+            "no golden record for the candidate: give --candidate-artifact or --candidate-golden"
         )
-        after = await asyncio.gather(scrape(baseline), scrape(candidate))
-    deltas = [Scrape.parse(a) - Scrape.parse(b) for a, b in zip(after, before, strict=True)]
-    return Observation(replies[0], deltas[0]), Observation(replies[1], deltas[1])
+    prompts = list(baseline.prompts if baseline else candidate.prompts)
+    if args.prompts is not None:
+        prompts += file_prompts(args.prompts)
+    return Plan(baseline, candidate, workload(prompts, args.samples), args.concurrency)
+
+
+async def judge(baseline: Target, candidate: Target, plan: Plan, limits: Thresholds) -> list[Check]:
+    try:
+        checks = []
+        for side, target, golden in (
+            ("baseline", baseline, plan.baseline_golden),
+            ("candidate", candidate, plan.candidate_golden),
+        ):
+            if golden is not None:
+                samples = await replay(target, golden.prompts, plan.concurrency)
+                checks.append(
+                    agreement_check(side, agreement(samples, golden.expected), limits, side == "candidate")
+                )
+        base, cand = await side_by_side(baseline, candidate, plan.latency, plan.concurrency)
+        if not any(s.ok for s in base):  # nothing to compare with: not the candidate's fault
+            raise ConfigError(f"the baseline answered none of {len(base)} requests: {base[0].error}")
+    finally:
+        await baseline.aclose()
+        await candidate.aclose()
+    return [*checks, error_check(base, cand, limits), *latency_checks(base, cand, limits)]

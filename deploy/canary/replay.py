@@ -1,47 +1,38 @@
-"""The prompt set a canary is judged on, and its replay against one endpoint.
+"""What a canary sends: each side's golden prompts (for agreement) and one shared latency workload sent to
+both at the same time, so the two samples see the same prompts under the same conditions.
 
-Prompts come from an artifact's `golden.json` (sent as token ids, so tokenization cannot differ between
-the two servers; `max_tokens` is the golden length) plus an optional file: one prompt per line, or a
-JSON object per line with `prompt` and optional `max_tokens`. Each prompt goes to `/v1/completions`,
-greedy (temperature 0). Agreement compares the returned text: two servers that decode the same greedy
-token ids with the same tokenizer return the same text, and text works against any OpenAI server.
+The latency workload is the baseline's golden prompts plus any given prompts (one per line, or a JSON
+object per line with `prompt` and optional `max_tokens`), cycled to `samples` requests per side, at most
+`concurrency` in flight per side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from app.artifacts.golden import Golden
 from app.errors import ConfigError
+from deploy.canary.targets import Prompt, Sample, Target
 
 DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
-class Prompt:
-    prompt: str | list[int]
-    max_tokens: int
+class GoldenSet:
+    """A golden record as prompts to send and the token ids each must return."""
 
+    prompts: tuple[Prompt, ...]
+    expected: tuple[tuple[int, ...], ...]
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """One prompt's outcome on one endpoint: `text`, or why there is none (`error`)."""
-
-    text: str | None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.text is not None
-
-
-def golden_prompts(golden: Golden) -> list[Prompt]:
-    return [Prompt(list(p.prompt_token_ids), max(1, len(p.token_ids))) for p in golden.prompts]
+    @classmethod
+    def of(cls, golden: Golden) -> GoldenSet:
+        prompts = tuple(Prompt(p.prompt, max(1, len(p.token_ids))) for p in golden.prompts)
+        return cls(prompts, tuple(tuple(p.token_ids) for p in golden.prompts))
 
 
 def file_prompts(path: Path) -> list[Prompt]:
@@ -62,33 +53,28 @@ def file_prompts(path: Path) -> list[Prompt]:
     return prompts
 
 
-async def _send(client: httpx.AsyncClient, model: str | None, prompt: Prompt) -> Reply:
-    body: dict[str, object] = {"prompt": prompt.prompt, "max_tokens": prompt.max_tokens, "temperature": 0.0}
-    if model is not None:
-        body["model"] = model
-    try:
-        response = await client.post("/v1/completions", json=body)
-    except httpx.HTTPError as error:
-        return Reply(None, f"{type(error).__name__}: {error}")
-    if response.status_code != 200:
-        return Reply(None, f"HTTP {response.status_code}: {response.text[:200]}")
-    return Reply(response.json()["choices"][0]["text"])
+def workload(prompts: Sequence[Prompt], samples: int) -> list[Prompt]:
+    if not prompts:
+        raise ConfigError("no prompts for the latency workload: give a golden record or --prompts")
+    return list(itertools.islice(itertools.cycle(prompts), samples))
 
 
-async def replay(
-    client: httpx.AsyncClient, prompts: list[Prompt], concurrency: int, model: str | None = None
-) -> list[Reply]:
-    """Every prompt once, at most `concurrency` in flight; replies in prompt order."""
+async def replay(target: Target, prompts: Sequence[Prompt], concurrency: int) -> list[Sample]:
+    """Every prompt once, at most `concurrency` in flight; samples in prompt order."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(prompt: Prompt) -> Reply:
+    async def one(prompt: Prompt) -> Sample:
         async with gate:
-            return await _send(client, model, prompt)
+            return await target.send(prompt)
 
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def scrape(client: httpx.AsyncClient) -> str:
-    response = await client.get("/metrics")
-    response.raise_for_status()
-    return response.text
+async def side_by_side(
+    baseline: Target, candidate: Target, prompts: Sequence[Prompt], concurrency: int
+) -> tuple[list[Sample], list[Sample]]:
+    """The same prompts to both targets at the same time."""
+    both = await asyncio.gather(
+        replay(baseline, prompts, concurrency), replay(candidate, prompts, concurrency)
+    )
+    return both[0], both[1]

@@ -1,54 +1,39 @@
-"""The canary verdict: each check compares the candidate with the baseline over the same replay window and
-passes or fails against a threshold; the canary is promoted only when every check passes.
+"""The canary verdict: the candidate against the baseline, on samples the canary took itself.
 
-- greedy agreement: the fraction of prompts answered by both whose texts are identical.
-- replay errors: the fraction of replayed prompts the candidate failed (non-200 or no response).
-- 5xx rate: server-side 5xx responses over all responses of the serving routes (OpenAI and SageMaker),
-  from each server's `/metrics` delta; the candidate may exceed the baseline by at most the allowed
-  increase.
-- latency: TTFT, inter-token and end-to-end p50 and p99 from histogram bucket deltas; the candidate may be
-  at most `max_latency_ratio` times the baseline plus `latency_slack_s` (bucket interpolation is coarse).
-A check without data on either side fails: no evidence is no promotion.
+Checks, each pass or fail; the candidate is promoted only when every one passes:
+- output agreement: each side replays its own artifact's golden prompts (greedy) and must return the
+  recorded token ids, judged against its own record (a new model version is expected to differ from the
+  old one's tokens, not from its own);
+- error rate: the candidate's failed requests over all it was sent, at most the baseline's plus
+  `max_error_rate_increase`;
+- latency, per metric (time to first token, mean inter-token gap, end-to-end), on raw per-request
+  values from the same prompts sent to both at the same time: a one-sided Mann-Whitney U test that the
+  candidate is slower, at `alpha` split over the three metrics (Bonferroni), and only a median ratio
+  above `1 + min_effect` counts (with hundreds of samples a 2% difference is "significant" but no
+  regression). If the two samples come from one distribution, the chance that any metric fails is at
+  most `alpha` (5%): that is the false-alarm rate. `loadtest/canary_bench.py` measures it, and the
+  detection rate of injected regressions, on sim-backed servers.
+A latency check with fewer than `min_samples` successful requests on either side cannot be judged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.metrics import MetricWrapperBase
+from deploy.canary.targets import Sample
 
-from app.metrics import E2E, HTTP_RESPONSES, INTER_TOKEN, TTFT
-from deploy.canary.metrics import Scrape
-from deploy.canary.replay import Reply
-
-
-def _family(metric: MetricWrapperBase) -> str:
-    return metric.describe()[0].name
-
-
-LATENCIES = {"TTFT": _family(TTFT), "inter-token": _family(INTER_TOKEN), "e2e": _family(E2E)}
-QUANTILES = (0.5, 0.99)
-HTTP_RESPONSES_TOTAL = _family(HTTP_RESPONSES) + "_total"
-# Health and readiness answer 503 while a server starts or drains: only serving routes count as errors.
-SERVING_ROUTES = ("/v1/", "/invocations")
-
-
-def _serving(labels: Mapping[str, str]) -> bool:
-    return labels["route"].startswith(SERVING_ROUTES)
-
-
-def _serving_error(labels: Mapping[str, str]) -> bool:
-    return _serving(labels) and labels["status"].startswith("5")
+METRICS = {"TTFT": "ttft_s", "inter-token": "itl_s", "e2e": "e2e_s"}
 
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    min_agreement: float = 0.9
-    max_replay_error_rate: float = 0.0
-    max_error_rate_increase: float = 0.01
-    max_latency_ratio: float = 1.5
-    latency_slack_s: float = 0.01
+    min_agreement: float = 1.0
+    max_error_rate_increase: float = 0.0
+    alpha: float = 0.05
+    min_effect: float = 0.10
+    min_samples: int = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,94 +42,115 @@ class Check:
     baseline: str
     candidate: str
     limit: str
-    passed: bool
-    detail: str | None = None  # why it failed, when a number alone does not say
+    passed: bool | None  # None: cannot be judged
+    detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Observation:
-    """What one endpoint did during the replay: its replies and its `/metrics` delta."""
+class Agreement:
+    """How many golden prompts a side answered with exactly the recorded token ids."""
 
-    replies: Sequence[Reply]
-    delta: Scrape
+    matched: int
+    total: int
+    first_mismatch: str | None = None
 
-    def error_rate(self) -> float | None:
-        total = self.delta.total(HTTP_RESPONSES_TOTAL, _serving)
-        if total <= 0:
-            return None
-        return self.delta.total(HTTP_RESPONSES_TOTAL, _serving_error) / total
-
-
-def _fmt(value: float | None, unit: str = "") -> str:
-    if value is None:
-        return "no data"
-    return f"{value * 1000:.1f} ms" if unit == "s" else f"{value:.3f}"
+    @property
+    def rate(self) -> float | None:
+        return self.matched / self.total if self.total else None
 
 
-def evaluate(baseline: Observation, candidate: Observation, thresholds: Thresholds) -> list[Check]:
+def agreement(samples: Sequence[Sample], expected: Sequence[tuple[int, ...]]) -> Agreement:
+    matched, first = 0, None
+    for number, (sample, want) in enumerate(zip(samples, expected, strict=True)):
+        if sample.ok and sample.token_ids == want:
+            matched += 1
+        elif first is None:
+            got = sample.error or f"tokens {list(sample.token_ids)[:8]}..."
+            first = f"golden prompt {number}: expected {list(want)[:8]}..., got {got}"
+    return Agreement(matched, len(expected), first)
+
+
+def values(samples: Sequence[Sample], field: str) -> list[float]:
+    return [v for s in samples if s.ok and (v := getattr(s, field)) is not None]
+
+
+def slower_p_value(baseline: Sequence[float], candidate: Sequence[float]) -> float:
+    """One-sided Mann-Whitney U: the p-value of "the candidate's values tend to be larger"."""
+    from scipy.stats import mannwhitneyu
+
+    return float(mannwhitneyu(candidate, baseline, alternative="greater").pvalue)
+
+
+def latency_check(
+    name: str, baseline: Sequence[float], candidate: Sequence[float], limits: Thresholds
+) -> Check:
+    per_metric_alpha = limits.alpha / len(METRICS)
+    limit = f"p >= {per_metric_alpha:.4f} or ratio <= {1 + limits.min_effect:.2f}"
+    if min(len(baseline), len(candidate)) < limits.min_samples:
+        detail = f"{len(baseline)} and {len(candidate)} samples; at least {limits.min_samples} needed"
+        return Check(f"{name} median", str(len(baseline)), str(len(candidate)), limit, None, detail)
+    base, cand = statistics.median(baseline), statistics.median(candidate)
+    ratio = cand / base if base > 0 else float("inf")
+    p = slower_p_value(baseline, candidate)
+    passed = not (p < per_metric_alpha and ratio > 1 + limits.min_effect)
+    measured = f"{cand * 1000:.1f} ms (x{ratio:.2f}, p={p:.2g}, n={len(candidate)})"
+    return Check(f"{name} median", f"{base * 1000:.1f} ms (n={len(baseline)})", measured, limit, passed)
+
+
+def latency_checks(
+    baseline: Sequence[Sample], candidate: Sequence[Sample], limits: Thresholds
+) -> list[Check]:
     return [
-        _agreement(baseline, candidate, thresholds),
-        _replay_errors(baseline, candidate, thresholds),
-        _error_rate(baseline, candidate, thresholds),
-        *(
-            _latency(name, histogram, q, baseline, candidate, thresholds)
-            for name, histogram in LATENCIES.items()
-            for q in QUANTILES
-        ),
+        latency_check(name, values(baseline, field), values(candidate, field), limits)
+        for name, field in METRICS.items()
     ]
 
 
-def _agreement(baseline: Observation, candidate: Observation, thresholds: Thresholds) -> Check:
-    pairs = [
-        (b.text, c.text) for b, c in zip(baseline.replies, candidate.replies, strict=True) if b.ok and c.ok
-    ]
-    rate = sum(b == c for b, c in pairs) / len(pairs) if pairs else None
-    passed = rate is not None and rate >= thresholds.min_agreement
+def error_check(baseline: Sequence[Sample], candidate: Sequence[Sample], limits: Thresholds) -> Check:
+    def rate(samples: Sequence[Sample]) -> float:
+        return sum(not s.ok for s in samples) / max(len(samples), 1)
+
+    allowed = rate(baseline) + limits.max_error_rate_increase
+    first = next((s.error for s in candidate if not s.ok), None)
+    detail = None if first is None else f"candidate's first failed request: {first}"
+    passed = bool(candidate) and rate(candidate) <= allowed
     return Check(
-        "greedy agreement", f"{len(pairs)} pairs", _fmt(rate), f">= {thresholds.min_agreement:.3f}", passed
+        "error rate", f"{rate(baseline):.3f}", f"{rate(candidate):.3f}", f"<= {allowed:.3f}", passed, detail
     )
 
 
-def _replay_errors(baseline: Observation, candidate: Observation, thresholds: Thresholds) -> Check:
-    def rate(observation: Observation) -> float:
-        return sum(not r.ok for r in observation.replies) / max(len(observation.replies), 1)
-
-    passed = bool(candidate.replies) and rate(candidate) <= thresholds.max_replay_error_rate
-    limit = f"<= {thresholds.max_replay_error_rate:.3f}"
-    first_error = next((r.error for r in candidate.replies if not r.ok), None)
-    detail = None if first_error is None else f"candidate's first failed request: {first_error}"
-    return Check("replay error rate", _fmt(rate(baseline)), _fmt(rate(candidate)), limit, passed, detail)
-
-
-def _error_rate(baseline: Observation, candidate: Observation, thresholds: Thresholds) -> Check:
-    base, cand = baseline.error_rate(), candidate.error_rate()
-    allowed = (base or 0.0) + thresholds.max_error_rate_increase
-    passed = cand is not None and cand <= allowed
-    return Check("server 5xx rate", _fmt(base), _fmt(cand), f"<= {allowed:.3f}", passed)
+def agreement_check(side: str, result: Agreement, limits: Thresholds, decides: bool) -> Check:
+    rate = result.rate
+    shown = "no golden" if rate is None else f"{result.matched}/{result.total}"
+    passed = rate is not None and rate >= limits.min_agreement
+    name = f"{side} agreement with its golden"
+    limit = f">= {limits.min_agreement:.2f}" + ("" if decides else " (informational)")
+    return Check(
+        name,
+        shown if side == "baseline" else "",
+        shown if side == "candidate" else "",
+        limit,
+        passed if decides else (passed or None),
+        result.first_mismatch,
+    )
 
 
-def _latency(
-    name: str, histogram: str, q: float, baseline: Observation, candidate: Observation, thresholds: Thresholds
-) -> Check:
-    base, cand = baseline.delta.quantile(histogram, q), candidate.delta.quantile(histogram, q)
-    allowed = None if base is None else base * thresholds.max_latency_ratio + thresholds.latency_slack_s
-    passed = allowed is not None and cand is not None and cand <= allowed
-    limit = "baseline has no data" if allowed is None else f"<= {_fmt(allowed, 's')}"
-    return Check(f"{name} p{round(q * 100)}", _fmt(base, "s"), _fmt(cand, "s"), limit, passed)
+def decide(checks: Sequence[Check]) -> str:
+    """PROMOTE, ROLL BACK (a check failed) or CANNOT JUDGE (none failed, one could not be judged)."""
+    if any(c.passed is False for c in checks):
+        return "ROLL BACK"
+    return "CANNOT JUDGE" if any(c.passed is None for c in checks) else "PROMOTE"
 
 
 def render(checks: Sequence[Check]) -> str:
     """A fixed-width table, one row per check, then what failed checks know of why, then the verdict."""
     header = ("check", "baseline", "candidate", "limit", "result")
-    rows = [
-        header,
-        *((c.name, c.baseline, c.candidate, c.limit, "pass" if c.passed else "FAIL") for c in checks),
-    ]
+    result = {True: "pass", False: "FAIL", None: "n/a"}
+    rows = [header, *((c.name, c.baseline, c.candidate, c.limit, result[c.passed]) for c in checks)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
-    lines += [f"{c.name}: {c.detail}" for c in checks if not c.passed and c.detail is not None]
-    promote = all(c.passed for c in checks)
-    lines.append("verdict: " + ("PROMOTE" if promote else "ROLL BACK"))
+    lines += [f"{c.name}: {c.detail}" for c in checks if c.passed is not True and c.detail is not None]
+    lines.append(f"verdict: {decide(checks)}")
     return "\n".join(lines)

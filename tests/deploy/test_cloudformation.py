@@ -12,6 +12,7 @@ import pytest
 from cfnlint.decode import decode
 
 from deploy import timeouts
+from deploy.canary.targets import TRACK_HEADER
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SAGEMAKER = DEPLOY / "sagemaker" / "template.yaml"
@@ -143,6 +144,17 @@ class TestAlb:
         ]
         # Traffic only once both groups signalled ready.
         assert set(listener["DependsOn"]) == {"StableGroup", "CanaryGroup"}
+
+    def test_a_header_reaches_one_track_through_the_balancer(self, template: dict) -> None:
+        for priority, track in enumerate(("Stable", "Canary"), start=1):
+            rule = template["Resources"][f"{track}TrackRule"]["Properties"]
+            (condition,) = rule["Conditions"]
+            assert condition["HttpHeaderConfig"] == {
+                "HttpHeaderName": TRACK_HEADER,
+                "Values": [track.lower()],
+            }
+            assert rule["Actions"] == [{"Type": "forward", "TargetGroupArn": {"Ref": f"{track}TargetGroup"}}]
+            assert rule["Priority"] == priority and rule["ListenerArn"] == {"Ref": "Listener"}
 
     def test_canary_weight_is_zero_by_default_and_while_it_has_no_capacity(self, template: dict) -> None:
         params = template["Parameters"]
