@@ -53,3 +53,19 @@ def shared_model(name: str) -> Path:
 def stories260k() -> Path:
     """The real, trained stories260K Llama checkpoint directory."""
     return shared_model("stories260K")
+
+
+@pytest.fixture(scope="session")
+def stories_artifact(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """stories260K compiled once for the torch backend (4 slots, 256 positions), for the real servers of
+    tests/integration and tests/clients."""
+    from compile.pipeline import CompileOptions, compile_artifact
+
+    options = CompileOptions(
+        model=str(stories260k),
+        output=str(tmp_path_factory.mktemp("artifacts")),
+        batch_size=4,
+        max_positions=256,
+        context_buckets=(64, 128, 256),
+    )
+    return Path(compile_artifact(options).uri)

@@ -1,6 +1,6 @@
-"""Session fixtures: a stories260K torch artifact (compiled once), and the SageMaker-style server that
-serves it: the bare `serve` console script with SageMaker's environment and the artifact copied where
-SageMaker would place it (a temporary directory standing in for /opt/ml/model)."""
+"""Session fixtures: the SageMaker-style server that serves the stories260K artifact (`stories_artifact`,
+tests/conftest.py): the bare `serve` console script with SageMaker's environment and the artifact copied
+where SageMaker would place it (a temporary directory standing in for /opt/ml/model)."""
 
 from __future__ import annotations
 
@@ -10,23 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from compile.pipeline import CompileOptions, compile_artifact
 from tests.s3_server import free_port
 
 from .server import BIN, ServerProcess
-
-
-@pytest.fixture(scope="session")
-def stories_artifact(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("artifacts")
-    options = CompileOptions(
-        model=str(stories260k),
-        output=str(output),
-        batch_size=4,
-        max_positions=256,
-        context_buckets=(64, 128, 256),
-    )
-    return Path(compile_artifact(options).uri)
 
 
 @pytest.fixture(scope="session")
