@@ -22,6 +22,7 @@ from app.api.validation import Api, EngineRequest, Limits, Validated, Validator
 from app.backends.base import SampledToken
 from app.engine.detokenizer import DecodeRules
 from app.engine.types import EngineClient, FinishReason, RequestOutput, RequestTimings
+from app.errors import InvalidRequestError
 from app.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ class Serving:
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
+        self.max_waiting = settings.max_waiting
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
         self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)
@@ -176,4 +178,12 @@ class Serving:
         return await anyio.to_thread.run_sync(self.validator.validate, api, raw, limiter=self._threads)
 
     def start(self, request_id: str, requests: list[EngineRequest]) -> Job:
+        """Admit every sequence of the request, or none. More sequences than the queue holds can never be
+        admitted, whatever the load: that is the request's fault (400), not the server's (429)."""
+        if len(requests) > self.max_waiting:
+            raise InvalidRequestError(
+                f"the request asks for {len(requests)} sequences (prompts x n), more than the "
+                f"{self.max_waiting} the queue can ever hold (max_waiting)",
+                param="n",
+            )
         return Job(self.engine, request_id, requests).start()

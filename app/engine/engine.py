@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from app import metrics
 from app.backends.base import Backend, PrefillBatch, SampledToken, Tokens
+from app.engine.admission import ServiceRate
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
 from app.engine.output import (
@@ -183,11 +184,14 @@ class LLMEngine:
         """Recent device time of one engine step (0.0 before the first step)."""
         return self._output.step_s
 
-    def retry_after_s(self) -> float:
-        """When a slot is likely to free up for a request queued now: the queue ahead drains
-        `num_slots` requests per request lifetime (measured tokens per request x step time)."""
-        step_s = self._output.step_s or DEFAULT_STEP_S
-        return step_s * self._output.request_tokens * (self.num_waiting / self.grid.num_slots + 1)
+    def service_rate(self) -> ServiceRate:
+        """How fast slots free up, as measured (`app/engine/admission.py`); before any step was
+        measured, a guess from DEFAULT_STEP_S, used for Retry-After only (`measured` is False)."""
+        output = self._output
+        step_s = output.step_s or DEFAULT_STEP_S
+        return ServiceRate.estimate(
+            self.grid.num_slots, output.slot_s, step_s, output.request_tokens, output.step_s > 0
+        )
 
     def check_request(self, prompt: Sequence[int], params: GenerationParams) -> None:
         """What the engine and its backend can run (`EngineClient.check_request`)."""
@@ -226,11 +230,18 @@ class LLMEngine:
         if self._thread is None or self._stopping or self._failure is not None:
             raise NotReadyError("the engine is not running")
         waiting = self._scheduler.num_waiting + len(self._inbox)
-        limit = self.config.max_waiting
+        free = self._scheduler.num_free_slots
+        rate, limit, max_wait = self.service_rate(), self.config.max_waiting, self.config.max_queue_wait_s
         if waiting >= limit:
             raise OverloadedError(
                 f"the waiting queue is full ({waiting} requests, limit max_waiting={limit})",
-                retry_after_s=self.retry_after_s(),
+                retry_after_s=rate.retry_after_s(waiting, free, 0.0),
+            )
+        if max_wait is not None and rate.measured and rate.wait_s(waiting, free) > max_wait:
+            raise OverloadedError(
+                f"the server is overloaded: {waiting} requests wait for {self.grid.num_slots} slots, an "
+                f"expected {rate.wait_s(waiting, free):.1f} s, over max_queue_wait_s={max_wait}",
+                retry_after_s=rate.retry_after_s(waiting, free, max_wait),
             )
 
     # --- the engine thread ---

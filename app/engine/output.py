@@ -145,6 +145,7 @@ class OutputProcessor:
         self._busy_since = time.perf_counter()
         self.step_s = 0.0  # EWMA of a step's device time (0.0 before the first step)
         self.request_tokens = float(DEFAULT_REQUEST_TOKENS)  # EWMA of output tokens per finished request
+        self.slot_s = 0.0  # EWMA of the seconds a finished request held its slot (0.0 before the first)
 
     def start(self) -> None:
         self._thread.start()
@@ -281,6 +282,9 @@ class OutputProcessor:
         with self._lock:
             self._live.pop(request.request_id, None)
         self.request_tokens += EWMA_WEIGHT * (request.num_output_tokens - self.request_tokens)
+        if request.scheduled_time is not None and request.finish_time is not None:
+            held_s = request.finish_time - request.scheduled_time
+            self.slot_s += (held_s - self.slot_s) * (EWMA_WEIGHT if self.slot_s else 1.0)
 
     def _record_tokens(self, request: Request, state: OutputState, start: int, end: int, now: float) -> None:
         if end == start:
