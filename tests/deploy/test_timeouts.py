@@ -38,8 +38,9 @@ def test_sagemaker_fits_its_hard_limits() -> None:
     assert budget.client_timeout_s > timeouts.SAGEMAKER_INVOCATION_LIMIT_S
 
 
-def test_readme_shows_the_budget_table() -> None:
-    assert timeouts.markdown_table() in (REPO / "deploy/README.md").read_text()
+@pytest.mark.parametrize("document", ["README.md", "RUNBOOK.md"])
+def test_documents_show_the_budget_table(document: str) -> None:
+    assert timeouts.markdown_table() in (REPO / "deploy" / document).read_text()
 
 
 def test_eks_manifests_carry_the_budget() -> None:
