@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -186,8 +186,9 @@ class ProcessSettings(BaseSettings):
     s3_ranges: Literal["auto", "always"] = Field(
         "auto", description="Split into ranged GETs where the first part shows it pays, or always."
     )
-    sim_cost_model: str | None = Field(
-        None, description="The sim device's cost model (a preset name or JSON); overrides the artifact's."
+    sim_cost_model: dict[str, Any] | str | None = Field(
+        None,
+        description="The sim device's cost model: a preset name or its fields as JSON (over the artifact's).",
     )
 
     @field_validator("cache_dir")

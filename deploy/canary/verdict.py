@@ -9,10 +9,12 @@ Checks, each pass or fail; the candidate is promoted only when every one passes:
 - latency, per metric (time to first token, mean inter-token gap, end-to-end), on raw per-request
   values from the same prompts sent to both at the same time: a one-sided Mann-Whitney U test that the
   candidate is slower, at `alpha` split over the three metrics (Bonferroni), and only a median ratio
-  above `1 + min_effect` counts (with hundreds of samples a 2% difference is "significant" but no
-  regression). If the two samples come from one distribution, the chance that any metric fails is at
-  most `alpha` (5%): that is the false-alarm rate. `loadtest/canary_bench.py` measures it, and the
-  detection rate of injected regressions, on sim-backed servers.
+  above `1 + min_effect` (20%) counts. If the two samples were independent draws from one
+  distribution, the chance that any metric fails would be at most `alpha` (5%), the false-alarm rate;
+  but requests that share batches and a host are not independent, and two healthy servers on a busy
+  host differed by more than 10% in some runs, hence the 20% floor (a 2% difference over hundreds of
+  samples is also "significant" but no regression). `loadtest/canary_bench.py` measures the false-alarm
+  and detection rates on sim-backed servers with injected regressions.
 A latency check with fewer than `min_samples` successful requests on either side cannot be judged.
 """
 
@@ -32,7 +34,7 @@ class Thresholds:
     min_agreement: float = 1.0
     max_error_rate_increase: float = 0.0
     alpha: float = 0.05
-    min_effect: float = 0.10
+    min_effect: float = 0.20
     min_samples: int = 30
 
 
