@@ -15,6 +15,8 @@ a mode's cost, see `write_control`):
   its timing: the previous default's 8 MiB x 8 pattern);
 - `loader_configured`: the same with the INF2SERVE_S3_* settings of this environment, where they differ
   from the defaults;
+- `loader_pinned`: `load_artifact` of the pinned reference (`uri@sha256:<manifest digest>`), default
+  transfer settings: every file verified with BLAKE3 (multi-threaded) instead of XXH3;
 - `warm_restart`: `load_artifact` again over the verified cache;
 - `write_control`: the artifact's size written from one reused buffer to a fresh file in a cache
   directory, nothing received or hashed: what storing the bytes costs this machine by itself. On this
@@ -35,7 +37,16 @@ as much as the whole file, and a cold load can never beat that time to first byt
 that follow: `plain_ranged_get` is the split pattern's ceiling on this server, and `loader_ranges_always /
 plain_ranged_get` isolates the loader's own overhead on it.
 
+`--capped` runs the other benchmark, S3 as it behaves over the network: the loader behind a loopback
+proxy (loadtest/capped_s3.py) that caps every connection at `--cap-mib-per-s` (S3 gives one connection
+about 100 MB/s; scaled down here so that this 2-core machine, not the client, stays the fast side) and
+waits `--first-byte-ms` before each response, over a synthetic artifact of `--capped-files` files of
+`--capped-file-mib` each (like a TP-2 artifact's per-rank weights). Goal: the loader reaches >= 0.8 of
+the aggregate rate N capped connections allow, N the transfer's per-object concurrency (8), beside
+`loader_single_get` (never splits: one capped connection per file) and `loader_pinned`.
+
     .venv/bin/python -m loadtest.loader_bench [--rounds 8] [--split-rounds 2] [--out report.json]
+    .venv/bin/python -m loadtest.loader_bench --capped [--cap-mib-per-s 16] [--first-byte-ms 30]
 """
 
 from __future__ import annotations
@@ -55,14 +66,18 @@ from pathlib import Path
 from typing import Any
 
 from app.artifacts import storage
-from app.artifacts.loader import load_artifact
-from app.artifacts.manifest import Manifest
+from app.artifacts.loader import load_artifact, pinned_reference
+from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from compile.pipeline import CompileOptions, compile_artifact
 from compile.random_checkpoint import write_random_llama
-from tests.s3_server import S3Server, s3_env, start_s3_server
+from loadtest.capped_s3 import CappedS3
+from tests.artifacts.synthetic import write_artifact
+from tests.s3_server import S3Server, s3_env, start_s3_server, upload_tree
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "reports" / "loader_bench.json"
+CAPPED_OUT = REPO / "loadtest" / "reports" / "loader_bench_capped.json"
+CAPPED_PREFIX = "capped/artifact"
 BUCKET = "bench"
 Mode = Callable[[], int]  # one timed action: returns the bytes it read
 MIB = 1024 * 1024
@@ -143,11 +158,17 @@ def loader_transfers() -> tuple[dict[str, storage.TransferConfig], dict[str, sto
     return single, ranged
 
 
-def cold_loads(uri: str, transfers: dict[str, storage.TransferConfig], scratch: Path) -> dict[str, Mode]:
-    """Each configuration as a cold load into a fresh cache under `scratch`."""
+def cold_loads(
+    uri: str, transfers: dict[str, storage.TransferConfig], scratch: Path, pinned: str | None = None
+) -> dict[str, Mode]:
+    """Each configuration as a cold load into a fresh cache under `scratch`; with `pinned` (the pinned
+    reference), also `loader_pinned`: the default configuration's load of it."""
+    loads = {name: (uri, transfer) for name, transfer in transfers.items()}
+    if pinned is not None:
+        loads["loader_pinned"] = (pinned, storage.TransferConfig())
     return {
-        name: lambda transfer=transfer: cold_load(uri, transfer, Path(tempfile.mkdtemp(dir=scratch)))
-        for name, transfer in transfers.items()
+        name: lambda ref=ref, transfer=transfer: cold_load(ref, transfer, Path(tempfile.mkdtemp(dir=scratch)))
+        for name, (ref, transfer) in loads.items()
     }
 
 
@@ -219,8 +240,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="rounds of the modes that do not split")
     parser.add_argument("--split-rounds", type=int, default=2, help="rounds of those that do (~10 s each)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=f"report (default {DEFAULT_OUT}, or {CAPPED_OUT})")
+    parser.add_argument("--capped", action="store_true", help="behind the capped proxy (module docstring)")
+    parser.add_argument("--cap-mib-per-s", type=float, default=16.0, help="per-connection cap")
+    parser.add_argument("--first-byte-ms", type=float, default=30.0)
+    parser.add_argument("--capped-files", type=int, default=2)
+    parser.add_argument("--capped-file-mib", type=int, default=128)
+    parser.add_argument("--capped-rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    if args.capped:
+        return capped_main(args)
+    args.out = args.out or DEFAULT_OUT
     load_before = os.getloadavg()
     server = start_s3_server(env=SERVER_ENV)
     try:
@@ -232,9 +262,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             caches = Path(scratch) / "caches"
             caches.mkdir()
             single, ranged = loader_transfers()
+            pinned = pinned_reference(storage.open_store(uri))
             fast: dict[str, Mode] = {
                 "plain_get": lambda: plain_get(server, uri, manifest),
-                **cold_loads(uri, single, caches),
+                **cold_loads(uri, single, caches, pinned),
                 "write_control": lambda: write_control(manifest.total_bytes, caches),
             }
             slow: dict[str, Mode] = {
@@ -338,6 +369,81 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  warm restart                               {report['warm_restart_seconds']:.3f} s")
     before, after = report["load_average_before_after"]
     print(f"  load average before / after                {before[0]:.2f} / {after[0]:.2f}")
+
+
+def capped_main(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--capped` benchmark (module docstring)."""
+    out = args.out or CAPPED_OUT
+    cap = args.cap_mib_per_s * MIB
+    server = start_s3_server(env=SERVER_ENV)
+    try:
+        os.environ.update(s3_env(server.endpoint_url))
+        server.client().create_bucket(Bucket=BUCKET)
+        with tempfile.TemporaryDirectory(prefix="loader-bench-capped-") as scratch:
+            files = {
+                f"weights/rank-{i}.bin": os.urandom(args.capped_file_mib * MIB)
+                for i in range(args.capped_files)
+            }
+            manifest = write_artifact(Path(scratch) / "artifact", files)
+            upload_tree(server.client(), Path(scratch) / "artifact", BUCKET, CAPPED_PREFIX)
+            del files
+            uri = f"s3://{BUCKET}/{CAPPED_PREFIX}"
+            with CappedS3(server.endpoint_url, cap, args.first_byte_ms / 1000) as proxy:
+                keys = [
+                    f"{CAPPED_PREFIX}/{name}" for name in [MANIFEST_NAME, *(e.path for e in manifest.files)]
+                ]
+                proxy.prefetch(server.client(), BUCKET, keys)
+                os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url
+                storage.s3_client.cache_clear()
+                caches = Path(scratch) / "caches"
+                caches.mkdir()
+                transfers = {
+                    "loader": storage.TransferConfig(),
+                    "loader_single_get": storage.TransferConfig(concurrency=1),
+                }
+                modes = cold_loads(uri, transfers, caches, pinned_reference(storage.open_store(uri)))
+                samples: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+                connections: dict[str, int] = dict.fromkeys(modes, 0)
+                for number in range(args.capped_rounds):
+                    for name in (list(modes)[i] for i in balanced_order(len(modes), number)):
+                        opened = proxy.connections
+                        samples[name].append(timed(modes[name]))
+                        connections[name] = max(connections[name], proxy.connections - opened)
+                        storage.s3_client.cache_clear()  # the next load opens its own connections
+                        shutil.rmtree(caches)
+                        caches.mkdir()
+    finally:
+        server.stop()
+    concurrency = storage.TransferConfig().concurrency
+    allowed = concurrency * args.cap_mib_per_s
+    throughput = {name: statistics.median(s["mib_per_s"] for s in runs) for name, runs in samples.items()}
+    report = {
+        "artifact_bytes": manifest.total_bytes,
+        "files": len(manifest.files),
+        "cap_mib_per_s_per_connection": args.cap_mib_per_s,
+        "first_byte_ms": args.first_byte_ms,
+        "n_connections": concurrency,
+        "aggregate_allowed_mib_per_s": allowed,
+        "throughput_mib_per_s": throughput,
+        "ratio_to_allowed": {name: value / allowed for name, value in throughput.items()},
+        "connections_opened": connections,
+        "goal": "loader >= 0.8 x the aggregate rate of N capped connections",
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "samples": samples,
+    }
+    size = manifest.total_bytes / MIB
+    print(
+        f"capped S3: {args.cap_mib_per_s:.0f} MiB/s a connection, {args.first_byte_ms:.0f} ms to first byte"
+    )
+    print(f"  {len(manifest.files)} files, {size:.0f} MiB; N={concurrency} connections: {allowed:.0f} MiB/s")
+    for name, value in throughput.items():
+        opened = connections[name]
+        print(f"  {name:20s} {value:7.1f} MiB/s  {value / allowed:5.2f} of N capped  ({opened} connections)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {out}")
+    return report
 
 
 if __name__ == "__main__":

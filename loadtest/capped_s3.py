@@ -1,0 +1,142 @@
+"""A loopback stand-in for S3 as it behaves over the network: each connection is capped at a fixed
+throughput (S3 gives one connection roughly 100 MB/s) and every response waits a first-byte latency
+before its headers, for the loader benchmark's `--capped` mode.
+
+It serves GetObject (whole or `Range: bytes=a-b`, honouring `If-Match`) from objects it fetched once from
+the upstream S3 server (`prefetch`, not timed): moto reads a whole object for every GET, ranged or not,
+which would make the server, not the capped connections, the bottleneck of a split download. The ETag,
+Last-Modified and Content-Type are upstream's. Anything else is relayed to upstream as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+SEND_BYTES = 64 * 1024
+KEPT_HEADERS = ("etag", "last-modified", "content-type")
+
+
+@dataclass(frozen=True, slots=True)
+class Cached:
+    body: bytes
+    headers: dict[str, str]
+
+
+class CappedS3:
+    def __init__(self, upstream: str, bytes_per_s: float, first_byte_s: float) -> None:
+        self.upstream, self.bytes_per_s, self.first_byte_s = upstream, bytes_per_s, first_byte_s
+        self.objects: dict[str, Cached] = {}
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> CappedS3:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def prefetch(self, client: Any, bucket: str, keys: list[str]) -> None:
+        """Read each object once from upstream (`client`: boto3 S3 on it), headers as upstream sends them."""
+        for key in keys:
+            response = client.get_object(Bucket=bucket, Key=key)
+            sent = response["ResponseMetadata"]["HTTPHeaders"]
+            kept = {name: sent[name] for name in KEPT_HEADERS if name in sent}
+            self.objects[f"/{bucket}/{key}"] = Cached(response["Body"].read(), kept)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: the cap is per connection, as S3's is
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy._lock:
+                    proxy.connections += 1
+
+            def do_GET(self) -> None:
+                cached = proxy.objects.get(urlsplit(self.path).path)
+                if cached is None:
+                    self._relay()
+                    return
+                time.sleep(proxy.first_byte_s)
+                if "If-Match" in self.headers and self.headers["If-Match"] != cached.headers.get("etag"):
+                    self._error(412, "PreconditionFailed")
+                    return
+                size, begin, end = len(cached.body), 0, len(cached.body)
+                status = 200
+                if "Range" in self.headers:
+                    first, _, last = self.headers["Range"].removeprefix("bytes=").partition("-")
+                    begin, end = int(first), min(int(last) + 1 if last else size, size)
+                    if begin >= size:
+                        self._error(416, "InvalidRange")
+                        return
+                    status = 206
+                self.send_response(status)
+                for name, value in cached.headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(end - begin))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {begin}-{end - 1}/{size}")
+                self.end_headers()
+                self._paced(memoryview(cached.body)[begin:end])
+
+            def _paced(self, body: memoryview) -> None:
+                """The body at the cap; a client that closes early (the loader's split) ends it."""
+                started = time.perf_counter()
+                try:
+                    for offset in range(0, len(body), SEND_BYTES):
+                        ahead = (offset / proxy.bytes_per_s) - (time.perf_counter() - started)
+                        if ahead > 0:
+                            time.sleep(ahead)
+                        self.wfile.write(body[offset : offset + SEND_BYTES])
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True
+
+            def _error(self, status: int, code: str) -> None:
+                body = f"<Error><Code>{code}</Code><Message>{code}</Message></Error>".encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _relay(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                body = self.rfile.read(length) if length else None
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")
+                }
+                response = httpx.request(
+                    self.command, proxy.upstream + self.path, headers=headers, content=body, timeout=120
+                )
+                self.send_response(response.status_code)
+                for name, value in response.headers.items():
+                    if name.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(response.content)))
+                self.end_headers()
+                self.wfile.write(response.content)
+
+            do_HEAD = do_PUT = do_POST = do_DELETE = _relay
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        return Handler
