@@ -17,12 +17,19 @@ Sampling happens inside the step, on the device. A sampled token is a pure funct
 request's `seed` and the position of the token being generated, so the same seed gives the same tokens
 whatever else shares the batch. Full logits leave the device only when `num_top_logprobs > 0`.
 
-Running ahead: the engine starts a call with `launch`, which returns a function that waits for its tokens.
-By default `launch` runs the call at once. A backend whose device runs calls asynchronously, in order, and
-keeps each slot's last sampled token on the device (`feeds_back_tokens`, as NxD Inference's async mode
-does with on-device sampling) lets the engine launch step n+1 before step n's tokens are back: a decode
-row whose last token is `FED_BACK` continues from the token the device sampled last for that slot. The
-host's work between steps then overlaps the device instead of idling it.
+Running ahead, in one of two forms (the engine picks its step loop from them, `app/engine/engine.py`):
+- `feeds_back_tokens`: the engine starts a call with `launch`, which returns a function that waits for its
+  tokens. By default `launch` runs the call at once. A backend whose device runs calls asynchronously, in
+  order, and keeps each slot's last sampled token on the device lets the engine launch step n+1 before
+  step n's tokens are back: a decode row whose last token is `FED_BACK` continues from the token the
+  device sampled last for that slot (the sim).
+- `runs_ahead_in_call`: the library itself runs ahead inside each decode call (NxD Inference's
+  `async_mode`): a call returns step n and leaves step n+1 running on the device, fed with step n's
+  tokens and the call's positions + 1; the next call with the same rows one position further returns it,
+  ignoring the `input_ids` it is given. The engine calls such a backend once per step as usual and never
+  changes a sampled token, and runs each step's decode before its prefills: a prefill resets the
+  library's run-ahead, so the decode after it starts again from the rows the engine gives.
+Either way the host's work between steps overlaps the device instead of idling it.
 """
 
 from __future__ import annotations
@@ -173,6 +180,7 @@ class Backend(ABC):
     model: ModelInfo
     feeds_back_tokens: ClassVar[bool] = False  # decode rows may carry FED_BACK (module docstring)
     sampling_features: ClassVar[frozenset[str]] = frozenset()  # NEUTRAL_SAMPLING fields it honours
+    runs_ahead_in_call: bool = False  # the library runs the next decode step ahead (module docstring)
 
     @classmethod
     @abstractmethod

@@ -7,12 +7,17 @@ steps. The output thread (`app/engine/output.py`) detokenizes, matches stop stri
 statistics (`StepStats`) to the stats sink and hands each request's deltas to the event loop that asked
 for them, while the next step runs.
 
-Running ahead (`EngineConfig.run_ahead`, on backends that feed tokens back on the device): each
-iteration schedules and launches step n+1, then completes step n (waits for its tokens, applies them,
-reports them). The device starts step n+1 as soon as step n ends, so the host's work between steps
-overlaps the device instead of idling it; the cost is a dropped row for each request that step n ends
-and a slot refilled one step later (`scheduler`). Otherwise each call is waited for as soon as it is
-launched, so a backend that runs its calls inside `launch` has each one timed alone.
+Two step loops, picked once at start:
+- `_loop` (the default): schedule -> run -> apply. Each call is waited for as soon as it is launched, so a
+  backend that runs its calls inside `launch` has each one timed alone. A backend whose library runs the
+  next decode step ahead inside each call (`Backend.runs_ahead_in_call`: NxD Inference's async mode) also
+  runs here, with each step's decode before its prefills: a prefill resets the library's run-ahead, so
+  the first decode after it starts from the rows the host gives, new sequences included (`calls_in_order`).
+- `_loop_ahead` (`EngineConfig.run_ahead`, on backends that queue calls and feed tokens back on the
+  device, `Backend.feeds_back_tokens`): each iteration schedules and launches step n+1, then completes
+  step n (waits for its tokens, applies them, reports them). The device starts step n+1 as soon as step n
+  ends, so the host's work between steps overlaps the device instead of idling it; the cost is a dropped
+  row for each request that step n ends and a slot refilled one step later (`scheduler`).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from app.engine.output import (
     StepReport,
 )
 from app.engine.request import FINISHED, Request
-from app.engine.scheduler import DecodeGroup, PrefillGroup, Scheduler
+from app.engine.scheduler import BatchPlan, DecodeGroup, PrefillGroup, Scheduler
 from app.engine.stats import StatsSink
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
@@ -247,39 +252,51 @@ class LLMEngine:
     # --- the engine thread ---
 
     def _run(self) -> None:
-        in_flight: list[LaunchedCall] = []
         try:
-            while not self._stopping:
-                in_flight = self._step(in_flight)
-            self._complete(in_flight)  # the device's last step, before its backend is closed
+            self._loop_ahead() if self._run_ahead else self._loop()
         except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
             logger.exception("the engine loop failed")
             self._failure = exc
         finally:
             self._shut_down()
 
-    def _step(self, in_flight: list[LaunchedCall]) -> list[LaunchedCall]:
-        """Schedule a step and run it. Running ahead: launch it, complete the step launched before it,
-        and return the new one, still in flight. Otherwise each call is waited for as it is launched
-        (so each is timed alone) and nothing stays in flight."""
-        ended = [*self._take_inbox()]
-        plan = self._scheduler.schedule(time.monotonic())
-        ended += plan.expired
-        if ended:
-            self._report(_final_records(ended), (), time.monotonic())
-        if self._run_ahead:
+    def _loop(self) -> None:
+        """Schedule a step, run its calls one by one (each waited for as it is launched), apply them."""
+        while not self._stopping:
+            plan = self._plan()
+            calls = calls_in_order(plan, decode_first=self.backend.runs_ahead_in_call)
+            self._finish([self._wait(self._launch(group)) for group in calls])
+            if not plan.has_work:
+                self._idle()
+
+    def _loop_ahead(self) -> None:
+        """Schedule step n+1 and launch it, then complete step n; the device's last step is completed
+        before the loop ends (and the backend is closed)."""
+        in_flight: list[LaunchedCall] = []
+        while not self._stopping:
+            plan = self._plan()
             launched = [self._launch(group) for group in plan.groups]
             self._complete(in_flight)
             if any(call.error is not None for call in launched):  # applied before anything else is planned
                 self._complete(launched)
                 launched = []
-        else:
-            launched = []
-            self._finish([self._wait(self._launch(group)) for group in plan.groups])
-        if not plan.has_work and not in_flight:
-            self._wake.wait(IDLE_WAIT_S)
-            self._wake.clear()  # not every step: whoever set it had filled the inbox first
-        return launched
+            if not plan.has_work and not in_flight:
+                self._idle()
+            in_flight = launched
+        self._complete(in_flight)
+
+    def _plan(self) -> BatchPlan:
+        """Take the inbox, schedule the next step and report what ended before it ran."""
+        ended = [*self._take_inbox()]
+        plan = self._scheduler.schedule(time.monotonic())
+        ended += plan.expired
+        if ended:
+            self._report(_final_records(ended), (), time.monotonic())
+        return plan
+
+    def _idle(self) -> None:
+        self._wake.wait(IDLE_WAIT_S)
+        self._wake.clear()  # not every step: whoever set it had filled the inbox first
 
     def _take_inbox(self) -> list[Request]:
         """Admit new requests; apply aborts and stop-string stops. Returns the requests it finished."""
@@ -419,3 +436,12 @@ def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | D
 
 def _final_records(requests: list[Request]) -> list[tuple[Request, int, bool]]:
     return [(r, r.num_output_tokens, True) for r in requests]
+
+
+def calls_in_order(plan: BatchPlan, decode_first: bool) -> tuple[PrefillGroup | DecodeGroup, ...]:
+    """The plan's calls in the order the plain loop runs them: prefills first (a new sequence's first token
+    sooner), or the decode first for a backend whose library runs ahead inside each call (module
+    docstring)."""
+    if decode_first and plan.decode is not None:
+        return (plan.decode, *plan.prefills)
+    return plan.groups

@@ -504,3 +504,25 @@ def test_a_bad_row_fails_only_its_own_request(tokenizer: Tokenizer, poisoned: ty
     for i, outputs in enumerate(good):
         check_stream(outputs)
         assert joined(outputs)[0] == expected_tokens(backend, prompts[i], i + 1, 6)
+
+
+def test_a_library_running_ahead_in_call_gets_each_step_decode_before_its_prefills(
+    tokenizer: Tokenizer,
+) -> None:
+    """NxD Inference's async mode: a prefill resets the library's run-ahead, so a new sequence's first
+    decode must be the first decode call after its prefill; the plain loop then runs the decode first."""
+    backend = make_backend(cls=OrderLog, cost_model=CostModel(0.01))
+    backend.events, backend.batches = [], []
+    backend.runs_ahead_in_call = True
+
+    async def main(engine: LLMEngine) -> None:
+        first = engine.generate("first", [5, 6], params(30))
+        await first.__anext__()
+        await asyncio.gather(drain(first), collect(engine, "second", [7, 8], params(4)))
+
+    with running_engine(tokenizer, backend, run_ahead=False) as engine:
+        run(main(engine))
+    second_prefill = [i for i, b in enumerate(backend.batches) if isinstance(b, PrefillBatch)][1]
+    step_decode, next_decode = backend.batches[second_prefill - 1], backend.batches[second_prefill + 1]
+    assert isinstance(step_decode, DecodeBatch) and step_decode.slots == (0,)
+    assert isinstance(next_decode, DecodeBatch) and next_decode.slots == (0, 1)
