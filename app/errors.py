@@ -103,6 +103,11 @@ class GenerationError(Inf2ServeError):
     error_type = "generation_error"
 
 
+class BatchError(GenerationError):
+    """A batch outside what the compiled model runs (`app.backends.batches`): an engine bug, never a
+    client's, so it fails the step's requests like any failed step."""
+
+
 class ConfigError(Inf2ServeError):
     """Bad settings, checkpoint, bucket grid or compile options: raised before any work starts."""
 

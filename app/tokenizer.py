@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import pre_tokenizers
 
 from app.errors import ConfigError, InvalidRequestError
+from app.llama import generation_eos_ids
 
 # NOTE: used only when the tokenizer ships no chat template (base models such as stories260K): plain
 # "role: content" lines and an open assistant turn, BOS first as the model expects.
@@ -82,7 +83,7 @@ class Tokenizer:
         except Exception as exc:  # the Rust library raises plain Exceptions for malformed files
             raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
         config = _read_json(path / "tokenizer_config.json")
-        return cls(rust, config, _chat_template(path, config), _generation_eos(path))
+        return cls(rust, config, _chat_template(path, config), generation_eos_ids(path))
 
     def encode(
         self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = True
@@ -217,10 +218,3 @@ def _chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
         named = {entry["name"]: entry["template"] for entry in template}
         return named.get("default")
     return template
-
-
-def _generation_eos(path: Path) -> tuple[int, ...]:
-    eos = _read_json(path / "generation_config.json").get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(int(i) for i in eos) if isinstance(eos, list) else (int(eos),)

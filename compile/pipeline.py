@@ -30,8 +30,9 @@ from app.artifacts.manifest import (
 )
 from app.artifacts.storage import S3_SCHEME, LocalStore, download_file, hash_object, open_store
 from app.backends.base import DTYPES, BackendSpec
-from app.backends.torch.checkpoint import LlamaSpec, check_checkpoint
+from app.backends.torch.checkpoint import check_checkpoint
 from app.errors import ArtifactError, ConfigError
+from app.llama import LlamaSpec
 from app.shapes import ShapeGrid, powers_of_two
 from compile.builders import builder_for
 from compile.golden import record_golden, validate

@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from app import __version__
 from app.artifacts.paths import check_artifact_id, check_file_paths
-from app.backends.base import BackendSpec
-from app.backends.neuron.runtime import NEURON_PINNED_VERSIONS, RUNTIME_PACKAGE, runtime_version
+from app.backends import backend_class
+from app.backends.base import Backend, BackendSpec
 from app.errors import ArtifactError, ConfigError
 
 SCHEMA_VERSION = 3  # 2: files carry a BLAKE3 digest besides their sha256; 3: an XXH3-128 instead
@@ -32,18 +31,6 @@ HASH_PREFIX_LENGTH = 12  # hex digits of the config hash in an artifact's key an
 
 # Recorded in every manifest (and hashed into its key), whatever the backend.
 RECORDED_LIBRARIES = ("torch", "transformers", "safetensors", "tokenizers")
-
-# The library versions that change a backend's compiled result, each with how many leading version
-# parts must match the running stack (None: the whole version string). Adding a backend's pins is one
-# entry here; libraries that are not Python packages get a probe in VERSION_PROBES.
-PINNED_VERSIONS: dict[str, dict[str, int | None]] = {
-    "torch": {"torch": 2},
-    "sim": {},
-    **NEURON_PINNED_VERSIONS,
-}
-VERSION_PROBES: dict[str, Callable[[], str | None]] = {  # library -> probe, for non-pip components
-    RUNTIME_PACKAGE: runtime_version,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +148,10 @@ class Manifest:
         return cls.from_dict(data)
 
 
-def installed_version(library: str) -> str | None:
-    probe = VERSION_PROBES.get(library)
+def installed_version(library: str, backend: type[Backend] | None = None) -> str | None:
+    """The running stack's version of `library`: a probe the backend declares for a component that is
+    not a Python package (the Neuron runtime), else the installed distribution's."""
+    probe = backend.version_probes.get(library) if backend is not None else None
     if probe is not None:
         return probe()
     if library == "inf2serve":
@@ -175,29 +164,34 @@ def installed_version(library: str) -> str | None:
 
 def stack_versions(backend: str) -> dict[str, str]:
     """The versions a compile for `backend` records: inf2serve, the common libraries and its pins."""
-    names = ("inf2serve", *RECORDED_LIBRARIES, *PINNED_VERSIONS.get(backend, {}))
-    found = {name: installed_version(name) for name in names}
+    cls = backend_class(backend)
+    names = ("inf2serve", *RECORDED_LIBRARIES, *cls.pinned_versions)
+    found = {name: installed_version(name, cls) for name in names}
     return {name: value for name, value in found.items() if value is not None}
 
 
 def significant(version_string: str, parts: int | None) -> str:
-    """The leading `parts` numeric components of a version ("2.13.0+cpu", 2 -> "2.13")."""
+    """The leading `parts` numeric components of a version ("2.13.0+cpu", 2 -> "2.13"; a Debian
+    package's "2.30.51.0-faafe26f0", 4 -> "2.30.51.0", as RPM reports it)."""
     if parts is None:
         return version_string
-    return ".".join(re.split(r"[.+]", version_string)[:parts])
+    return ".".join(re.split(r"[.+-]", version_string)[:parts])
 
 
 def check_against_stack(manifest: Manifest) -> None:
     """Raise ArtifactError naming the first way `manifest` does not fit the running stack (its schema
-    version was checked when it was read: `Manifest.from_dict`)."""
+    version was checked when it was read: `Manifest.from_dict`); the pins are the backend's own
+    (`Backend.pinned_versions`)."""
     backend = manifest.spec.backend
-    if backend not in PINNED_VERSIONS:
+    try:
+        cls = backend_class(backend)
+    except ConfigError as error:
         raise ArtifactError(
             f"artifact {manifest.artifact_id} was compiled for backend {backend!r}, which this server "
-            f"cannot run (available: {', '.join(PINNED_VERSIONS)})"
-        )
-    for library, parts in PINNED_VERSIONS[backend].items():
-        recorded, running = manifest.versions.get(library), installed_version(library)
+            f"cannot run ({error.message})"
+        ) from error
+    for library, parts in cls.pinned_versions.items():
+        recorded, running = manifest.versions.get(library), installed_version(library, cls)
         if recorded is None:
             raise ArtifactError(f"artifact {manifest.artifact_id} does not record the {library} version")
         if running is None:

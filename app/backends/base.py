@@ -35,7 +35,7 @@ Either way the host's work between steps overlaps the device instead of idling i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -181,6 +181,11 @@ class Backend(ABC):
     feeds_back_tokens: ClassVar[bool] = False  # decode rows may carry FED_BACK (module docstring)
     sampling_features: ClassVar[frozenset[str]] = frozenset()  # NEUTRAL_SAMPLING fields it honours
     runs_ahead_in_call: bool = False  # the library runs the next decode step ahead (module docstring)
+    pinned_versions: ClassVar[Mapping[str, int | None]] = {}
+    """The libraries that change a compiled result, each with how many leading version parts the running
+    stack must match (None: the whole version): recorded in the manifest, compared at load."""
+    version_probes: ClassVar[Mapping[str, Callable[[], str | None]]] = {}
+    """How to read the version of a pinned component that is not a Python package."""
 
     @classmethod
     @abstractmethod

@@ -32,7 +32,6 @@ import bisect
 import json
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,7 +48,9 @@ from app.backends.base import (
     SamplingParams,
     Tokens,
 )
-from app.errors import ConfigError
+from app.backends.batches import check_decode, check_prefill
+from app.errors import BatchError, ConfigError
+from app.llama import generation_eos_ids, token_ids
 from app.settings import ProcessSettings
 
 COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"  # ProcessSettings.sim_cost_model
@@ -246,7 +247,7 @@ class SimBackend(Backend):
         return partial(self._wait, batch, start, end, tokens)
 
     def _prefill_tokens(self, batch: PrefillBatch) -> list[SampledToken]:
-        self._check_prefill(batch)
+        check_prefill(batch, self.spec.grid, self.model.vocab_size)
         tokens = [
             self.sample_token(
                 params.seed, len(prompt), prompt[-1], params.num_top_logprobs, self._scored(prompt, params)
@@ -319,30 +320,9 @@ class SimBackend(Backend):
             self.timeline.append(StepRecord(batch, start, end, time.perf_counter()))
         return tokens
 
-    def _check_prefill(self, batch: PrefillBatch) -> None:
-        grid = self.spec.grid
-        _require(
-            batch.context_bucket in grid.context_buckets,
-            f"context bucket {batch.context_bucket} not compiled",
-        )
-        self._check_slots(batch.slots)
-        for prompt in batch.prompts:
-            _require(
-                0 < len(prompt) <= batch.context_bucket,
-                f"prompt of {len(prompt)} tokens in bucket {batch.context_bucket}",
-            )
-            self._check_ids(prompt)
-
     def _check_decode(self, batch: DecodeBatch) -> None:
-        grid = self.spec.grid
-        _require(batch.batch_bucket in grid.batch_buckets, f"batch bucket {batch.batch_bucket} not compiled")
-        _require(batch.token_bucket in grid.token_buckets, f"token bucket {batch.token_bucket} not compiled")
-        _require(
-            len(batch.slots) <= batch.batch_bucket,
-            f"{len(batch.slots)} rows in batch bucket {batch.batch_bucket}",
-        )
-        self._check_slots(batch.slots)
-        self._check_ids([t for t in batch.last_tokens if t != FED_BACK])
+        """Besides the shapes: each row continues its slot exactly where the slot's sequence ended."""
+        check_decode(batch, self.spec.grid, self.model.vocab_size, fed_back=True)
         for slot, position, last in zip(batch.slots, batch.positions, batch.last_tokens, strict=True):
             _require(
                 last != FED_BACK or self._last_token[slot] >= 0, f"slot {slot} has no token to feed back"
@@ -351,24 +331,11 @@ class SimBackend(Backend):
                 position == self._kv_len[slot] or not self._check_positions,
                 f"slot {slot} holds {self._kv_len[slot]} tokens but decode writes position {position}",
             )
-            _require(
-                position < batch.token_bucket, f"position {position} beyond token bucket {batch.token_bucket}"
-            )
-
-    def _check_slots(self, slots: tuple[int, ...]) -> None:
-        _require(len(set(slots)) == len(slots), f"a slot appears twice in {slots}")
-        _require(all(0 <= s < self.spec.grid.num_slots for s in slots), f"slots {slots} outside the grid")
-
-    def _check_ids(self, token_ids: Sequence[int]) -> None:
-        _require(
-            not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.model.vocab_size),
-            "token id outside the vocab",
-        )
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(f"sim device: {message}")
+        raise BatchError(f"sim device: {message}")
 
 
 def _read_json(path: Path) -> dict[str, object]:
@@ -377,6 +344,5 @@ def _read_json(path: Path) -> dict[str, object]:
 
 def _model_info(model_dir: Path) -> tuple[int, tuple[int, ...]]:
     config = _read_json(model_dir / "config.json")
-    eos = _read_json(model_dir / "generation_config.json").get("eos_token_id", config.get("eos_token_id"))
-    eos_ids = DEFAULT_EOS_IDS if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)  # type: ignore[arg-type]
+    eos_ids = generation_eos_ids(model_dir) or token_ids(config.get("eos_token_id")) or DEFAULT_EOS_IDS
     return int(config.get("vocab_size", DEFAULT_VOCAB_SIZE)), eos_ids  # type: ignore[arg-type]

@@ -12,8 +12,8 @@ from importlib import import_module
 from pathlib import Path
 
 from app.backends.base import BackendSpec
-from app.backends.torch.checkpoint import LlamaSpec
 from app.errors import ConfigError
+from app.llama import LlamaSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from app.backends.base import BackendSpec
 from app.backends.neuron.nxdi import COMPILED_FILES, MODELING, neuron_config_kwargs
 from app.backends.neuron.runtime import import_library
 from app.backends.neuron.steps import check_grid
-from app.backends.torch.checkpoint import LlamaSpec
 from app.errors import ConfigError
+from app.llama import LlamaSpec
 
 BACKEND = "neuron-nxdi"
 CONFIG = "neuronx_distributed_inference.models.config"

@@ -18,7 +18,7 @@ from app.backends.base import BackendSpec
 from app.backends.neuron.runtime import import_library
 from app.backends.neuron.steps import check_grid
 from app.backends.neuron.tnx import LIBRARY, check_context_buckets, model_kwargs
-from app.backends.torch.checkpoint import LlamaSpec
+from app.llama import LlamaSpec
 
 BACKEND = "neuron-tnx"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.backends.base import BackendSpec
-from app.backends.torch.checkpoint import LlamaSpec, write_rank_shards
+from app.backends.torch.checkpoint import write_rank_shards
+from app.llama import LlamaSpec
 
 
 def check(llama: LlamaSpec, spec: BackendSpec) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import pytest
 
@@ -18,6 +20,7 @@ from app.artifacts.manifest import (
     stack_versions,
 )
 from app.backends.base import BackendSpec
+from app.backends.sim import SimBackend
 from app.errors import ArtifactError
 from app.shapes import ShapeGrid
 from tests.artifacts.synthetic import SPEC, synthetic_manifest
@@ -73,21 +76,37 @@ def test_stack_check_refuses_an_unknown_backend() -> None:
         check_against_stack(synthetic_manifest({"a": b""}, spec=spec))
 
 
-def test_stack_check_names_a_missing_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(manifest_module.PINNED_VERSIONS, "neuron-test", {"neuronx-cc-not-installed": None})
-    spec = dataclasses.replace(SPEC, backend="neuron-test")
-    versions = {"neuronx-cc-not-installed": "2.15.0"}
+class PinningBackend(SimBackend):
+    """A backend pinning a library that is not installed, and a component read by a probe."""
+
+    pinned_versions: ClassVar[Mapping[str, int | None]] = {
+        "neuronx-cc-not-installed": None,
+        "neuron-runtime": 3,
+    }
+    version_probes: ClassVar[Mapping[str, Callable[[], str | None]]] = {"neuron-runtime": lambda: "2.22.1"}
+
+
+@pytest.fixture
+def pinning(monkeypatch: pytest.MonkeyPatch) -> BackendSpec:
+    monkeypatch.setattr(manifest_module, "backend_class", lambda name: PinningBackend)
+    return dataclasses.replace(SPEC, backend="neuron-test")
+
+
+def test_stack_check_names_a_missing_library(pinning: BackendSpec) -> None:
+    versions = {"neuronx-cc-not-installed": "2.15.0", "neuron-runtime": "2.22.1"}
     with pytest.raises(ArtifactError, match=r"needs neuronx-cc-not-installed 2\.15\.0 .* not installed"):
-        check_against_stack(synthetic_manifest({"a": b""}, spec=spec, versions=versions))
+        check_against_stack(synthetic_manifest({"a": b""}, spec=pinning, versions=versions))
 
 
-def test_stack_check_uses_version_probes_for_non_python_components(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(manifest_module.PINNED_VERSIONS, "neuron-test", {"neuron-runtime": None})
-    monkeypatch.setitem(manifest_module.VERSION_PROBES, "neuron-runtime", lambda: "2.22.1")
-    spec = dataclasses.replace(SPEC, backend="neuron-test")
-    check_against_stack(synthetic_manifest({"a": b""}, spec=spec, versions={"neuron-runtime": "2.22.1"}))
+def test_stack_check_uses_the_backends_version_probes(
+    pinning: BackendSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(PinningBackend, "pinned_versions", {"neuron-runtime": 3})
+    check_against_stack(synthetic_manifest({"a": b""}, spec=pinning, versions={"neuron-runtime": "2.22.1"}))
     with pytest.raises(ArtifactError, match=r"compiled with neuron-runtime 2\.21\.0"):
-        check_against_stack(synthetic_manifest({"a": b""}, spec=spec, versions={"neuron-runtime": "2.21.0"}))
+        check_against_stack(
+            synthetic_manifest({"a": b""}, spec=pinning, versions={"neuron-runtime": "2.21.0"})
+        )
 
 
 def test_config_hash_is_stable_and_covers_every_input() -> None:

@@ -11,7 +11,7 @@ import pytest
 from app.backends import backend_class
 from app.backends.base import FED_BACK, GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.sim import COST_MODEL_ENV, PRESETS, CostModel, SimBackend
-from app.errors import ConfigError
+from app.errors import BatchError, ConfigError
 from app.shapes import ShapeGrid
 
 GRID = ShapeGrid(4, 64, (8, 16), (16, 32, 64), (1, 2, 4))
@@ -78,17 +78,17 @@ def test_presets_match_the_published_anchors() -> None:
 @pytest.mark.parametrize(
     ("batch", "message"),
     [
-        (DecodeBatch((1, 1), (5, 5), (0, 0), (GREEDY, GREEDY), 2, 16), "appears twice"),
+        (DecodeBatch((1, 1), (5, 5), (0, 0), (GREEDY, GREEDY), 2, 16), "must be distinct"),
         (DecodeBatch((0,), (5,), (0,), (GREEDY,), 3, 16), "batch bucket 3"),
         (DecodeBatch((0,), (5,), (3,), (GREEDY,), 1, 16), "holds 0 tokens but decode writes position 3"),
-        (DecodeBatch((0,), (99,), (0,), (GREEDY,), 1, 16), "outside the vocab"),
+        (DecodeBatch((0,), (99,), (0,), (GREEDY,), 1, 16), "token ids must lie in"),
         (PrefillBatch((0,), ((5,) * 9,), (GREEDY,), 8), "prompt of 9 tokens"),
     ],
 )
 def test_refuses_what_a_device_could_not_run(batch: DecodeBatch | PrefillBatch, message: str) -> None:
     backend = sim()
     run = backend.prefill if isinstance(batch, PrefillBatch) else backend.decode
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(BatchError, match=message):
         run(batch)  # type: ignore[arg-type]
 
 
@@ -98,7 +98,7 @@ def test_warmup_runs_every_shape_and_leaves_the_slots_empty() -> None:
     assert len(backend.timeline) == len(GRID.context_buckets) + len(GRID.batch_buckets) * len(
         GRID.token_buckets
     )
-    with pytest.raises(ValueError, match="holds 0 tokens"):
+    with pytest.raises(BatchError, match="holds 0 tokens"):
         backend.decode(DecodeBatch((0,), (5,), (4,), (GREEDY,), 1, 16))
 
 
@@ -131,7 +131,7 @@ def test_a_fed_back_row_continues_from_the_token_the_device_sampled_last() -> No
 
 
 def test_feeding_back_a_slot_that_never_sampled_is_refused() -> None:
-    with pytest.raises(ValueError, match="slot 3 has no token to feed back"):
+    with pytest.raises(BatchError, match="slot 3 has no token to feed back"):
         sim().decode(DecodeBatch((3,), (FED_BACK,), (0,), (GREEDY,), 1, 16))
 
 

@@ -11,9 +11,9 @@ prompt, and the call for the decode rows with the reading back of the batch's ow
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from app.backends.base import (
     Backend,
@@ -24,13 +24,16 @@ from app.backends.base import (
     SampledToken,
     SamplingParams,
 )
-from app.backends.neuron.runtime import apply_placement, visible_cores
-from app.backends.neuron.steps import DecodeRows, FreshSlots, check_grid, check_prefill, decode_rows
-from app.backends.torch.checkpoint import read_llama_config, read_model_info
+from app.backends.batches import check_decode, check_prefill
+from app.backends.neuron.runtime import RUNTIME_PACKAGE, apply_placement, runtime_version, visible_cores
+from app.backends.neuron.steps import DecodeRows, FreshSlots, check_grid, decode_rows
+from app.llama import read_llama_config, read_model_info
 
 
 class NeuronBackend(Backend):
     """A compiled model held by a Neuron library (`_neuron`), over slots."""
+
+    version_probes: ClassVar[Mapping[str, Callable[[], str | None]]] = {RUNTIME_PACKAGE: runtime_version}
 
     def __init__(self, neuron_model: Any, spec: BackendSpec, info: ModelInfo) -> None:
         self.spec = spec
@@ -48,15 +51,16 @@ class NeuronBackend(Backend):
         return cls._open(artifact_dir, spec, info)
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
+        check_prefill(batch, self.spec.grid, self.model.vocab_size)
         tokens: list[SampledToken] = []
         for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
-            check_prefill(slot, prompt, batch.context_bucket, self.spec.grid.num_slots)
             tokens.append(self._prefill_one(slot, prompt, params, batch.context_bucket))
             self._fresh.add(slot, len(prompt))
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
+        check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
         return self._decode(decode_rows(batch, grid.num_slots, grid.max_positions, self._fresh.take()), batch)
 
     def close(self) -> None:

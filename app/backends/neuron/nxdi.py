@@ -22,15 +22,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import torch
 
 from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
 from app.backends.neuron.backend import NeuronBackend
-from app.backends.neuron.runtime import import_library
+from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, device_tokens, global_topk, sampling_row
 from app.errors import ArtifactError
 
@@ -139,6 +139,7 @@ class NxdiBackend(NeuronBackend):
     admission."""
 
     name = "neuron-nxdi"
+    pinned_versions: ClassVar[Mapping[str, int | None]] = NXDI_PINS
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """What a Neuron backend needs from its host: the library (imported on demand, with one clear error when
 it is missing), the versions of the Neuron stack (recorded in the manifest at compile time, compared at
-load: the pin table `app/artifacts/manifest.py` checks), and the NeuronCores this process may use.
+load: each backend's `pinned_versions`), and the NeuronCores this process may use.
 
 Core placement: the Neuron runtime reads `NEURON_RT_VISIBLE_CORES` (every documented form is parsed by
 `app/placement.py`) or `NEURON_RT_NUM_CORES` once, when the first model is loaded in the process, so
@@ -25,21 +25,17 @@ NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
 
 # The runtime is an OS package (libnrt), not a wheel: `runtime_version` probes it.
 RUNTIME_PACKAGE = "aws-neuronx-runtime-lib"
-# The stack an artifact records and the server must match exactly, per backend: the compiler that built
-# the NEFFs, the PyTorch bridge, the library that traced and runs the graphs, and the runtime that loads
-# them (the manifest's pin table: component -> version parts compared, None for all).
-NEURON_PINNED_VERSIONS: dict[str, dict[str, int | None]] = {
-    "neuron-nxdi": dict.fromkeys(
-        (
-            "neuronx-cc",
-            "torch-neuronx",
-            "neuronx-distributed",
-            "neuronx-distributed-inference",
-            RUNTIME_PACKAGE,
-        )
-    ),
-    "neuron-tnx": dict.fromkeys(("neuronx-cc", "torch-neuronx", "transformers-neuronx", RUNTIME_PACKAGE)),
+# The stack a Neuron artifact records and the server must match, per backend (`Backend.pinned_versions`):
+# the compiler that built the NEFFs, the PyTorch bridge, the library that traced and runs the graphs
+# (whole versions), and the runtime that loads them (X.Y.Z.W: a Debian package version carries a build
+# suffix that RPM's does not).
+COMMON_PINS: dict[str, int | None] = {"neuronx-cc": None, "torch-neuronx": None, RUNTIME_PACKAGE: 4}
+NXDI_PINS: dict[str, int | None] = {
+    **COMMON_PINS,
+    "neuronx-distributed": None,
+    "neuronx-distributed-inference": None,
 }
+TNX_PINS: dict[str, int | None] = {**COMMON_PINS, "transformers-neuronx": None}
 
 _NUMERIC_VERSION = re.compile(r"^(?:\d+:)?(\d+(?:\.\d+)*)")
 

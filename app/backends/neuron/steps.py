@@ -16,7 +16,7 @@ Only the batch's own rows of the outputs are read back (row i is slot i, so they
 `batch.slots`, in the batch's order). Tokens come either from the device's sampler (`device_tokens`: NxD
 Inference; it draws from the device's generator, so a request's seed is honoured on greedy rows only) or
 from logits drawn on the host by the portable backend's seeded sampler
-(`app.backends.torch.sampling.sample_tokens`: transformers-neuronx; seeds honoured).
+(`app.backends.sampling.sample_tokens`: transformers-neuronx; seeds honoured).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, SampledToken, SamplingParams
-from app.backends.torch.sampling import SampleOutput, sampled_tokens
-from app.errors import ConfigError, GenerationError, InvalidRequestError
+from app.backends.sampling import SampleOutput, sampled_tokens
+from app.errors import ConfigError, InvalidRequestError
 
 # The device sampler first keeps the `global_topk` most likely tokens; top-k beyond it cannot be honoured.
 DEFAULT_GLOBAL_TOPK = 256
@@ -102,7 +102,6 @@ def decode_rows(
 ) -> DecodeRows:
     """Lay `batch` out on every slot; `fresh` maps a slot prefilled since the last decode call to its
     prompt length. See the module docstring for the padding rule."""
-    _check_decode(batch, num_slots, max_positions)
     pad_position = min(batch.positions)
     parked = {slot: length for slot, length in fresh.items() if length < max_positions}
     tokens = [0] * num_slots
@@ -113,27 +112,6 @@ def decode_rows(
     ):
         tokens[slot], positions[slot], sampling[slot] = token, position, params
     return DecodeRows(tuple(tokens), tuple(positions), tuple(sampling))
-
-
-def _check_decode(batch: DecodeBatch, num_slots: int, max_positions: int) -> None:
-    sizes = {len(batch.slots), len(batch.last_tokens), len(batch.positions), len(batch.sampling)}
-    if len(sizes) != 1 or not batch.slots:
-        raise GenerationError(f"a decode batch needs one token, position and sampling per slot, got {sizes}")
-    if len(set(batch.slots)) != len(batch.slots) or not all(0 <= s < num_slots for s in batch.slots):
-        raise GenerationError(f"decode slots {batch.slots} must be distinct and in [0, {num_slots})")
-    if not all(1 <= p < max_positions for p in batch.positions):
-        raise GenerationError(
-            f"decode positions {batch.positions} must be in [1, {max_positions}) (a prompt fills position 0)"
-        )
-
-
-def check_prefill(slot: int, prompt: Sequence[int], context_bucket: int, num_slots: int) -> None:
-    if not 0 <= slot < num_slots:
-        raise GenerationError(f"prefill slot {slot} is outside [0, {num_slots})")
-    if not 1 <= len(prompt) <= context_bucket:
-        raise GenerationError(
-            f"a prompt of {len(prompt)} tokens does not fit context bucket {context_bucket}"
-        )
 
 
 def device_tokens(

@@ -24,18 +24,18 @@ match the saved NEFFs and nothing is compiled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import torch
 
 from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
 from app.backends.neuron.backend import NeuronBackend
-from app.backends.neuron.runtime import import_library
+from app.backends.neuron.runtime import TNX_PINS, import_library
 from app.backends.neuron.steps import DecodeRows
-from app.backends.torch.sampling import sample_tokens
+from app.backends.sampling import sample_tokens
 from app.errors import ArtifactError, ConfigError
 
 LIBRARY = "transformers_neuronx"
@@ -74,6 +74,7 @@ def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
 
 class TnxBackend(NeuronBackend):
     name = "neuron-tnx"
+    pinned_versions: ClassVar[Mapping[str, int | None]] = TNX_PINS
 
     @classmethod
     def _check_artifact(cls, artifact_dir: Path, spec: BackendSpec) -> None:

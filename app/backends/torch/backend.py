@@ -4,9 +4,10 @@ pass on every rank and samples on rank 0; only token ids and logprobs come back 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -19,12 +20,13 @@ from app.backends.base import (
     PrefillBatch,
     SampledToken,
 )
-from app.backends.torch.checkpoint import LlamaSpec, read_llama_config, read_model_info
+from app.backends.batches import check_decode, check_prefill
+from app.backends.sampling import SamplingTensors, prompt_logprobs, sample_tokens, sampled_tokens
 from app.backends.torch.cuda_graphs import DecodeGraphs
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
 from app.backends.torch.parallel import TorchDistributedGroup, WorkerPool, rank_device
-from app.backends.torch.sampling import SamplingTensors, prompt_logprobs, sample_tokens, sampled_tokens
 from app.errors import ConfigError, GenerationError
+from app.llama import LlamaSpec, read_llama_config, read_model_info
 
 HOST = torch.device("cpu")
 
@@ -34,6 +36,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     sampling_features = frozenset({"min_p", "prompt_logprobs"})
+    pinned_versions: ClassVar[Mapping[str, int | None]] = {"torch": 2}
 
     def __init__(
         self, spec: BackendSpec, model: ModelInfo, runner: LlamaRunner, workers: WorkerPool | None
@@ -135,13 +138,8 @@ class TorchBackend(Backend):
 
     def _prefill_step(self, batch: PrefillBatch, score_rows: tuple[int, ...] = ()) -> PrefillStep:
         grid, bucket = self.spec.grid, batch.context_bucket
-        count = _check_rows(batch.slots, batch.prompts, batch.sampling)
-        _check_in(bucket, grid.context_buckets, "context bucket")
-        for prompt in batch.prompts:
-            if not 1 <= len(prompt) <= bucket:
-                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit context bucket {bucket}")
-            self._check_tokens(prompt)
-        self._check_slots(batch.slots)
+        check_prefill(batch, grid, self.model.vocab_size)
+        count = len(batch.slots)
         padding = grid.batch_bucket(count) - count
         return PrefillStep(
             tokens=tuple(prompt + (0,) * (bucket - len(prompt)) for prompt in batch.prompts)
@@ -152,33 +150,15 @@ class TorchBackend(Backend):
         )
 
     def _decode_step(self, batch: DecodeBatch) -> DecodeStep:
-        grid, rows, span = self.spec.grid, batch.batch_bucket, batch.token_bucket
-        count = _check_rows(batch.slots, batch.last_tokens, batch.positions, batch.sampling)
-        _check_in(rows, grid.batch_buckets, "batch bucket")
-        _check_in(span, grid.token_buckets, "token bucket")
-        if count > rows:
-            raise ValueError(f"{count} sequences do not fit batch bucket {rows}")
-        if not all(0 <= position < span for position in batch.positions):
-            raise ValueError(f"positions {list(batch.positions)} must lie in [0, token bucket {span})")
-        self._check_tokens(batch.last_tokens)
-        self._check_slots(batch.slots)
-        padding = rows - count
+        rows, span = batch.batch_bucket, batch.token_bucket
+        check_decode(batch, self.spec.grid, self.model.vocab_size)
+        padding = rows - len(batch.slots)
         return DecodeStep(
             tokens=batch.last_tokens + (0,) * padding,
             positions=batch.positions + (0,) * padding,
             slots=batch.slots + (self.runner.scratch_slot,) * padding,
             span=span,
         )
-
-    def _check_slots(self, slots: tuple[int, ...]) -> None:
-        if len(set(slots)) != len(slots) or not all(0 <= slot < self.spec.grid.num_slots for slot in slots):
-            raise ValueError(f"slots {list(slots)} must be distinct and in [0, {self.spec.grid.num_slots})")
-
-    def _check_tokens(self, tokens: tuple[int, ...]) -> None:
-        if tokens and not (min(tokens) >= 0 and max(tokens) < self.model.vocab_size):
-            raise ValueError(
-                f"token ids must lie in [0, {self.model.vocab_size}), got {min(tokens)}..{max(tokens)}"
-            )
 
 
 def check_backend_spec(model_dir: Path, spec: BackendSpec) -> LlamaSpec:
@@ -212,17 +192,3 @@ def _resolve_device(device: str, tp_degree: int) -> torch.device:
     elif resolved.type != "cpu":
         raise ConfigError(f"device {device!r} is not supported by the torch backend: use 'cpu' or 'cuda'")
     return resolved
-
-
-def _check_rows(*columns: Sequence[object]) -> int:
-    count = len(columns[0])
-    if count == 0 or any(len(column) != count for column in columns):
-        raise ValueError(
-            f"a batch needs one entry per sequence in every field, got lengths {[len(c) for c in columns]}"
-        )
-    return count
-
-
-def _check_in(size: int, buckets: tuple[int, ...], what: str) -> None:
-    if size not in buckets:
-        raise ValueError(f"{what} {size} is not in the compiled grid {list(buckets)}")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from app.backends.base import GREEDY
+from app.backends.sampling import SampleOutput, SamplingTensors, sample
 from app.backends.torch.model import DecodeStep, LlamaRunner
-from app.backends.torch.sampling import SampleOutput, SamplingTensors, sample
 from app.shapes import ShapeGrid
 
 WARMUP_RUNS = 2

@@ -21,12 +21,11 @@ from app.backends.base import BackendSpec
 from app.backends.torch.checkpoint import (
     RANK_FILE_FORMAT,
     TORCH_DTYPES,
-    LlamaSpec,
-    RopeScaling,
     rank_file_metadata,
     rank_file_name,
 )
 from app.errors import ArtifactError
+from app.llama import LlamaSpec, RopeScaling
 
 
 class Collectives(Protocol):

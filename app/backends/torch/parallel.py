@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from app.backends.base import BackendSpec
-from app.backends.torch.checkpoint import LlamaSpec
 from app.backends.torch.model import DecodeStep, PrefillStep
 from app.errors import ArtifactError, GenerationError
+from app.llama import LlamaSpec
 
 STOP = "stop"
 READY = "ready"

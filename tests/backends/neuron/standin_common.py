@@ -24,14 +24,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.backends.torch.checkpoint import (
-    LlamaSpec,
-    check_checkpoint,
-    rank_file_metadata,
-    read_llama_config,
-    write_rank_shards,
-)
+from app.backends.torch.checkpoint import check_checkpoint, rank_file_metadata, write_rank_shards
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, RankWeights, SingleRank
+from app.llama import LlamaSpec, read_llama_config
 
 CPU = torch.device("cpu")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

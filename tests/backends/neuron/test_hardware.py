@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM
 
 from app.artifacts.golden import LOGPROB_TOLERANCE, Golden, replay
 from app.artifacts.loader import load_artifact
-from app.artifacts.manifest import PINNED_VERSIONS
 from app.backends import backend_class
 from app.backends.base import Backend, PrefillBatch, SamplingParams
 from compile.pipeline import CompileOptions, CompileResult, compile_artifact
@@ -73,7 +72,7 @@ def test_compile_passes_the_validation_gate_in_bf16(compiled: CompileResult) -> 
 
 
 def test_manifest_records_the_neuron_stack(compiled: CompileResult) -> None:
-    assert set(PINNED_VERSIONS[BACKEND]) <= set(compiled.manifest.versions)
+    assert set(backend_class(BACKEND).pinned_versions) <= set(compiled.manifest.versions)
 
 
 def test_loading_elsewhere_does_not_recompile(backend: Backend, moved_artifact: Path) -> None:

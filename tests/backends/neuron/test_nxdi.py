@@ -95,7 +95,7 @@ def test_top_k_beyond_the_device_candidates_is_refused_at_admission(nxdi: NxdiBa
 
 @pytest.mark.parametrize(
     ("slots", "positions", "message"),
-    [((1, 1), (4, 5), "distinct"), ((4,), (4,), "distinct"), ((1,), (0,), "position 0")],
+    [((1, 1), (4, 5), "distinct"), ((4,), (4,), "distinct"), ((1,), (0,), r"must lie in \[1, token bucket")],
 )
 def test_decode_refuses_batches_the_library_would_misroute(
     nxdi: NxdiBackend, slots, positions, message

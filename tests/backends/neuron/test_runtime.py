@@ -10,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.artifacts.manifest import (
-    PINNED_VERSIONS,
-    VERSION_PROBES,
-    Manifest,
-    ValidationReport,
-    check_against_stack,
-)
+from app.artifacts.manifest import Manifest, ValidationReport, check_against_stack, significant
 from app.backends.base import GREEDY, DecodeBatch, SamplingParams
+from app.backends.neuron.nxdi import NxdiBackend
 from app.backends.neuron.runtime import (
     RUNTIME_PACKAGE,
     import_library,
@@ -26,6 +21,7 @@ from app.backends.neuron.runtime import (
     visible_cores,
 )
 from app.backends.neuron.steps import check_grid, decode_rows, sampling_row
+from app.backends.neuron.tnx import TnxBackend
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
 
 from .helpers import GRID, spec_for
@@ -83,26 +79,30 @@ def manifest_for(backend: str, versions: dict[str, str]) -> Manifest:
     return Manifest(1, "m", "src", "0" * 64, False, "0" * 64, spec, versions, (), report, 1.0, "now")
 
 
-def test_manifest_pins_the_whole_neuron_stack() -> None:
-    assert set(PINNED_VERSIONS["neuron-nxdi"]) == {
+def test_each_neuron_backend_pins_its_whole_stack() -> None:
+    assert set(NxdiBackend.pinned_versions) == {
         "neuronx-cc", "torch-neuronx", "neuronx-distributed", "neuronx-distributed-inference", RUNTIME_PACKAGE
     }  # fmt: skip
-    assert set(PINNED_VERSIONS["neuron-tnx"]) == {
+    assert set(TnxBackend.pinned_versions) == {
         "neuronx-cc",
         "torch-neuronx",
         "transformers-neuronx",
         RUNTIME_PACKAGE,
     }
-    recorded = {name: "1.0" for name in PINNED_VERSIONS["neuron-nxdi"]}
+    recorded = {name: "1.0" for name in NxdiBackend.pinned_versions}
     with pytest.raises(
         ArtifactError, match=r"needs \S+ 1\.0 \(backend neuron-nxdi\), which is not installed"
     ):
         check_against_stack(manifest_for("neuron-nxdi", recorded))
 
 
-def test_runtime_mismatch_is_one_precise_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(PINNED_VERSIONS, "neuron-nxdi", {RUNTIME_PACKAGE: None})
-    monkeypatch.setitem(VERSION_PROBES, RUNTIME_PACKAGE, lambda: "2.33.10.0")
+def test_runtime_versions_compare_as_four_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dpkg reports the DLC's runtime as 2.30.51.0-faafe26f0, RPM's %{VERSION} as 2.30.51.0."""
+    assert significant("2.30.51.0-faafe26f0", NxdiBackend.pinned_versions[RUNTIME_PACKAGE]) == "2.30.51.0"
+    monkeypatch.setattr(NxdiBackend, "pinned_versions", {RUNTIME_PACKAGE: 4})
+    monkeypatch.setattr(NxdiBackend, "version_probes", {RUNTIME_PACKAGE: lambda: "2.30.51.0-faafe26f0"})
+    check_against_stack(manifest_for("neuron-nxdi", {RUNTIME_PACKAGE: "2.30.51.0"}))
+    monkeypatch.setattr(NxdiBackend, "version_probes", {RUNTIME_PACKAGE: lambda: "2.33.10.0"})
     with pytest.raises(ArtifactError, match=r"aws-neuronx-runtime-lib 2\.30\.51\.0, but this server runs"):
         check_against_stack(manifest_for("neuron-nxdi", {RUNTIME_PACKAGE: "2.30.51.0"}))
 

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.torch import TorchBackend
-from app.backends.torch.checkpoint import check_checkpoint, read_llama_config
+from app.backends.torch.checkpoint import check_checkpoint
+from app.llama import read_llama_config
 from app.shapes import ShapeGrid
 from compile.builders import builder_for
 from compile.pipeline import stage_model_files

@@ -13,7 +13,7 @@ import torch
 from app.backends import backend_class
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.torch import TorchBackend
-from app.errors import ConfigError, GenerationError
+from app.errors import BatchError, ConfigError, GenerationError
 from app.shapes import ShapeGrid
 
 from .helpers import GRID, build_artifact, generate, load_backend
@@ -56,7 +56,7 @@ def test_shapes_outside_the_grid_are_refused(
     stories_backend: TorchBackend, batch: object, message: str
 ) -> None:
     run = stories_backend.prefill if isinstance(batch, PrefillBatch) else stories_backend.decode
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(BatchError, match=message):
         run(batch)  # type: ignore[arg-type]
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.backends.torch.checkpoint import check_checkpoint, read_llama_config, write_rank_shards
+from app.backends.torch.checkpoint import check_checkpoint, write_rank_shards
 from app.errors import ArtifactError, ConfigError
+from app.llama import read_llama_config
 
 from .helpers import build_artifact, load_backend
 

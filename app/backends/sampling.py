@@ -1,4 +1,5 @@
-"""Sampling inside the step, on the device: greedy, temperature, top-k, top-p, min-p and per-request
+"""The portable seeded sampler, shared by the backends that sample from logits (the torch backend inside
+its step, transformers-neuronx on the host): greedy, temperature, top-k, top-p, min-p and per-request
 seeds.
 
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row

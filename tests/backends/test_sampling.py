@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from app.backends.base import GREEDY, SamplingParams
-from app.backends.torch.sampling import SamplingTensors, row_keys, sample, sample_tokens, uniform
+from app.backends.sampling import SamplingTensors, row_keys, sample, sample_tokens, uniform
 
 CPU = torch.device("cpu")
 VOCAB = 50
