@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import signal
+import socket
 import time
 from types import FrameType
 
@@ -75,7 +76,7 @@ class DrainingServer(uvicorn.Server):
             return True
         return await super().on_tick(counter)
 
-    async def shutdown(self, sockets: list | None = None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's graceful shutdown, with the server's own cut `shutdown_timeout_s` into it."""
         cut = asyncio.create_task(self._cut_after(self.shutdown_timeout_s))
         try:
