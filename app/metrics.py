@@ -9,7 +9,11 @@ directly.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from app.engine.stats import FinishedRequest, StepStats
 
@@ -95,6 +99,34 @@ DECODE_STALL = _histogram(
 )
 ENGINE_BUSY = _gauge("engine_busy_ratio", "Fraction of recent wall time the device was executing.")
 _engine_busy: dict[str, float] = {}  # ENGINE_BUSY per replica, for the device metrics without a registry read
+_engine_state: dict[str, tuple[int, int, int]] = {}  # replica -> (running, waiting, slots), last step
+
+
+class _ServerTotals(Collector):
+    """The whole server's queue and slot use, summed over its replicas at scrape time: one series per
+    server (no replica label), as a load balancer that scrapes each server reads it. These are the
+    Gateway API Inference Extension's model-server protocol metrics (TotalQueuedRequests,
+    TotalRunningRequests, KVCacheUtilization; deploy/eks/inference/ maps them for its endpoint picker):
+    a compiled slot holds its sequence's whole KV cache, so slot use is KV-cache use."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        states = list(_engine_state.values())
+        running, waiting = sum(s[0] for s in states), sum(s[1] for s in states)
+        slots = sum(s[2] for s in states)
+        yield GaugeMetricFamily(
+            _name("server_requests_waiting"), "Requests waiting for a slot, all replicas.", value=waiting
+        )
+        yield GaugeMetricFamily(
+            _name("server_requests_running"), "Requests holding a slot, all replicas.", value=running
+        )
+        yield GaugeMetricFamily(
+            _name("server_slot_usage_perc"),
+            "Fraction of the compiled slots (KV cache) in use over all replicas (0..1).",
+            value=running / slots if slots else 0.0,
+        )
+
+
+REGISTRY.register(_ServerTotals())
 
 # HTTP level (the front process).
 REQUEST_FAILURE = Counter(
@@ -195,6 +227,7 @@ def record_step_stats(stats: StepStats, replica: str = SINGLE_REPLICA) -> None:
         PADDED_TOKENS.labels(*labels).inc(call.padded_tokens)
     if stats.decode_stall_s:
         DECODE_STALL.labels(replica).observe(stats.decode_stall_s)
+    _engine_state[replica] = (stats.num_running, stats.num_waiting, stats.num_slots)
     RUNNING.labels(replica).set(stats.num_running)
     WAITING.labels(replica).set(stats.num_waiting)
     SLOT_USAGE.labels(replica).set(stats.num_running / stats.num_slots)
@@ -232,6 +265,7 @@ def forget_replica(replica: str) -> None:
     for gauge in (RUNNING, WAITING, SLOT_USAGE, ENGINE_BUSY):
         gauge.labels(replica).set(0)
     _engine_busy.pop(replica, None)
+    _engine_state.pop(replica, None)
 
 
 # Helpers for the device metrics (app/device_metrics.py).

@@ -3,10 +3,19 @@ cutting the visible cores into replica groups (the device plugin's comma lists i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app.errors import ConfigError
-from app.placement import check_group, format_cores, parse_cores, replica_groups
+from app.placement import (
+    check_group,
+    format_cores,
+    instance_cores,
+    parse_cores,
+    replica_devices,
+    replica_groups,
+)
 
 
 @pytest.mark.parametrize(
@@ -72,3 +81,19 @@ def test_replica_groups_refuse_what_does_not_fit() -> None:
         replica_groups(parse_cores("0,2,3,4"), 2, 2)
     with pytest.raises(ConfigError, match="need 8 NeuronCores but 2 are visible"):
         replica_groups(parse_cores("0-1"), 8, None)
+
+
+def test_replica_devices_follow_the_device_setting_then_the_visible_cores() -> None:
+    assert replica_devices("neuron:0-7", "2", 4, None) == ["neuron:0-3", "neuron:4-7"]
+    assert replica_devices("neuron", "auto", 2, "2,3,4,5") == ["neuron:2-3", "neuron:4-5"]  # device plugin
+    assert replica_devices("neuron", "1", 2, None) == ["neuron"]  # the runtime picks (NEURON_RT_NUM_CORES)
+    assert replica_devices("cpu", "3", 1, None) == ["cpu", "cpu", "cpu"]
+    assert replica_devices("cuda", "auto", 1, None) == ["cuda"]
+    with pytest.raises(ConfigError, match="need 6 NeuronCores but 4 are visible"):
+        replica_devices("neuron", "3", 2, "0-3")
+
+
+def test_instance_cores_counts_two_per_neuron_device(tmp_path: Path) -> None:
+    for name in ("neuron0", "neuron1", "neuron2", "null"):
+        (tmp_path / name).touch()
+    assert instance_cores(tmp_path) == tuple(range(6))

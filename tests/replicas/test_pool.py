@@ -15,6 +15,7 @@ import pytest
 from app import metrics
 from app.artifacts.loader import load_artifact
 from app.backends.base import SamplingParams
+from app.engine.stats import StepStats
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
 from app.errors import NotReadyError, ReplicaLostError
 from app.replicas.pool import ReplicaPool
@@ -139,3 +140,18 @@ def test_round_robin_skips_replicas_that_are_not_ready() -> None:
 def test_request_work_counts_queued_prompts_and_remaining_output() -> None:
     assert request_work(1500, 64, 0) == 1564  # waiting or prefilling: its prompt is work ahead
     assert request_work(1500, 64, 10) == 54  # decoding: only what it may still generate
+
+
+def test_server_totals_sum_the_replicas_and_forget_a_dead_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics, "_engine_state", {})  # only this test's replicas
+
+    def total(name: str) -> float:
+        return metrics.REGISTRY.get_sample_value(metrics.PREFIX + name) or 0.0
+
+    metrics.record_step_stats(StepStats(num_running=3, num_waiting=1, num_slots=4), "7")
+    metrics.record_step_stats(StepStats(num_running=1, num_waiting=2, num_slots=4), "8")
+    assert (total("server_requests_running"), total("server_requests_waiting")) == (4, 3)
+    assert total("server_slot_usage_perc") == 4 / 8
+    metrics.forget_replica("7")
+    metrics.forget_replica("8")
+    assert total("server_requests_running") == 0 and total("server_slot_usage_perc") == 0
