@@ -14,25 +14,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import ConnectionPool, RequestResult, completion_body, stream_completion
+from loadtest.replica_bench import replica_pids
 from tests.integration.server import BIN, ServerProcess
 from tests.s3_server import free_port
 
 IN_FLIGHT = 6
 STREAM_TOKENS = 120
-
-
-def replica_processes(pid: int) -> list[int]:
-    """The replica processes `pid` spawned (not multiprocessing's resource tracker)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
-            except OSError:  # gone meanwhile
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def running_by_replica(text: str) -> dict[str, float]:
@@ -65,7 +52,7 @@ def test_replicas_serve_export_aggregated_metrics_and_drain(sim_artifact: Path, 
     try:
         server.wait_ready()
         assert server.process is not None
-        replicas = replica_processes(server.process.pid)
+        replicas = replica_pids(server.process.pid)
         assert len(replicas) == 2, server.failure(f"has {len(replicas)} replica processes, not 2")
         results, metrics_text, exit_code = asyncio.run(scenario(server))
     finally:

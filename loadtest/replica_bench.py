@@ -1,0 +1,239 @@
+"""Replica benchmark on the simulated device (25 ms decode step, 32 slots per replica): does one container
+with N replica processes scale, and does routing by outstanding work beat round-robin?
+
+Side by side in one run, each against a real `inf2serve serve --replicas N` process over loopback:
+1. Scaling: closed loop with 32 requests in flight per replica (short prompts, `--max-tokens` each,
+   non-streamed so the client's per-token parsing stays out of it), 1 replica then 3 replicas: aggregate
+   HTTP tokens/s with 3 over 3x that with 1 (goal >= 0.9).
+2. Routing: 3 replicas, the same seeded open-loop Poisson trace (`--rate` requests/s, a few long prompts,
+   `--long-fraction` of `--long-tokens` tokens, among short ones), streamed, under `least_work` then
+   `round_robin`: p99 time to first token of ours over round-robin's (goal <= 0.7), over every request
+   and over the short ones.
+3. The router's CPU per request: `Router.pick` plus the bookkeeping for one request's life (route, one
+   delta, finish) timed in this process on 3 replicas; and the front process's whole CPU per request
+   (HTTP, tokenizer, routing, relaying deltas) from /proc during (1).
+The sim sleeps instead of computing, so replicas should scale even on a small host; the machine may be
+shared, so its CPU count and load average are recorded with the figures.
+
+    .venv/bin/python -m loadtest.replica_bench [--max-tokens 64] [--waves 3] [--rate 30] [--duration 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.replicas.router import Router, request_work
+from loadtest.client import percentiles, run_load, summarize
+from loadtest.http_bench import cpu_seconds
+from loadtest.sim_artifact import build_sim_artifact, sim_grid
+from tests.integration.server import BIN, ServerProcess
+from tests.s3_server import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+DEFAULT_OUT = REPO / "loadtest" / "reports" / "replica_bench.json"
+SLOTS = 32
+# 25 ms a decode step; a prefill costs 10 ms per sequence at the 64 bucket up to 320 ms at 2048 (about
+# Llama-3.1-8B at TP8 on inf2, research/perf-anchors.md).
+COST_MODEL = {"decode_fixed_s": 0.025, "prefill_points": [[64, 0.010], [2048, 0.320]]}
+SHORT_PROMPT_TOKENS = 8
+SHORT_MAX_TOKENS = 32
+GOALS = {"scaling_3_over_3x1": 0.9, "p99_ttft_ours_over_round_robin": 0.7}
+
+
+def replica_pids(pid: int) -> list[int]:
+    """The replica processes server `pid` spawned (not multiprocessing's resource tracker), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def start_server(artifact: Path, replicas: int, routing: str, log_path: Path) -> ServerProcess:
+    port = free_port()
+    argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--drain-s", "0", "--log-level", "warning", "--no-verify-golden"]
+    argv += ["--replicas", str(replicas), "--replica-routing", routing, "--max-waiting", "1024"]
+    return ServerProcess(argv, {}, port, log_path).start().wait_ready(180.0)
+
+
+def prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(5, 500) for _ in range(length)]
+
+
+async def closed_loop(url: str, concurrency: int, num_requests: int, max_tokens: int) -> dict[str, Any]:
+    """Non-streamed completions, `concurrency` in flight: tokens/s over the whole run."""
+    rng = random.Random(0)
+    bodies = iter(
+        {"prompt": prompt(rng, SHORT_PROMPT_TOKENS), "max_tokens": max_tokens, "ignore_eos": True}
+        for _ in range(num_requests)
+    )
+    tokens, failed = 0, 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal tokens, failed
+            for body in bodies:
+                response = await client.post("/v1/completions", json=body)
+                if response.status_code == 200:
+                    tokens += response.json()["usage"]["completion_tokens"]
+                else:
+                    failed += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall_s = time.perf_counter() - started
+    return {"requests": num_requests, "failed": failed, "tokens": tokens, "wall_s": wall_s}
+
+
+def scaling_run(artifact: Path, replicas: int, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    server = start_server(artifact, replicas, "least_work", log)
+    try:
+        assert server.process is not None
+        concurrency = SLOTS * replicas
+        pids = replica_pids(server.process.pid) if replicas > 1 else []
+        front_before, replicas_before = cpu_seconds(server.process.pid), sum(map(cpu_seconds, pids))
+        run = asyncio.run(closed_loop(server.url, concurrency, concurrency * args.waves, args.max_tokens))
+        front_s = cpu_seconds(server.process.pid) - front_before
+        replicas_s = sum(map(cpu_seconds, pids)) - replicas_before
+    finally:
+        server.stop()
+        server.wait(60)
+    run["tokens_per_s"] = run["tokens"] / run["wall_s"]
+    # With one replica the engine runs inside the front process: its CPU is all "front" there.
+    run["front_cpu_ms_per_request"] = front_s / run["requests"] * 1000
+    run["replica_cpu_us_per_token"] = replicas_s / run["tokens"] * 1e6 if pids else None
+    run["cpu_cores_busy"] = (front_s + replicas_s) / run["wall_s"]
+    return run
+
+
+def skewed_body(args: argparse.Namespace) -> Any:
+    """Request i of the trace: the same for every policy (seeded per index)."""
+
+    def make(index: int) -> dict[str, Any]:
+        rng = random.Random(index)
+        long = rng.random() < args.long_fraction
+        return {
+            "prompt": prompt(rng, args.long_tokens if long else SHORT_PROMPT_TOKENS),
+            "max_tokens": SHORT_MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    return make
+
+
+def routing_run(artifact: Path, routing: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    server = start_server(artifact, 3, routing, log)
+    make = skewed_body(args)
+    num_requests = int(args.rate * args.duration)
+    try:
+        results, wall_s = asyncio.run(run_load(server.url, make, num_requests, rate=args.rate, seed=1))
+    finally:
+        server.stop()
+        server.wait(60)
+    long = {i for i in range(num_requests) if len(make(i)["prompt"]) == args.long_tokens}
+    ok = [(i, r) for i, r in enumerate(results) if r.ok and r.ttft_s is not None]
+    summary = summarize(results, wall_s)
+    return {
+        "requests": num_requests,
+        "long_requests": len(long),
+        "failed": summary["failed"],
+        "errors": summary["errors"],
+        "ttft_s": percentiles([r.ttft_s for _, r in ok]),  # type: ignore[misc]
+        "ttft_short_s": percentiles([r.ttft_s for i, r in ok if i not in long]),  # type: ignore[misc]
+        "ttft_long_s": percentiles([r.ttft_s for i, r in ok if i in long]),  # type: ignore[misc]
+    }
+
+
+class FakeReplica:
+    def __init__(self) -> None:
+        self.is_ready, self.outstanding = True, 0
+
+
+def router_cpu_us_per_request(num_requests: int = 100_000) -> float:
+    """Route, one delta, finish: the front's routing work for one request, on 3 replicas."""
+    router, replicas = Router("least_work"), [FakeReplica() for _ in range(3)]
+    started = time.process_time()
+    for i in range(num_requests):
+        replica = replicas[router.pick(replicas) or 0]
+        replica.outstanding += request_work(SHORT_PROMPT_TOKENS, SHORT_MAX_TOKENS, 0)
+        replica.outstanding -= request_work(SHORT_PROMPT_TOKENS, SHORT_MAX_TOKENS, 0) - request_work(
+            SHORT_PROMPT_TOKENS, SHORT_MAX_TOKENS, 1
+        )
+        if i % 2:  # half the requests still in flight, so the loads differ
+            replica.outstanding -= request_work(SHORT_PROMPT_TOKENS, SHORT_MAX_TOKENS, 1)
+    return (time.process_time() - started) / num_requests * 1e6
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="inf2serve-replica-bench-") as scratch:
+        root = Path(scratch)
+        grid = sim_grid(SLOTS, max_positions=2048)
+        artifact = build_sim_artifact(root / "artifacts", STORIES, grid, COST_MODEL)
+        one = scaling_run(artifact, 1, args, root / "one.log")
+        three = scaling_run(artifact, 3, args, root / "three.log")
+        ours = routing_run(artifact, "least_work", args, root / "least_work.log")
+        round_robin = routing_run(artifact, "round_robin", args, root / "round_robin.log")
+    return {
+        "config": {**{k: str(v) for k, v in vars(args).items()}, "cost_model": COST_MODEL, "slots": SLOTS},
+        "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
+        "scaling": {"one_replica": one, "three_replicas": three},
+        "routing": {"least_work": ours, "round_robin": round_robin},
+        "results": {
+            "tokens_per_s_1": one["tokens_per_s"],
+            "tokens_per_s_3": three["tokens_per_s"],
+            "scaling_3_over_3x1": three["tokens_per_s"] / (3 * one["tokens_per_s"]),
+            "p99_ttft_s_least_work": ours["ttft_s"]["p99"],
+            "p99_ttft_s_round_robin": round_robin["ttft_s"]["p99"],
+            "p99_ttft_ours_over_round_robin": ours["ttft_s"]["p99"] / round_robin["ttft_s"]["p99"],
+            "p99_ttft_short_ours_over_round_robin": ours["ttft_short_s"]["p99"]
+            / round_robin["ttft_short_s"]["p99"],
+            "router_cpu_us_per_request": router_cpu_us_per_request(),
+            "front_cpu_ms_per_request_1": one["front_cpu_ms_per_request"],
+            "front_cpu_ms_per_request_3": three["front_cpu_ms_per_request"],
+            "replica_cpu_us_per_token_3": three["replica_cpu_us_per_token"],
+            "server_cpu_cores_busy_1": one["cpu_cores_busy"],
+            "server_cpu_cores_busy_3": three["cpu_cores_busy"],
+            "failed_requests": one["failed"] + three["failed"] + ours["failed"] + round_robin["failed"],
+        },
+        "goals": GOALS,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request in the scaling runs")
+    parser.add_argument("--waves", type=int, default=3, help="scaling runs: requests = waves x in flight")
+    parser.add_argument("--rate", type=float, default=30.0, help="routing runs: Poisson arrivals per second")
+    parser.add_argument("--duration", type=float, default=20.0, help="routing runs: seconds of arrivals")
+    parser.add_argument("--long-fraction", type=float, default=0.01)
+    parser.add_argument("--long-tokens", type=int, default=1500)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    report = bench(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"results": report["results"], "goals": GOALS, "machine": report["machine"]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
