@@ -200,35 +200,8 @@ class LLMEngine:
 
     def check_request(self, prompt: Sequence[int], params: GenerationParams) -> None:
         """What the engine and its backend can run (`EngineClient.check_request`)."""
-        if not prompt:
-            raise InvalidRequestError("the prompt has no tokens", param="prompt")
-        if params.max_tokens < 1:
-            raise InvalidRequestError(
-                f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
-            )
         self.backend.check_sampling(params.sampling)
-        vocab = self.backend.model.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
-            )
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(
-                f"stop_token_ids must lie in the vocabulary (0..{vocab - 1})", param="stop_token_ids"
-            )
-        n, limit = len(prompt), self.grid.max_prompt_tokens
-        if n > limit:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, more than the largest compiled context bucket ({limit})",
-                param="prompt",
-            )
-        if not self.grid.fits(n, params.max_tokens):
-            raise InvalidRequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
-                f"tokens, more than the {self.grid.max_positions} positions the model was compiled for",
-                param="max_tokens",
-            )
+        check_limits(prompt, params, self.backend.model.vocab_size, self.grid)
 
     def _check_admission(self) -> None:
         """Under the lock."""
@@ -432,6 +405,38 @@ def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | D
         )
         for i, r in enumerate(requests)
     ]
+
+
+def check_limits(prompt: Sequence[int], params: GenerationParams, vocab: int, grid: ShapeGrid) -> None:
+    """The request checks that need no backend: token ids in the vocabulary, the prompt and its output
+    within the compiled grid (a replica front checks these before routing; sampling is the backend's)."""
+    if not prompt:
+        raise InvalidRequestError("the prompt has no tokens", param="prompt")
+    if params.max_tokens < 1:
+        raise InvalidRequestError(
+            f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens"
+        )
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        bad = next(t for t in prompt if not 0 <= t < vocab)
+        raise InvalidRequestError(
+            f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt"
+        )
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise InvalidRequestError(
+            f"stop_token_ids must lie in the vocabulary (0..{vocab - 1})", param="stop_token_ids"
+        )
+    n, limit = len(prompt), grid.max_prompt_tokens
+    if n > limit:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens, more than the largest compiled context bucket ({limit})",
+            param="prompt",
+        )
+    if not grid.fits(n, params.max_tokens):
+        raise InvalidRequestError(
+            f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
+            f"tokens, more than the {grid.max_positions} positions the model was compiled for",
+            param="max_tokens",
+        )
 
 
 def _final_records(requests: list[Request]) -> list[tuple[Request, int, bool]]:

@@ -32,6 +32,7 @@ from multiprocessing.process import BaseProcess
 
 from app import metrics
 from app.artifacts.loader import LocalArtifact
+from app.engine.engine import check_limits
 from app.engine.output import RequestStream
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
 from app.errors import ConfigError, Inf2ServeError, InvalidRequestError, NotReadyError, ReplicaLostError
@@ -107,6 +108,8 @@ class ReplicaPool:
         self.replicas = [Replica(index, device) for index, device in enumerate(devices)]
         self.router = Router(policy)
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.vocab_size = 0
+        self.grid = artifact.manifest.spec.grid
         self.restarts = 0
         self._routed: dict[str, Routed] = {}
         self._context = get_context("spawn")  # fork is unsafe after threads (tokenizers, torch) exist
@@ -172,6 +175,11 @@ class ReplicaPool:
         self._routed[request_id] = routed
         self._assign(routed, self.replicas[index])
         return stream
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: GenerationParams) -> None:
+        """The limits the front can check; the sampling a backend lacks is refused by the replica (the
+        request's one delta then carries the InvalidRequestError, before any token)."""
+        check_limits(prompt_token_ids, params, self.vocab_size, self.grid)
 
     def abort(self, request_id: str) -> None:
         routed = self._routed.get(request_id)
@@ -254,6 +262,7 @@ class ReplicaPool:
             metrics.record_step_stats(message[1], replica.label)  # type: ignore[arg-type]
         elif kind == "ready":
             self.eos_token_ids = frozenset(message[1])  # type: ignore[arg-type]
+            self.vocab_size = int(message[2])  # type: ignore[call-overload]
             replica.ready, replica.started_at = True, time.monotonic()
             log.info("replica ready", extra={"replica": replica.index, "device": replica.device})
             _resolve(replica.started, None)

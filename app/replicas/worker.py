@@ -2,8 +2,8 @@
 serves the front over one duplex pipe.
 
 Messages are tuples, pickled by `multiprocessing.connection`. From the front: `("generate", id,
-prompt, params)`, `("abort", id)`, `("stop",)`. To the front: `("ready", eos_token_ids)` or `("failed",
-message)` once, then `("outputs", [RequestOutput, ...])` (every delta the engine handed out in one
+prompt, params)`, `("abort", id)`, `("stop",)`. To the front: `("ready", eos_token_ids, vocab_size)` or
+`("failed", message)` once, then `("outputs", [RequestOutput, ...])` (every delta the engine handed out in one
 event-loop turn, so one message per step, not per token) and `("stats", StepStats)` (the engine's stats sink).
 
 Detokenization and stop strings run here, in the replica's own output thread: that work grows with
@@ -124,7 +124,7 @@ async def _serve(conn: Connection, engine: LLMEngine, sender: Sender) -> None:
             loop.call_soon_threadsafe(stopping.set)
 
     threading.Thread(target=read, name="inf2serve-replica-reader", daemon=True).start()
-    sender.send(("ready", tuple(engine.eos_token_ids)))
+    sender.send(("ready", tuple(engine.eos_token_ids), engine.backend.model.vocab_size))
     await stopping.wait()
     # Unfinished requests get their final delta (NotReadyError) from the engine's stop.
     await asyncio.to_thread(engine.stop, STOP_TIMEOUT_S)

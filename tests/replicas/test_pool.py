@@ -17,7 +17,7 @@ from app.artifacts.loader import load_artifact
 from app.backends.base import SamplingParams
 from app.engine.stats import StepStats
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
-from app.errors import NotReadyError, ReplicaLostError
+from app.errors import InvalidRequestError, NotReadyError, ReplicaLostError
 from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
 from app.settings import ServerSettings
@@ -55,6 +55,8 @@ def test_two_replicas_serve_concurrently_and_share_the_load(sim_artifact: Path) 
         pool = pool_for(sim_artifact)
         await pool.start()
         try:
+            with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+                pool.check_request((5, 10**6), params(3))  # the front checks what needs no backend
             streams = [pool.generate(f"r{i}", PROMPT, params(12)) for i in range(8)]
             assert {routed.replica for routed in pool._routed.values()} == {0, 1}
             results = await asyncio.gather(*map(collect, streams))

@@ -33,6 +33,9 @@ async def scenario(server: ServerProcess) -> tuple[list[RequestResult], str, int
         bodies = map(completion_body("Once upon a time", STREAM_TOKENS), range(IN_FLIGHT))
         streams = [asyncio.create_task(stream_completion(pool, "/v1/completions", b)) for b in bodies]
         while True:  # both replicas hold streams (the test's timeout bounds the wait)
+            assert not any(task.done() for task in streams), [
+                task.result() for task in streams if task.done()
+            ]
             text = (await client.get("/metrics")).text
             running = running_by_replica(text)
             if sum(running.values()) == IN_FLIGHT and all(running.get(r, 0) > 0 for r in ("0", "1")):
