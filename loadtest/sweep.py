@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -407,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("give --trace FILE, or --tokenizer PATH for synthetic prompts")
         report = sweep(args, trace)
         (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out_dir / 'sweep.json'}", file=sys.stderr)
         reports = [report]
         print(
             json.dumps(
@@ -414,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     for path in write_plots(reports, args.out_dir):
-        print(f"wrote {path}")
+        print(f"wrote {path}", file=sys.stderr)  # stdout stays one JSON document
     return 0
 
 
