@@ -95,7 +95,20 @@ PADDED_TOKENS = _counter(
 )
 BATCHED_TOKENS = _counter("num_batched_tokens", "Useful tokens computed, by phase and bucket.", _PHASE_BUCKET)
 DECODE_STALL = _histogram(
-    "decode_stall_seconds", "Time running decodes waited on prefills in a step.", _STEP_BUCKETS
+    "decode_stall_seconds",
+    "Time running decodes waited on prefills in a step (a prefill-only step counts as one).",
+    _STEP_BUCKETS,
+)
+REQUEST_DECODE_STALL = _histogram(
+    "request_decode_stall_seconds",
+    "Per request: time between its first and last token not spent in its decode steps (others' prefills).",
+    _LATENCY_BUCKETS,
+)
+REQUEST_SLO = _counter(
+    "request_slo",
+    "Finished requests by SLO result (met, ttft_missed, tpot_missed, both_missed) against the configured "
+    "--slo-ttft-ms / --slo-tpot-ms; attainment = met / all.",
+    ("result",),
 )
 ENGINE_BUSY = _gauge("engine_busy_ratio", "Fraction of recent wall time the device was executing.")
 _engine_busy: dict[str, float] = {}  # ENGINE_BUSY per replica, for the device metrics without a registry read
@@ -250,6 +263,9 @@ def _record_finished(done: FinishedRequest, replica: str) -> None:
     the HTTP layer, which counts every failure (validation and admission too) once per HTTP request."""
     if not done.failed:
         REQUEST_SUCCESS.labels(replica, done.reason).inc()
+    if done.slo is not None:
+        REQUEST_SLO.labels(replica, done.slo).inc()
+        REQUEST_DECODE_STALL.labels(replica).observe(done.decode_stall_s)
     E2E.labels(replica).observe(done.e2e_s)
     REQUEST_PROMPT_TOKENS.labels(replica).observe(done.num_prompt_tokens)
     REQUEST_GENERATION_TOKENS.labels(replica).observe(done.num_generated_tokens)

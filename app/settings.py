@@ -125,6 +125,16 @@ class ServerSettings(BaseSettings):
         _ENGINE["run_ahead"],
         description="Launch each step before the previous one's tokens are back, where the backend allows.",
     )
+    policy: Literal["slo", "fifo", "tgi-neuron", "vllm-neuron", "optimum-neuron"] = Field(
+        _ENGINE["policy"],
+        description="Scheduling policy: slo (meets the SLOs below), fifo, or a peer's (for benchmarks).",
+    )
+    slo_ttft_ms: float = Field(
+        _ENGINE["slo_ttft_ms"], gt=0, description="Time-to-first-token target (p99) the slo policy keeps."
+    )
+    slo_tpot_ms: float = Field(
+        _ENGINE["slo_tpot_ms"], gt=0, description="Time per output token each request should stay within."
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

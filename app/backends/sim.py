@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from app.backends.base import (
     FED_BACK,
@@ -58,6 +58,15 @@ DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_EOS_IDS = (2,)
 DEFAULT_SPIN_S = 0.0002
 _MASK64 = (1 << 64) - 1
+
+
+class DeviceClock(Protocol):
+    """Virtual time for the sim (`app/engine/clock.py`'s `VirtualClock`): calls start at `perf_counter()`
+    and waiting for one advances the clock to its end instead of sleeping."""
+
+    def perf_counter(self) -> float: ...
+
+    def sleep_until(self, deadline: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,24 +124,38 @@ def _piecewise_linear(points: tuple[tuple[int, float], ...], x: int) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+# Fitted to published inf2 numbers (research/perf-anchors.md sections 2 and 3); `loadtest/goodput.py`
+# prints each fitted figure next to the published one (its calibration table).
 PRESETS: dict[str, CostModel] = {
     "zero": CostModel(),
-    # Llama-3.1-8B, TP8 (4 chips), batch 32 on inf2.48xlarge (optimum-neuron vLLM): ~24.5 ms per padded
-    # step at a 2048 KV bucket = 19.0 ms fixed + 0.08 ms/row + 44 ns/row/position; prefill ~322 ms TTFT at
-    # ~1500 prompt tokens (bucket 2048).
+    # Llama-3.1-8B, TP8 (4 chips), batch 32 on inf2.48xlarge (optimum-neuron vLLM, section 2.2): one user
+    # on the batch-32 graph, ITL 24.5 ms at ~1,750 positions (bucket 2048) = 19.0 ms fixed + 0.08 ms/row +
+    # 44 ns/row/position (the split between the terms is derived from the section 3.2 roofline, not
+    # published); TTFT 321.9 ms at ~1,500 prompt tokens (bucket 2048). The 128-token prefill (37.5 ms) is
+    # derived, not published.
     "llama3.1-8b-tp8": CostModel(
         decode_fixed_s=0.019,
         decode_per_row_s=0.00008,
         decode_per_row_token_s=4.4e-8,
-        prefill_points=((128, 0.0375), (2048, 0.300)),
+        prefill_points=((128, 0.0375), (2048, 0.322)),
     ),
-    # Llama-2-70B, TP24 on inf2.48xlarge, batch 1 (Neuron reference table): TPOT 32.9 ms at 256 positions,
-    # 34.9 ms at 4096; TTFT 76.6 / 277 / 810 ms at 128 / 1024 / 2048 prompt tokens.
+    # Llama-2-70B, TP24 on inf2.48xlarge (Neuron reference table, section 2.1, batch 1): TPOT 32.90 /
+    # 33.15 / 33.73 / 34.90 ms at 256 / 1152 / 2048 / 4096 positions; TTFT 76.6 / 277 / 810 ms at 128 /
+    # 1024 / 2048 prompt tokens. Per extra row 0.6 ms: inf2 publishes batch 1 only, so the slope is
+    # trn1.32xlarge's (same NeuronCore-v2; TPOT 25.2 ms at batch 1, 26.7-27.2 ms at batch 4).
     "llama2-70b-tp24": CostModel(
-        decode_fixed_s=0.0324,
-        decode_per_row_s=0.0004,
+        decode_fixed_s=0.03216,
+        decode_per_row_s=0.0006,
         decode_per_row_token_s=5.5e-7,
         prefill_points=((128, 0.0766), (1024, 0.277), (2048, 0.810)),
+    ),
+    # Llama-3-8B, TP24 on inf2.48xlarge, int8 weights (Neuron reference table, section 2.1), compiled for
+    # 4096 positions: TPOT 6.42 ms at batch 1, 10.45 ms at batch 8 (5.85 ms fixed + 0.58 ms/row); TTFT
+    # 25.0 / 101.8 ms at 128 / 2048 prompt tokens (batch 1).
+    "llama3-8b-tp24": CostModel(
+        decode_fixed_s=0.005846,
+        decode_per_row_s=0.0005757,
+        prefill_points=((128, 0.025), (2048, 0.1018)),
     ),
 }
 
@@ -168,6 +191,7 @@ class SimBackend(Backend):
     spin_s: float = DEFAULT_SPIN_S
     record_timeline: bool = False
     timeline: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=1_000_000))
+    clock: DeviceClock | None = None  # None: real time
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eos_probability <= 1.0:
@@ -205,6 +229,7 @@ class SimBackend(Backend):
         eos_probability: float = 0.0,
         spin_s: float = DEFAULT_SPIN_S,
         record_timeline: bool = False,
+        clock: DeviceClock | None = None,
     ) -> SimBackend:
         return cls(
             spec,
@@ -213,6 +238,7 @@ class SimBackend(Backend):
             eos_probability,
             spin_s,
             record_timeline,
+            clock=clock,
         )
 
     @classmethod
@@ -236,7 +262,8 @@ class SimBackend(Backend):
     def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
         """Queue a call: it starts when the device is free (now, or when the call before it ends) and its
         tokens are ready at start + cost; the returned function waits for them."""
-        start = max(time.perf_counter(), self._busy_until)
+        now = time.perf_counter() if self.clock is None else self.clock.perf_counter()
+        start = max(now, self._busy_until)
         if isinstance(batch, PrefillBatch):
             tokens = self._prefill_tokens(batch)
             cost = self.cost_model.prefill_s(batch.context_bucket, len(batch.slots))
@@ -311,6 +338,11 @@ class SimBackend(Backend):
     def _wait(
         self, batch: PrefillBatch | DecodeBatch, start: float, end: float, tokens: list[SampledToken]
     ) -> list[SampledToken]:
+        if self.clock is not None:
+            self.clock.sleep_until(end)
+            if self.record_timeline:
+                self.timeline.append(StepRecord(batch, start, end, end))
+            return tokens
         remaining = end - time.perf_counter()
         if remaining > self.spin_s:
             time.sleep(remaining - self.spin_s)

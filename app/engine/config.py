@@ -22,6 +22,13 @@ class EngineConfig:
     """Deadline of a request that brings none (`GenerationParams.deadline`); None: no deadline."""
     static_batching: bool = False
     """Run-to-completion batches (admit only into an empty engine): the baseline for benchmarks."""
+    policy: str = "slo"
+    """How steps are scheduled (`app/engine/policies.py`): slo (ours), fifo, or a peer's policy for
+    benchmarks (tgi-neuron, vllm-neuron, optimum-neuron)."""
+    slo_ttft_ms: float = 2000.0
+    """Time-to-first-token target the `slo` policy schedules for (p99)."""
+    slo_tpot_ms: float = 100.0
+    """Time-per-output-token target the `slo` policy schedules for (each request's mean after its first)."""
     run_ahead: bool = True
     """Launch step n+1 before step n's tokens are back, where the backend feeds tokens back on the device
     (`Backend.feeds_back_tokens`), so the host's work overlaps the device's instead of idling it."""
@@ -31,6 +38,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        from app.engine.policies import POLICIES  # the policies read this config
+
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
+            )
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_queue_wait_s", "request_timeout_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:

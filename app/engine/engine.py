@@ -26,7 +26,6 @@ import asyncio
 import gc
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING
 from app import metrics
 from app.backends.base import Backend, PrefillBatch, SampledToken, Tokens
 from app.engine.admission import ServiceRate
+from app.engine.clock import SYSTEM_CLOCK, Clock
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
 from app.engine.output import (
@@ -42,6 +42,7 @@ from app.engine.output import (
     OutputProcessor,
     OutputState,
     RequestStream,
+    SloTargets,
     StepReport,
 )
 from app.engine.request import FINISHED, Request
@@ -71,7 +72,7 @@ class LaunchedCall:
     group: PrefillGroup | DecodeGroup
     tokens: Tokens | None
     error: Exception | None
-    launched: float  # time.perf_counter()
+    launched: float  # clock.perf_counter()
 
 
 @dataclass(slots=True)
@@ -90,9 +91,11 @@ class LLMEngine:
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         stats_sink: StatsSink | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """`stats_sink` receives each step's `StepStats` on the output thread (default: this process's
-        Prometheus metrics)."""
+        Prometheus metrics); `clock` is virtual in benchmarks (`app/engine/clock.py`)."""
+        self.clock = clock
         self.backend = backend
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -102,8 +105,9 @@ class LLMEngine:
         self._decode_rules_with_special = DecodeRules.of(tokenizer, skip_special_tokens=False)
         self._scheduler = Scheduler(self.grid, self.config)
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
-        self._last_done = 0.0  # when the last call's tokens were back (time.perf_counter())
-        self._output = OutputProcessor(stats_sink or metrics.record_step_stats)
+        self._last_done = 0.0  # when the last call's tokens were back (clock.perf_counter())
+        slo = SloTargets(self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3)
+        self._output = OutputProcessor(stats_sink or metrics.record_step_stats, slo)
         self._lock = threading.Lock()  # guards admission: _inbox, the waiting count
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -146,7 +150,7 @@ class LLMEngine:
         stop_ids = stop_token_ids(params, self.eos_token_ids)
         with self._lock:
             self._check_admission()
-            now = time.monotonic()
+            now = self.clock.monotonic()
             deadline = params.deadline
             if deadline is None and self.config.request_timeout_s is not None:
                 deadline = now + self.config.request_timeout_s
@@ -261,14 +265,14 @@ class LLMEngine:
     def _plan(self) -> BatchPlan:
         """Take the inbox, schedule the next step and report what ended before it ran."""
         ended = [*self._take_inbox()]
-        plan = self._scheduler.schedule(time.monotonic())
+        plan = self._scheduler.schedule(self.clock.monotonic())
         ended += plan.expired
         if ended:
-            self._report(_final_records(ended), (), time.monotonic())
+            self._report(_final_records(ended), (), self.clock.monotonic())
         return plan
 
     def _idle(self) -> None:
-        self._wake.wait(IDLE_WAIT_S)
+        self.clock.idle(self._wake, IDLE_WAIT_S)
         self._wake.clear()  # not every step: whoever set it had filled the inbox first
 
     def _take_inbox(self) -> list[Request]:
@@ -278,7 +282,7 @@ class LLMEngine:
                 while self._inbox:
                     self._scheduler.add(self._inbox.popleft())
         finished: list[Request] = []
-        now = time.monotonic()
+        now = self.clock.monotonic()
         while self._aborts:
             request = self._output.find(self._aborts.popleft())
             if request is not None and not request.is_finished:
@@ -290,7 +294,7 @@ class LLMEngine:
         return finished
 
     def _launch(self, group: PrefillGroup | DecodeGroup) -> LaunchedCall:
-        launched = time.perf_counter()
+        launched = self.clock.perf_counter()
         try:
             return LaunchedCall(group, self.backend.launch(group.batch), None, launched)
         except Exception as exc:
@@ -307,10 +311,11 @@ class LLMEngine:
             return
         if not self._run_ahead:  # NOTE: running ahead, the next step is in flight on the failed rows
             outcomes = [part for outcome in outcomes for part in self._isolate(outcome)]
-        now = time.monotonic()
+        now = self.clock.monotonic()
         records: list[tuple[Request, int, bool]] = []
         for outcome in outcomes:
             if outcome.error is None:
+                self._scheduler.observe(outcome.batch, outcome.seconds)
                 self._scheduler.apply(outcome.requests, outcome.samples, now)
             else:
                 error = GenerationError(f"the device step failed: {outcome.error}")
@@ -343,7 +348,7 @@ class LLMEngine:
             except Exception as exc:
                 logger.exception("a %s call failed", type(batch).__name__)
                 samples, error = [], exc
-        done = time.perf_counter()
+        done = self.clock.perf_counter()
         seconds, self._last_done = done - max(call.launched, self._last_done), done
         return CallOutcome(batch, seconds, call.group.requests, samples, error)
 
@@ -368,7 +373,7 @@ class LLMEngine:
             else GenerationError(f"the engine failed: {self._failure}")
         )
         reason = FinishReason.ABORT if self._failure is None else FinishReason.ERROR
-        now = time.monotonic()
+        now = self.clock.monotonic()
         try:
             self._report(_final_records(self._scheduler.finish_all(reason, now, error)), (), now)
         finally:

@@ -85,6 +85,7 @@ class OutputState:
     """The output thread's part of a request: its channel and what it has published so far."""
 
     __slots__ = (
+        "decode_s",
         "detokenizer",
         "done",
         "last_token_time",
@@ -108,6 +109,7 @@ class OutputState:
         self.num_text = 0  # output tokens already fed to the detokenizer
         self.last_token_time = 0.0
         self.timings = RequestTimings()  # queue and first-token times, once the first token is out
+        self.decode_s = 0.0  # device time of the decode steps that gave it its tokens after the first
         self.done = False
 
 
@@ -132,9 +134,27 @@ class StepReport:
     num_slots: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    """What each finished request is judged by (SLO attainment): TTFT, and its mean time per output
+    token after the first."""
+
+    ttft_s: float
+    tpot_s: float
+
+    def result(self, ttft_s: float, tpot_s: float) -> str:
+        ttft_met, tpot_met = ttft_s <= self.ttft_s, tpot_s <= self.tpot_s
+        if ttft_met and tpot_met:
+            return "met"
+        if ttft_met or tpot_met:
+            return "tpot_missed" if ttft_met else "ttft_missed"
+        return "both_missed"
+
+
 class OutputProcessor:
-    def __init__(self, sink: StatsSink) -> None:
+    def __init__(self, sink: StatsSink, slo: SloTargets | None = None) -> None:
         self._sink = sink
+        self._slo = slo
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
         self._lock = threading.Lock()  # guards _live: admitted from the caller's thread, removed here
@@ -187,11 +207,14 @@ class OutputProcessor:
     def _process(self, report: StepReport) -> None:
         stats = self._stats = StepStats(report.num_running, report.num_waiting, report.num_slots)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        decode_s = sum([call.seconds for call in report.calls if isinstance(call.batch, DecodeBatch)])
         for request, num_tokens, finished in report.records:
             state = request.output
             if state is None or state.done:
                 continue
             stats.generated_tokens += num_tokens - state.num_published
+            if state.num_published and num_tokens > state.num_published:
+                state.decode_s += decode_s
             try:
                 output = self._delta(request, state, num_tokens, finished, report.time)
             except Exception:
@@ -222,7 +245,7 @@ class OutputProcessor:
         self._record_tokens(request, state, start, num_tokens, now)
         if finished:
             self._forget(request, state)
-            self._record_finished(request, reason, error, num_tokens, now)
+            self._record_finished(request, state, reason, error, num_tokens, now)
         return RequestOutput(
             request_id=request.request_id,
             token_ids=tuple(request.output_token_ids[start:num_tokens]),
@@ -305,27 +328,28 @@ class OutputProcessor:
     def _record_finished(
         self,
         request: Request,
+        state: OutputState,
         reason: FinishReason | None,
         error: Inf2ServeError | None,
         num_tokens: int,
         now: float,
     ) -> None:
         assert self._stats is not None
-        self._stats.finished.append(
-            FinishedRequest(
-                str(reason),
-                error is not None,
-                request.num_prompt_tokens,
-                num_tokens,
-                now - request.arrival_time,
-            )
+        finished = FinishedRequest(
+            str(reason), error is not None, request.num_prompt_tokens, num_tokens, now - request.arrival_time
         )
+        first, last = request.first_token_time, request.finish_time
+        if self._slo is not None and error is None and first is not None and last is not None:
+            tpot_s = (last - first) / (num_tokens - 1) if num_tokens > 1 else 0.0
+            finished.slo = self._slo.result(first - request.arrival_time, tpot_s)
+            finished.decode_stall_s = max(0.0, last - first - state.decode_s)
+        self._stats.finished.append(finished)
 
     def _step_stats(self, report: StepReport, stats: StepStats) -> None:
         if report.calls:
             step_s = sum([call.seconds for call in report.calls])
             self.step_s += (step_s - self.step_s) * (EWMA_WEIGHT if self.step_s else 1.0)
-        stall = 0.0
+        stall, prefilled = 0.0, 0
         for call in report.calls:
             usage = batch_usage(call.batch)
             stats.calls.append(
@@ -340,8 +364,9 @@ class OutputProcessor:
             )
             if usage.phase == "prefill":
                 stall += call.seconds
+                prefilled += len(call.batch.slots)
             self._busy_s += call.seconds
-        if stall and isinstance(report.calls[-1].batch, DecodeBatch):
+        if stall and report.num_running > prefilled:  # some request was decoding meanwhile
             stats.decode_stall_s = stall
         elapsed = time.perf_counter() - self._busy_since
         if elapsed >= BUSY_WINDOW_S:

@@ -2,18 +2,16 @@
 decides and keeps the books (queue, slots, request states) and returns a typed `BatchPlan`; it never
 calls a backend.
 
-One step's policy:
+One step:
 1. Expire: requests past their deadline, or waiting longer than `max_queue_wait_s`, fail.
-2. Decode: every request holding a slot decodes one token, in one batch padded to the batch bucket of
-   its size and the token bucket of its longest sequence.
-3. Admit: the head of the FIFO queue takes free slots, up to `max_prefills_per_step` sequences and
-   `max_prefill_tokens_per_step` padded prompt tokens. The head is always admitted when a slot is free
-   and nobody overtakes it, so nothing starves. Admitted prompts go out as one prefill call per context
-   bucket.
-The engine runs the prefills first, then the decode, in one engine step: a new sequence gets its first
-token from its prefill and decodes from the next step on, and running decodes wait for at most the
-bounded prefills. With `static_batching` (the run-to-completion baseline) admission waits until every
-slot is free.
+2. Decide (`app/engine/policies.py`, `EngineConfig.policy`): when a request waits and a slot is free,
+   the policy picks which waiting requests are prefilled, in which calls (each padded to its longest
+   prompt's context bucket), and whether the running slots decode in this step; otherwise they do.
+3. Decode: every request holding a slot decodes one token, in one batch padded to the batch bucket of
+   its size and the token bucket of its longest sequence. A request admitted in this step decodes from
+   the next one on (its first token comes from its prefill).
+The engine runs the prefill calls, then the decode (or the decode first, `BatchPlan.decode_first`), in
+one engine step, and reports each call's device time back (`observe`) for policies that learn costs.
 
 Running ahead: the engine may schedule step n+1 before step n's tokens are applied (`Request.pending`
 counts a request's launched, unapplied tokens). A decode row then continues one position further from the
@@ -27,11 +25,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from app.backends.base import FED_BACK, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.engine.config import EngineConfig
+from app.engine.policies import POLICIES, StepDecision
 from app.engine.request import FINISHED, WAITING, Request
 from app.engine.stops import token_stop_reason
 from app.engine.types import FinishReason
@@ -64,11 +63,12 @@ class DecodeGroup:
 
 @dataclass(slots=True)
 class BatchPlan:
-    """One engine step: prefills (one per context bucket), then one decode of every running slot."""
+    """One engine step: prefill calls, then one decode of every running slot (or the decode first)."""
 
     prefills: tuple[PrefillGroup, ...]
     decode: DecodeGroup | None
     expired: tuple[Request, ...]  # finished by this schedule (deadline, queue wait)
+    decode_first: bool = False
 
     @property
     def has_work(self) -> bool:
@@ -77,13 +77,16 @@ class BatchPlan:
     @property
     def groups(self) -> tuple[PrefillGroup | DecodeGroup, ...]:
         """The backend calls, in the order they run."""
-        return (*self.prefills, self.decode) if self.decode is not None else self.prefills
+        if self.decode is None:
+            return self.prefills
+        return (self.decode, *self.prefills) if self.decode_first else (*self.prefills, self.decode)
 
 
 class Scheduler:
     def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
         self.grid = grid
         self.config = config
+        self.policy = POLICIES[config.policy](grid, config)
         self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
         self._num_waiting = 0
         self._running: list[Request] = []  # holding a slot; finished entries are dropped lazily
@@ -120,9 +123,12 @@ class Scheduler:
     def schedule(self, now: float) -> BatchPlan:
         """The next step's calls; each request in them has one more pending token until `apply`."""
         expired = self._expire(now)
-        decode = self._decode_group()
-        prefills = self._admit(now) if self._free_slots and self._waiting else ()
-        plan = BatchPlan(prefills, decode, expired)
+        decision = StepDecision()
+        if self._free_slots and self._num_waiting:
+            decision = self.policy.decide(self, now)
+        decode = self._decode_group() if decision.decode else None
+        prefills = self._admit(decision.prefills, now)
+        plan = BatchPlan(prefills, decode, expired, decision.decode_first)
         for group in plan.groups:
             for request in group.requests:
                 request.pending += 1
@@ -242,33 +248,42 @@ class Scheduler:
         )
         return self._rows
 
-    def _admission_limit(self) -> tuple[int, int | None]:
-        """(sequences, padded prompt tokens) that may enter this step."""
-        if self.config.static_batching:
-            return (0 if self._running else len(self._free_slots)), None
-        limit = min(len(self._free_slots), self.config.max_prefills_per_step)
-        return limit, self.config.max_prefill_tokens_per_step
+    def waiting(self) -> Iterator[Request]:
+        """The unfinished waiting requests, in arrival order (for policies)."""
+        return (r for r in self._waiting if r.state is WAITING)
 
-    def _admit(self, now: float) -> tuple[PrefillGroup, ...]:
-        max_sequences, max_tokens = self._admission_limit()
-        by_bucket: dict[int, list[Request]] = {}
-        admitted = tokens = 0
-        waiting = self._waiting
-        while waiting and admitted < max_sequences:
-            head = waiting[0]
-            if head.is_finished:
-                waiting.popleft()
-                continue
-            bucket = self.grid.context_bucket(head.num_prompt_tokens)
-            if admitted and max_tokens is not None and tokens + bucket > max_tokens:
-                break
-            waiting.popleft()
-            self._num_waiting -= 1
-            self._assign_slot(head, now)
-            by_bucket.setdefault(bucket, []).append(head)
-            admitted += 1
-            tokens += bucket
-        return tuple(self._prefill_group(bucket, requests) for bucket, requests in by_bucket.items())
+    def decoding(self) -> list[Request]:
+        """The requests that would decode in this step (for policies)."""
+        return [
+            r for r in self._running if r.state is not FINISHED and r.token_limit > r.num_tokens + r.pending
+        ]
+
+    def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:
+        """A call's device time, as the engine measured it."""
+        self.policy.observe(batch, seconds)
+
+    def _admit(self, calls: list[list[Request]], now: float) -> tuple[PrefillGroup, ...]:
+        chosen = [r for call in calls for r in call]
+        if not chosen:
+            return ()
+        if len(chosen) > len(self._free_slots) or len(set(map(id, chosen))) != len(chosen):
+            raise RuntimeError(
+                f"policy {self.policy.name} admitted {chosen} into {len(self._free_slots)} slots"
+            )
+        self._take_waiting(chosen)
+        for request in chosen:
+            self._assign_slot(request, now)
+        return tuple(self._prefill_group(call) for call in calls if call)
+
+    def _take_waiting(self, chosen: list[Request]) -> None:
+        """Remove the chosen requests from the queue: popped from its head when they lead it (FIFO)."""
+        waiting, rest = self._waiting, set(map(id, chosen))
+        while waiting and (id(waiting[0]) in rest or waiting[0].is_finished):
+            rest.discard(id(waiting.popleft()))
+        for request in chosen:
+            if id(request) in rest:
+                waiting.remove(request)
+        self._num_waiting -= len(chosen)
 
     def _assign_slot(self, request: Request, now: float) -> None:
         slot = self._free_slots.pop()
@@ -279,8 +294,8 @@ class Scheduler:
         self._running.append(request)
         self._rows = None
 
-    @staticmethod
-    def _prefill_group(bucket: int, requests: list[Request]) -> PrefillGroup:
+    def _prefill_group(self, requests: list[Request]) -> PrefillGroup:
+        bucket = self.grid.context_bucket(max(r.num_prompt_tokens for r in requests))
         batch = PrefillBatch(
             slots=tuple(r.slot for r in requests),
             prompts=tuple(r.prompt_token_ids for r in requests),

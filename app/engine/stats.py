@@ -38,6 +38,8 @@ class FinishedRequest:
     num_prompt_tokens: int
     num_generated_tokens: int
     e2e_s: float
+    slo: str | None = None  # met, ttft_missed, tpot_missed or both_missed (None: failed, or no token)
+    decode_stall_s: float = 0.0  # between its first and last token, time not spent in its decode steps
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from app import metrics
 from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, SamplingParams, Tokens
 from app.backends.sim import CostModel, SimBackend
 from app.engine.engine import LLMEngine
+from app.engine.policies import POLICIES
 from app.engine.stats import StepStats
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
 from app.errors import (
@@ -216,7 +217,8 @@ def test_overload_is_served_first_come_first_served(tokenizer: Tokenizer) -> Non
 
 
 @RUN_AHEAD
-def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer, run_ahead: bool) -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer, run_ahead: bool, policy: str) -> None:
     rng = random.Random(11)
 
     async def client(engine: LLMEngine, index: int) -> tuple[str, list[RequestOutput]]:
@@ -240,7 +242,8 @@ def test_cancellation_storm_leaves_no_slot_behind(tokenizer: Tokenizer, run_ahea
             await asyncio.sleep(0)
         return await asyncio.gather(*tasks)
 
-    with running_engine(tokenizer, max_waiting=200, max_prefills_per_step=2, run_ahead=run_ahead) as engine:
+    config = {"max_waiting": 200, "max_prefills_per_step": 2, "run_ahead": run_ahead, "policy": policy}
+    with running_engine(tokenizer, **config) as engine:
         results = run(main(engine))
         check_idle(engine)
     for how, outputs in results:
@@ -451,7 +454,7 @@ def test_in_step_each_call_is_waited_for_before_the_next_is_launched(tokenizer: 
         await first.__anext__()
         await asyncio.gather(drain(first), collect(engine, "second", [7, 8], params(4)))
 
-    with running_engine(tokenizer, backend, run_ahead=False) as engine:
+    with running_engine(tokenizer, backend, run_ahead=False, policy="fifo") as engine:
         run(main(engine))
     second_prefill = [i for i, b in enumerate(backend.batches) if isinstance(b, PrefillBatch)][1]
     step_decode = backend.batches[second_prefill + 1]

@@ -8,6 +8,7 @@ import pytest
 
 from app.backends.base import FED_BACK
 from app.engine.config import EngineConfig
+from app.engine.policies import POLICIES
 from app.engine.request import RequestState
 from app.engine.scheduler import BatchPlan, Scheduler
 from app.engine.types import FinishReason
@@ -16,6 +17,7 @@ from tests.engine.helpers import EOS_IDS, TINY_GRID, make_request, sample
 
 
 def scheduler(**config: object) -> Scheduler:
+    config.setdefault("policy", "fifo")  # the tests of admission order and step shape
     return Scheduler(TINY_GRID, EngineConfig(**config))  # type: ignore[arg-type]
 
 
@@ -106,9 +108,10 @@ def test_finished_slots_are_reused_only_at_the_next_schedule() -> None:
     check_slots(s)
 
 
-def test_random_operations_never_use_a_slot_twice_nor_lose_one() -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_random_operations_never_use_a_slot_twice_nor_lose_one(policy: str) -> None:
     rng = random.Random(7)
-    s = scheduler(max_prefills_per_step=3)
+    s = scheduler(max_prefills_per_step=3, policy=policy)
     requests = []
     for step in range(300):
         if rng.random() < 0.6:

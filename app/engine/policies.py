@@ -1,0 +1,273 @@
+"""Scheduling policies: each step, which waiting requests are prefilled (in which calls) and whether the
+running slots decode. The `Scheduler` keeps the books (queue, slots, request states) and asks its policy
+only this; a policy never touches a device and never changes a request.
+
+`EngineConfig.policy` picks one:
+- `fifo`: the queue head first, up to `max_prefills_per_step` a step, one call per context bucket, then
+  every running slot decodes in the same step.
+- `slo` (ours, `SloPolicy`): prefill-only steps of one request, ordered by TTFT deadline, deferred while
+  a decoding request's stall budget (from `slo_tpot_ms`) cannot absorb the prefill.
+- `tgi-neuron`, `vllm-neuron`, `optimum-neuron`: the peers' fixed policies on Inferentia, implemented from
+  the peer study (research/peers.md section a3, row "Prefill vs decode"), for side-by-side benchmarks
+  (`loadtest/goodput.py`). Device capabilities (one decode batch size, one-sequence prefill calls) come
+  from the shape grid, never from the policy.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from app.backends.base import DecodeBatch, PrefillBatch
+from app.engine.config import EngineConfig
+from app.engine.request import Request
+from app.shapes import ShapeGrid
+
+if TYPE_CHECKING:
+    from app.engine.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class StepDecision:
+    """One step: prefill calls (each padded to its longest prompt's context bucket), then, or before them
+    (`decode_first`), one decode of every running slot unless `decode` is false."""
+
+    prefills: list[list[Request]] = field(default_factory=list)
+    decode: bool = True
+    decode_first: bool = False
+
+
+DECODE_ONLY = StepDecision()
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
+        self.grid = grid
+        self.config = config
+
+    @abstractmethod
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        """Called only when some request waits and a slot is free; otherwise every slot decodes."""
+
+    def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:  # noqa: B027
+        """The device time a call took (the engine reports every call); most policies ignore it."""
+
+
+def take(waiting: Iterable[Request], count: int) -> list[Request]:
+    """The first `count` waiting requests, in arrival order."""
+    taken: list[Request] = []
+    for request in waiting:
+        if len(taken) == count:
+            break
+        taken.append(request)
+    return taken
+
+
+class FifoPolicy(Policy):
+    """The queue head first, up to `max_prefills_per_step` sequences and `max_prefill_tokens_per_step` padded
+    prompt tokens, one call per context bucket; the head is always admitted, so nothing starves. With
+    `static_batching` (the run-to-completion baseline) admission waits until every slot is free."""
+
+    name = "fifo"
+
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        if self.config.static_batching:
+            if scheduler.num_running:
+                return DECODE_ONLY
+            limit, max_tokens = scheduler.num_free_slots, None
+        else:
+            limit = min(scheduler.num_free_slots, self.config.max_prefills_per_step)
+            max_tokens = self.config.max_prefill_tokens_per_step
+        by_bucket: dict[int, list[Request]] = {}
+        tokens = 0
+        for admitted, request in enumerate(scheduler.waiting()):
+            bucket = self.grid.context_bucket(request.num_prompt_tokens)
+            if admitted == limit or (admitted and max_tokens is not None and tokens + bucket > max_tokens):
+                break
+            by_bucket.setdefault(bucket, []).append(request)
+            tokens += bucket
+        return StepDecision(list(by_bucket.values()))
+
+
+class VllmNeuronPolicy(Policy):
+    """vllm-neuron's `ContinuousBatchingNeuronScheduler` (peers.md a3, "Prefill vs decode": "a step is
+    *either* a prefill of at most **1** new request (running decodes hidden) *or* a decode step"), with
+    the explicit prefill priority of its successor ("`max_prefills_per_batch = 1` hard-coded; decodes
+    hidden during prefill; explicit prefill priority"): while a request waits and a slot is free, the
+    step prefills the queue head alone."""
+
+    name = "vllm-neuron"
+
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        return StepDecision([take(scheduler.waiting(), 1)], decode=False)
+
+
+class TgiNeuronPolicy(Policy):
+    """TGI's router with the Neuron generator (peers.md a3, "Prefill vs decode": "Router adds a new batch
+    when `waiting_served_ratio` (0.3) and the token budget allow, or after `max_waiting_tokens` (20)
+    decode steps; the new requests are prefilled in their own call while existing slots are *paused*,
+    then all decode together"). With a batch running, a new batch needs at least
+    floor(running x waiting_served_ratio) waiting requests, unless `max_waiting_tokens` decode steps went
+    by since the last one; it takes every waiting request that fits the free slots ("batch fixed",
+    a3 "Batch buckets"), prefilled in one call padded to the longest prompt, and no slot decodes in that
+    step."""
+
+    name = "tgi-neuron"
+    waiting_served_ratio: ClassVar[float] = 0.3
+    max_waiting_tokens: ClassVar[int] = 20
+
+    def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
+        super().__init__(grid, config)
+        self._waiting_steps = 0  # decode steps since the last new batch (TGI's `waiting_tokens`)
+
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        running = scheduler.num_running
+        if running and self._waiting_steps < self.max_waiting_tokens:
+            min_size = math.floor(running * self.waiting_served_ratio)
+            if scheduler.num_waiting < min_size:
+                return DECODE_ONLY
+        self._waiting_steps = 0
+        return StepDecision([take(scheduler.waiting(), scheduler.num_free_slots)], decode=False)
+
+    def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:
+        if isinstance(batch, DecodeBatch):
+            self._waiting_steps += 1
+
+
+class OptimumNeuronPolicy(Policy):
+    """optimum-neuron's vLLM plugin (peers.md a3, "Prefill vs decode": "Every step runs decode
+    (token-gen graph) then prefill (context-encoding graph); never mixed in one graph"). vLLM's scheduler
+    admits waiting requests in arrival order while the step's token budget lasts (one token per decoding
+    request, the prompt per new one); the plugin raises `max_num_batched_tokens` to at least
+    `max_model_len` (a4, "Prompt longer than the largest compiled shape"), taken here as the budget.
+    The new prompts go in one prefill call padded to the longest (a3, "Prompt-length buckets")."""
+
+    name = "optimum-neuron"
+
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        budget = self.grid.max_positions - len(scheduler.decoding())
+        admitted: list[Request] = []
+        for request in scheduler.waiting():
+            if len(admitted) == scheduler.num_free_slots or request.num_prompt_tokens > budget:
+                break
+            admitted.append(request)
+            budget -= request.num_prompt_tokens
+        return StepDecision([admitted] if admitted else [], decode_first=True)
+
+
+class CostEstimate:
+    """Device seconds per call, learned from the calls the engine reports: a decode step, and a prefill
+    per sequence per context bucket (an unseen bucket: scaled from the nearest seen one)."""
+
+    def __init__(self) -> None:
+        self.decode_s = 0.0
+        self._prefill_s: dict[int, float] = {}
+
+    def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:
+        if isinstance(batch, DecodeBatch):
+            self.decode_s = _ewma(self.decode_s, seconds)
+        elif batch.slots:
+            bucket = batch.context_bucket
+            self._prefill_s[bucket] = _ewma(self._prefill_s.get(bucket, 0.0), seconds / len(batch.slots))
+
+    def prefill_s(self, bucket: int) -> float:
+        if bucket in self._prefill_s:
+            return self._prefill_s[bucket]
+        if not self._prefill_s:
+            return 0.0
+        nearest = min(self._prefill_s, key=lambda seen: abs(seen - bucket))
+        return self._prefill_s[nearest] * bucket / nearest
+
+
+def _ewma(average: float, sample: float, weight: float = 0.2) -> float:
+    return sample if average == 0.0 else average + weight * (sample - average)
+
+
+class SloPolicy(Policy):
+    """Ours: serve the most requests within both SLOs (`slo_ttft_ms`, `slo_tpot_ms`).
+
+    On Inferentia a prefill is a separate call that stalls every decoding request; one stall of a long
+    prompt can break the TPOT of a request with few tokens to spread it over. So:
+    - Stall budgets. A decoding request may still absorb `first_token_time + slo_tpot x (max_tokens - 1)`
+      minus its projected end (now + remaining tokens x the learned decode step). A prefill goes ahead
+      only if every request still within its SLO can absorb it, or if waiting one more step would make
+      the prefilled request miss its TTFT and at most `max_tpot_victims` decoding requests lose theirs.
+    - Deadline order. Waiting requests go by latest start (arrival + slo_ttft - own prefill); those that
+      can no longer meet their TTFT go after every one that can, in arrival order, so a burst does not
+      make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so none
+      starves.
+    - Prefill-only steps of one request: the engine stamps first tokens when a step ends, so a prefill
+      shares its step with nothing (one-sequence prefill calls cost the same alone or together).
+    """
+
+    name = "slo"
+    aging_factor: ClassVar[float] = 4.0
+    max_tpot_victims: ClassVar[int] = 1
+
+    def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
+        super().__init__(grid, config)
+        self.ttft_s = config.slo_ttft_ms / 1e3
+        self.tpot_s = config.slo_tpot_ms / 1e3
+        self.costs = CostEstimate()
+
+    def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:
+        self.costs.observe(batch, seconds)
+
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        candidate, cost, urgent = self._next(scheduler.waiting(), now)
+        decoding = scheduler.decoding()
+        if decoding:
+            budgets = self._stall_budgets(decoding, now)
+            victims = sum(1 for budget in budgets if budget < cost)
+            if victims and not (urgent and victims <= self.max_tpot_victims):
+                return DECODE_ONLY
+        return StepDecision([[candidate]], decode=False)
+
+    def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, bool]:
+        """The request to prefill next, its prefill cost, and whether deferring it one more decode step
+        would make it miss its TTFT."""
+        best: tuple[tuple[int, float], Request, float] | None = None
+        for request in waiting:
+            cost = self.costs.prefill_s(self.grid.context_bucket(request.num_prompt_tokens))
+            latest_start = request.arrival_time + self.ttft_s - cost
+            waited = now - request.arrival_time
+            if waited >= self.aging_factor * self.ttft_s:
+                key = (0, request.arrival_time)
+            elif latest_start >= now:
+                key = (1, latest_start)
+            else:
+                key = (2, request.arrival_time)
+            if best is None or key < best[0]:
+                best = (key, request, cost)
+        assert best is not None  # decide is called only when a request waits
+        (tier, latest_start), request, cost = best
+        urgent = tier == 1 and latest_start - now < self.costs.decode_s
+        return request, cost, urgent
+
+    def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[float]:
+        """Seconds of stall each decoding request can still absorb within its TPOT SLO; requests already
+        past it (negative budget) no longer constrain anything."""
+        step = self.costs.decode_s
+        budgets = []
+        for request in decoding:
+            if request.first_token_time is None:
+                continue
+            outputs = request.token_limit - request.num_prompt_tokens
+            remaining = request.token_limit - request.num_tokens - request.pending
+            allowed_end = request.first_token_time + self.tpot_s * max(outputs - 1, 1)
+            budget = allowed_end - (now + remaining * step)
+            if budget >= 0:
+                budgets.append(budget)
+        return budgets
+
+
+POLICIES: dict[str, type[Policy]] = {
+    policy.name: policy
+    for policy in (SloPolicy, FifoPolicy, TgiNeuronPolicy, VllmNeuronPolicy, OptimumNeuronPolicy)
+}
+PEER_POLICIES = ("tgi-neuron", "vllm-neuron", "optimum-neuron")

@@ -1,0 +1,142 @@
+"""Each scheduling policy's defining behaviour on tiny traces, driven through the scheduler alone."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from app.backends.base import DecodeBatch, PrefillBatch, SamplingParams
+from app.engine.config import EngineConfig
+from app.engine.policies import POLICIES, TgiNeuronPolicy
+from app.engine.request import Request
+from app.engine.scheduler import BatchPlan, Scheduler
+from app.settings import ServerSettings
+from app.shapes import ShapeGrid
+from tests.engine.helpers import TINY_GRID, make_request, sample
+
+WIDE_GRID = ShapeGrid(16, 128, (16, 32, 64), (32, 64, 128), (16,))
+
+
+def scheduler(policy: str, grid: ShapeGrid = TINY_GRID, **config: object) -> Scheduler:
+    return Scheduler(grid, EngineConfig(policy=policy, **config))  # type: ignore[arg-type]
+
+
+def execute(s: Scheduler, plan: BatchPlan, now: float = 0.0, decode_s: float = 0.0) -> None:
+    """Every planned request gets a token, and the policy sees each call's device time."""
+    for group in plan.groups:
+        seconds = decode_s if isinstance(group.batch, DecodeBatch) else 0.1 * len(group.requests)
+        s.observe(group.batch, seconds)
+        s.apply(group.requests, [sample()] * len(group.requests), now)
+
+
+def prefilled(plan: BatchPlan) -> list[str]:
+    return [r.request_id for group in plan.prefills for r in group.requests]
+
+
+def decoded(plan: BatchPlan) -> list[str]:
+    return [r.request_id for r in plan.decode.requests] if plan.decode else []
+
+
+def test_settings_offer_every_policy() -> None:
+    assert set(get_args(ServerSettings.model_fields["policy"].annotation)) == set(POLICIES)
+
+
+def test_vllm_neuron_prefills_one_request_per_step_and_then_decodes_nothing() -> None:
+    s = scheduler("vllm-neuron")
+    for index in range(3):
+        s.add(make_request(index, max_tokens=4))
+    plans = []
+    for _ in range(8):
+        plans.append(s.schedule(0.0))
+        execute(s, plans[-1])
+    for plan in plans:
+        assert len(prefilled(plan)) <= 1
+        assert not (prefilled(plan) and plan.decode is not None)
+    assert [prefilled(p) for p in plans[:3]] == [["r0"], ["r1"], ["r2"]]  # prefill first, in order
+    assert decoded(plans[3]) == ["r0", "r1", "r2"]
+
+
+def test_tgi_neuron_waits_for_the_served_ratio_then_prefills_all_waiting_with_every_slot_paused() -> None:
+    s = scheduler("tgi-neuron", WIDE_GRID)
+    for index in range(10):
+        s.add(make_request(index, max_tokens=100))
+    first = s.schedule(0.0)
+    assert len(prefilled(first)) == 10 and len(first.prefills) == 1 and first.decode is None
+    execute(s, first)
+    for index in range(10, 12):  # 2 < floor(10 x 0.3): the batch decodes on
+        s.add(make_request(index, max_tokens=100))
+    plan = s.schedule(0.0)
+    assert prefilled(plan) == [] and len(decoded(plan)) == 10
+    execute(s, plan)
+    s.add(make_request(12, max_tokens=100))  # 3 waiting: a new batch, every slot paused
+    plan = s.schedule(0.0)
+    assert prefilled(plan) == ["r10", "r11", "r12"] and plan.decode is None
+
+
+def test_tgi_neuron_admits_a_lone_request_after_max_waiting_tokens_decode_steps() -> None:
+    s = scheduler("tgi-neuron", WIDE_GRID)
+    for index in range(10):
+        s.add(make_request(index, max_tokens=100))
+    execute(s, s.schedule(0.0))
+    s.add(make_request(10, max_tokens=100))
+    for _ in range(TgiNeuronPolicy.max_waiting_tokens):
+        plan = s.schedule(0.0)
+        assert prefilled(plan) == []
+        execute(s, plan)
+    assert prefilled(s.schedule(0.0)) == ["r10"]
+
+
+def test_optimum_neuron_decodes_then_prefills_in_separate_calls_padded_to_the_longest_prompt() -> None:
+    s = scheduler("optimum-neuron")
+    s.add(make_request(0, max_tokens=10))
+    execute(s, s.schedule(0.0))
+    s.add(make_request(1, prompt_len=10, max_tokens=10))
+    s.add(make_request(2, prompt_len=40, max_tokens=10))
+    plan = s.schedule(0.0)
+    kinds = [type(group.batch) for group in plan.groups]
+    assert kinds == [DecodeBatch, PrefillBatch]  # never mixed: one decode call, then one prefill call
+    assert decoded(plan) == ["r0"] and prefilled(plan) == ["r1", "r2"]
+    assert plan.prefills[0].batch.context_bucket == 64
+
+
+def short_and_long_decoding(s: Scheduler) -> tuple[Request, Request]:
+    """r0 decodes with 30 tokens to go, r1 with 2: at 10 ms a step, r1 can absorb 45 ms of stall."""
+    long, short = make_request(0, max_tokens=32), make_request(1, max_tokens=4)
+    for request in (long, short):
+        s.add(request)
+        execute(s, s.schedule(0.0), decode_s=0.01)
+    execute(s, s.schedule(0.0), decode_s=0.01)  # both decode once
+    return long, short
+
+
+def test_slo_defers_a_prefill_that_would_break_a_decoding_request_s_tpot_until_it_ends() -> None:
+    s = scheduler("slo", slo_ttft_ms=2000, slo_tpot_ms=25)  # prefills cost 100 ms (execute)
+    short_and_long_decoding(s)
+    s.add(make_request(2, max_tokens=4, arrival=0.0))
+    steps = []
+    for _ in range(4):
+        plan = s.schedule(0.0)
+        steps.append((prefilled(plan), decoded(plan)))
+        execute(s, plan, decode_s=0.01)
+    assert steps[0] == ([], ["r0", "r1"])  # r1's budget is smaller than the prefill: decode on
+    assert steps[1] == ([], ["r0", "r1"])  # r1's last token
+    assert steps[2] == (["r2"], [])  # r1 is done: a prefill-only step
+
+
+def test_slo_prefills_at_once_a_request_that_would_otherwise_miss_its_ttft() -> None:
+    s = scheduler("slo", slo_ttft_ms=105, slo_tpot_ms=25)
+    short_and_long_decoding(s)
+    s.add(make_request(2, max_tokens=4, arrival=0.0))
+    assert prefilled(s.schedule(0.0)) == ["r2"]
+
+
+def test_slo_serves_requests_that_can_still_meet_their_ttft_before_late_ones_and_ages_late_ones() -> None:
+    s = scheduler("slo", slo_ttft_ms=1000, slo_tpot_ms=1000)
+    s.observe(PrefillBatch((0,), ((5,),), (SamplingParams(),), 16), 0.1)
+    late, fresh = make_request(0, arrival=0.0), make_request(1, arrival=1.5)
+    s.add(late)
+    s.add(fresh)
+    assert prefilled(s.schedule(1.6)) == ["r1"]  # r0 missed its TTFT already
+    very_late, other = make_request(2, arrival=0.0), make_request(3, arrival=4.5)
+    s.add(very_late)
+    s.add(other)
+    assert prefilled(s.schedule(4.6)) == ["r0"]  # waited 4x its TTFT target: it goes first
