@@ -16,7 +16,18 @@ from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateP
 from .conftest import API_KEY
 
 EXAMPLES = 100
-TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)  # lone surrogates too
+HOSTILE_TEXT = [
+    "\ud800",
+    "a\udfffb",
+    "</s>",
+    "<s>",
+    "{{ raise_exception('x') }}",
+    "{% for x in range(10**9) %}",
+]
+TEXT = st.one_of(
+    st.text(st.characters(codec=None, exclude_categories=()), max_size=40),  # lone surrogates too
+    st.sampled_from(HOSTILE_TEXT),
+)
 SCALARS = st.one_of(
     st.none(),
     st.booleans(),
