@@ -95,7 +95,7 @@ class FifoPolicy(Policy):
 
 
 class VllmNeuronPolicy(Policy):
-    """vllm-neuron's `ContinuousBatchingNeuronScheduler` (peers.md a3, "Prefill vs decode": "a step is
+    """vllm-neuron's `ContinuousBatchingNeuronScheduler` (peers.md a3 line 59, "Prefill vs decode": "a step is
     *either* a prefill of at most **1** new request (running decodes hidden) *or* a decode step"), with
     the explicit prefill priority of its successor ("`max_prefills_per_batch = 1` hard-coded; decodes
     hidden during prefill; explicit prefill priority"): while a request waits and a slot is free, the
@@ -108,14 +108,13 @@ class VllmNeuronPolicy(Policy):
 
 
 class TgiNeuronPolicy(Policy):
-    """TGI's router with the Neuron generator (peers.md a3, "Prefill vs decode": "Router adds a new batch
-    when `waiting_served_ratio` (0.3) and the token budget allow, or after `max_waiting_tokens` (20)
-    decode steps; the new requests are prefilled in their own call while existing slots are *paused*,
-    then all decode together"). With a batch running, a new batch needs at least
+    """TGI's router with the Neuron generator (peers.md a3 line 59, "Prefill vs decode": "Router adds a new
+    batch when `waiting_served_ratio` (0.3) and the token budget allow, or after `max_waiting_tokens`
+    (20) decode steps; the new requests are prefilled in their own call while existing slots are
+    *paused*, then all decode together"). With a batch running, a new batch needs at least
     floor(running x waiting_served_ratio) waiting requests, unless `max_waiting_tokens` decode steps went
     by since the last one; it takes every waiting request that fits the free slots ("batch fixed",
-    a3 "Batch buckets"), prefilled in one call padded to the longest prompt, and no slot decodes in that
-    step."""
+    line 61), prefilled in one call padded to the longest prompt, and no slot decodes in that step."""
 
     name = "tgi-neuron"
     waiting_served_ratio: ClassVar[float] = 0.3
@@ -140,12 +139,13 @@ class TgiNeuronPolicy(Policy):
 
 
 class OptimumNeuronPolicy(Policy):
-    """optimum-neuron's vLLM plugin (peers.md a3, "Prefill vs decode": "Every step runs decode
+    """optimum-neuron's vLLM plugin (peers.md a3 line 59, "Prefill vs decode": "Every step runs decode
     (token-gen graph) then prefill (context-encoding graph); never mixed in one graph"). vLLM's scheduler
     admits waiting requests in arrival order while the step's token budget lasts (one token per decoding
     request, the prompt per new one); the plugin raises `max_num_batched_tokens` to at least
-    `max_model_len` (a4, "Prompt longer than the largest compiled shape"), taken here as the budget.
-    The new prompts go in one prefill call padded to the longest (a3, "Prompt-length buckets")."""
+    `max_model_len` (a4 line 70, "Prompt longer than the largest compiled shape"), taken here as the
+    budget. The new prompts go in one prefill call padded to the longest (a3 line 60, "Prompt-length
+    buckets")."""
 
     name = "optimum-neuron"
 

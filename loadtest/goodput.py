@@ -1,0 +1,526 @@
+"""Goodput under latency SLOs (a benchmark, not a test): our scheduling policy against the Neuron peers'
+(`app/engine/policies.py`), each run through the real engine and scheduler against the sim device in
+virtual time (`VirtualClock`), so only the policy differs and the whole table is CPU-bound.
+
+Goodput (DistServe; vLLM's `--goodput`): the highest request rate at which at least 99 % of requests meet
+both SLOs, TTFT <= slo_ttft and TPOT (a request's mean time per output token after its first) <= slo_tpot.
+Each policy's goodput is found by a rate search over open-loop arrivals of the shipped traces
+(`loadtest/traces/`), every policy on the same requests and arrival times. Ours runs configured with the
+SLO pair it is judged by; the peers' policies take no SLO.
+
+Device presets (`app/backends/sim.py`) run the shape grid the Neuron backends compile: one decode batch
+of every slot (`compile.pipeline.batch_buckets`), one sequence per prefill call. The calibration table
+prints the sim's figure next to each published number its preset was fitted to.
+
+Reports: the table (trace x preset x SLO x policy -> goodput, and ours / the best peer), SLO attainment
+against rate per policy, TTFT and TPOT distributions at one rate: `loadtest/reports/goodput.json` and
+`goodput.html` (inline SVG plots).
+
+    .venv/bin/python -m loadtest.goodput [--presets ...] [--traces ...] [--requests 300] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.backends.base import BackendSpec, SamplingParams
+from app.backends.sim import PRESETS, CostModel, SimBackend
+from app.engine.clock import VirtualClock
+from app.engine.config import EngineConfig
+from app.engine.engine import LLMEngine
+from app.engine.policies import PEER_POLICIES
+from app.engine.types import GenerationParams, RequestOutput
+from app.shapes import ShapeGrid, powers_of_two
+from app.tokenizer import Tokenizer
+from compile.pipeline import batch_buckets
+from loadtest import traces
+from loadtest.goodput_report import write_html
+from loadtest.traces import Trace
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "loadtest" / "reports"
+DEFAULT_TOKENIZER = REPO.parent / "shared" / "models" / "stories260K"
+OURS = "slo"
+POLICIES = (OURS, *PEER_POLICIES)
+TARGET = 0.99  # the share of requests that must meet both SLOs
+PRECISION = 1.05  # the rate search stops when its bracket is this narrow (ratio)
+VOCAB = 512
+EOS_IDS = (1, 2)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float
+    tpot_ms: float
+    note: str = ""
+
+    def met(self, ttft_s: float, tpot_s: float) -> bool:
+        return ttft_s * 1e3 <= self.ttft_ms and tpot_s * 1e3 <= self.tpot_ms
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published number a preset was fitted to: TTFT (one prompt, or `batch` prompts prefilled
+    together) or TPOT p50 (`batch` sequences decoding `input` + `output` tokens)."""
+
+    metric: str  # "ttft" or "tpot"
+    batch: int
+    input: int
+    output: int
+    max_positions: int  # the compiled sequence length of the published run
+    ms: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str  # a sim cost model
+    slots: int
+    max_positions: int
+    slos: dict[str, Slo]
+    published: tuple[Published, ...]
+    device: str
+
+    @property
+    def cost(self) -> CostModel:
+        return PRESETS[self.name]
+
+    @property
+    def grid(self) -> ShapeGrid:
+        """What the Neuron backends compile: one decode batch of every slot."""
+        buckets = powers_of_two(128, self.max_positions)
+        return ShapeGrid(
+            self.slots, self.max_positions, buckets, buckets, batch_buckets("neuron-nxdi", self.slots)
+        )
+
+
+NEURON_TABLE = "aws-neuron-sdk about-neuron/benchmarks/inf2/latency_data_decoder.csv (perf-anchors 2.1)"
+OPTIMUM = "optimum-neuron benchmark/vllm/chunked-prefill/README.md (perf-anchors 2.2)"
+MLPERF_8B = {"interactive": Slo(500, 30), "relaxed": Slo(2000, 100)}
+PRESET_LIST = (
+    Preset(
+        "llama3.1-8b-tp8",
+        32,
+        4096,
+        MLPERF_8B,
+        (
+            Published("ttft", 1, 1500, 250, 4096, 321.9, OPTIMUM + ", sync"),
+            Published("tpot", 32, 1500, 250, 4096, 24.5, OPTIMUM + ", sync: one user on the batch-32 graph"),
+        ),
+        "inf2.48xlarge, 4 of 12 chips (TP8), batch 32",
+    ),
+    Preset(
+        "llama2-70b-tp24",
+        8,
+        4096,
+        {
+            "interactive": Slo(
+                450, 40, "MLPerf's Llama-2-70B interactive pair: 30 ms is below the 32.9 ms batch-1 step"
+            ),
+            "relaxed": Slo(2000, 200, "MLPerf Llama-2-70B server pair"),
+        },
+        (
+            Published("ttft", 1, 128, 128, 256, 76.6, NEURON_TABLE),
+            Published("ttft", 1, 128, 1024, 1152, 76.3, NEURON_TABLE),
+            Published("ttft", 1, 1024, 1024, 2048, 277.0, NEURON_TABLE),
+            Published("ttft", 1, 2048, 2048, 4096, 810.4, NEURON_TABLE),
+            Published("tpot", 1, 128, 128, 256, 32.90, NEURON_TABLE),
+            Published("tpot", 1, 128, 1024, 1152, 33.15, NEURON_TABLE),
+            Published("tpot", 1, 1024, 1024, 2048, 33.73, NEURON_TABLE),
+            Published("tpot", 1, 2048, 2048, 4096, 34.90, NEURON_TABLE),
+        ),
+        "inf2.48xlarge, 12 chips (TP24), batch 8",
+    ),
+    Preset(
+        "llama3-8b-tp24",
+        8,
+        4096,
+        MLPERF_8B,
+        (
+            Published("ttft", 1, 128, 3968, 4096, 25.0, NEURON_TABLE),
+            Published("ttft", 1, 2048, 2048, 4096, 101.8, NEURON_TABLE),
+            Published("ttft", 8, 128, 3968, 4096, 66.0, NEURON_TABLE),
+            Published("ttft", 8, 2048, 2048, 4096, 823.5, NEURON_TABLE),
+            Published("tpot", 1, 128, 3968, 4096, 6.42, NEURON_TABLE),
+            Published("tpot", 1, 2048, 2048, 4096, 6.50, NEURON_TABLE),
+            Published("tpot", 8, 128, 3968, 4096, 10.45, NEURON_TABLE),
+            Published("tpot", 8, 2048, 2048, 4096, 10.50, NEURON_TABLE),
+        ),
+        "inf2.48xlarge, 12 chips (TP24), int8 weights, batch 8",
+    ),
+)
+
+
+# --- calibration ---
+
+
+def sim_figure(preset: Preset, point: Published) -> tuple[float, str]:
+    """The sim's figure for a published point, in ms, and what it ran. TPOT: p50 of the decode steps of
+    `batch` sequences over their output, each padded to the token bucket of its longest position."""
+    cost, grid = preset.cost, preset.grid
+    if point.metric == "ttft":
+        bucket = grid.context_bucket(point.input)
+        note = f"prefill bucket {bucket}"
+        if point.batch > 1:  # the Neuron backends prefill one sequence per call
+            note += f", {point.batch} one-sequence calls (batched prefill is not compiled)"
+        return cost.prefill_s(bucket, point.batch) * 1e3, note
+    steps = sorted(
+        cost.decode_s(point.batch, grid.token_bucket(position + 1))
+        for position in range(point.input, point.input + point.output - 1)
+    )
+    return statistics.median(steps) * 1e3, f"decode batch {point.batch}, p50 over the output"
+
+
+def calibration(presets: Sequence[Preset]) -> list[dict[str, Any]]:
+    rows = []
+    for preset in presets:
+        for point in preset.published:
+            sim_ms, note = sim_figure(preset, point)
+            rows.append(
+                {
+                    "preset": preset.name,
+                    "metric": point.metric,
+                    "batch": point.batch,
+                    "input": point.input,
+                    "output": point.output,
+                    "published_ms": point.ms,
+                    "sim_ms": round(sim_ms, 2),
+                    "error": round(sim_ms / point.ms - 1, 4),
+                    "sim_runs": note,
+                    "source": point.source,
+                }
+            )
+    return rows
+
+
+# --- one run ---
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ttft_s: float
+    tpot_s: float
+    tokens: int
+
+
+def run_trace(
+    preset: Preset,
+    trace: Trace,
+    rate: float,
+    config: EngineConfig,
+    tokenizer: Tokenizer,
+    slos: Sequence[Slo] = (),
+) -> list[Outcome | None]:
+    """Every request of `trace` at `rate` (open loop) through the real engine, in virtual time. Given
+    `slos`, no more requests arrive once more requests missed each of them than the target allows (those
+    are None: the attainment is below the target whatever they would have done)."""
+    clock = VirtualClock()
+    spec = BackendSpec("sim", 1, "bf16", preset.grid)
+    backend = SimBackend.create(spec, preset.cost, VOCAB, EOS_IDS, clock=clock)
+    engine = LLMEngine(backend, tokenizer, config, clock=clock)
+    arrivals = trace.arrivals(rate)
+    allowed = (1 - TARGET) * len(trace)
+    misses = [0] * len(slos)
+
+    async def consume(stream: AsyncIterator[RequestOutput]) -> Outcome:
+        last = None
+        async for last in stream:  # noqa: B007
+            pass
+        assert last is not None and last.error is None, last
+        n, timings = last.num_generated_tokens, last.timings
+        ttft, total = timings.time_to_first_token_s or 0.0, timings.total_s or 0.0
+        outcome = Outcome(ttft, (total - ttft) / (n - 1) if n > 1 else 0.0, n)
+        for index, slo in enumerate(slos):
+            misses[index] += not slo.met(outcome.ttft_s, outcome.tpot_s)
+        return outcome
+
+    async def drive() -> list[Outcome | None]:
+        tasks = []
+        clock.open_gate(arrivals[0])
+        for index, arrival in enumerate(arrivals):
+            if slos and min(misses) > allowed:
+                break
+            await asyncio.to_thread(clock.wait_blocked)
+            clock.arrive(arrival)
+            prompt = [3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index])]
+            params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
+            tasks.append(asyncio.create_task(consume(engine.generate(f"r{index}", prompt, params))))
+            clock.open_gate(arrivals[index + 1] if index + 1 < len(arrivals) else math.inf)
+        clock.open_gate(math.inf)
+        outcomes: list[Outcome | None] = list(await asyncio.gather(*tasks))
+        return outcomes + [None] * (len(arrivals) - len(outcomes))
+
+    engine.start()
+    try:
+        return asyncio.run(drive())
+    finally:
+        engine.stop()
+
+
+def runner(
+    preset: Preset, trace: Trace, config: EngineConfig, tokenizer: Tokenizer, slos: Sequence[Slo]
+) -> Callable[[float], list[Outcome | None]]:
+    return lambda rate: run_trace(preset, trace, rate, config, tokenizer, slos)
+
+
+def engine_config(policy: str, slo: Slo, num_requests: int) -> EngineConfig:
+    return EngineConfig(
+        max_waiting=num_requests + 1,
+        max_queue_wait_s=None,
+        policy=policy,
+        slo_ttft_ms=slo.ttft_ms,
+        slo_tpot_ms=slo.tpot_ms,
+    )
+
+
+def attainment(outcomes: Sequence[Outcome | None], slo: Slo) -> float:
+    """The share of requests that met both SLOs (one a run stopped early did not)."""
+    return sum(o is not None and slo.met(o.ttft_s, o.tpot_s) for o in outcomes) / len(outcomes)
+
+
+# --- rate search ---
+
+
+@dataclass
+class Search:
+    """Bisection for the highest rate with attainment >= TARGET: `lo` met it, `hi` did not."""
+
+    lo: float = 0.0
+    hi: float = math.inf
+    points: dict[float, float] = field(default_factory=dict)  # rate -> attainment
+
+    def add(self, rate: float, value: float) -> None:
+        self.points[rate] = value
+        if value >= TARGET:
+            self.lo = max(self.lo, rate)
+        else:
+            self.hi = min(self.hi, rate)
+        if self.lo > self.hi:  # not monotone (noise): trust the failure above
+            self.lo = max([r for r, v in self.points.items() if v >= TARGET and r < self.hi], default=0.0)
+
+    def next_rate(self, start: float, floor: float) -> float | None:
+        if self.hi == math.inf:
+            return max(self.lo, start / 1.5) * 1.5 if self.lo else start
+        if self.lo == 0.0:
+            return None if self.hi <= floor else self.hi / 2
+        return None if self.hi / self.lo <= PRECISION else math.sqrt(self.lo * self.hi)
+
+
+def search_goodput(
+    run: Callable[[float], list[Outcome | None]], slos: dict[str, Slo], start: float
+) -> tuple[dict[str, Search], dict[float, list[Outcome | None]]]:
+    """One bisection per SLO pair, sharing runs: each run is scored against every pair."""
+    searches = {name: Search() for name in slos}
+    runs: dict[float, list[Outcome | None]] = {}
+    floor = start / 64
+    while True:
+        pending = [(name, s.next_rate(start, floor)) for name, s in searches.items()]
+        pending = [(name, rate) for name, rate in pending if rate is not None]
+        if not pending:
+            return searches, runs
+        rate = round(pending[0][1], 4)
+        outcomes = runs.setdefault(rate, run(rate))
+        for name, search in searches.items():
+            search.add(rate, attainment(outcomes, slos[name]))
+
+
+def device_times(preset: Preset, trace: Trace) -> tuple[float, float]:
+    """The trace's mean prefill and the full-batch decode step at its median sequence's token bucket."""
+    grid, cost = preset.grid, preset.cost
+    prefill = statistics.mean(cost.prefill_s(grid.context_bucket(p), 1) for p in trace.prompt_lens)
+    median_end = statistics.median(p + o for p, o in zip(trace.prompt_lens, trace.output_lens, strict=True))
+    return prefill, cost.decode_s(preset.slots, grid.token_bucket(min(grid.max_positions, int(median_end))))
+
+
+def capacity(preset: Preset, trace: Trace) -> float:
+    """Requests per second the device could serve at full batch with nothing to wait for: each request
+    costs its prefill and its share of full-batch decode steps."""
+    prefill, step = device_times(preset, trace)
+    return 1 / (prefill + statistics.mean(trace.output_lens) * step / preset.slots)
+
+
+def bound(preset: Preset, trace: Trace, slo: Slo) -> float:
+    """An upper bound (approximate) on any policy's goodput on this device: the capacity, and the rate at
+    which prefills, each stalling every decoding request, leave the mean TPOT at the SLO
+    (step / (1 - rate x mean prefill) <= slo_tpot)."""
+    prefill, step = device_times(preset, trace)
+    return min(capacity(preset, trace), max(0.0, 1 - step * 1e3 / slo.tpot_ms) / prefill)
+
+
+def scaled_slos(preset: Preset, trace: Trace) -> dict[str, Slo]:
+    """Each pair, raised where the device alone cannot meet it on this trace: TTFT to 1.25x the p99 prompt's
+    prefill, TPOT to 1.25x the full-batch decode step at the p99 sequence's token bucket."""
+    grid, cost = preset.grid, preset.cost
+    prompts = sorted(trace.prompt_lens)
+    ends = sorted(p + o for p, o in zip(trace.prompt_lens, trace.output_lens, strict=True))
+    ttft_floor = cost.prefill_s(grid.context_bucket(prompts[int(0.99 * len(prompts))]), 1) * 1e3
+    tpot_floor = cost.decode_s(preset.slots, grid.token_bucket(ends[int(0.99 * len(ends))])) * 1e3
+    result = {}
+    for name, slo in preset.slos.items():
+        notes = [slo.note] if slo.note else []
+        ttft, tpot = slo.ttft_ms, slo.tpot_ms
+        if ttft_floor >= ttft:
+            ttft = math.ceil(1.25 * ttft_floor / 10) * 10
+            notes.append(
+                f"TTFT raised from {slo.ttft_ms:g} ms: the p99 prompt's prefill alone is {ttft_floor:.0f} ms"
+            )
+        if tpot_floor >= tpot:
+            tpot = math.ceil(1.25 * tpot_floor)
+            notes.append(f"TPOT raised from {slo.tpot_ms:g} ms: the decode step alone is {tpot_floor:.1f} ms")
+        result[name] = Slo(ttft, tpot, "; ".join(notes))
+    return result
+
+
+# --- the table ---
+
+
+def distribution(outcomes: Sequence[Outcome | None]) -> dict[str, list[float]]:
+    done = [o for o in outcomes if o is not None]
+    return {
+        "ttft_ms": sorted(round(o.ttft_s * 1e3, 2) for o in done),
+        "tpot_ms": sorted(round(o.tpot_s * 1e3, 3) for o in done if o.tokens > 1),
+    }
+
+
+def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Every policy on one preset and trace: goodput per SLO pair, attainment curves, and the TTFT / TPOT
+    distributions of full runs at the best peer's goodput for the relaxed pair."""
+    slos = scaled_slos(preset, trace)
+    start = capacity(preset, trace) / 2
+    goodput: dict[str, dict[str, float]] = {name: {} for name in slos}
+    curves: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in slos}
+    runs = 0
+    for policy in POLICIES:
+        # ours is configured with the pair it is judged by; a peer's runs serve every pair
+        judged_by = [{name: slo} for name, slo in slos.items()] if policy == OURS else [slos]
+        for judged in judged_by:
+            config = engine_config(policy, next(iter(judged.values())), len(trace))
+            run = runner(preset, trace, config, tokenizer, tuple(judged.values()))
+            searches, policy_runs = search_goodput(run, judged, start)
+            runs += len(policy_runs)
+            for name, search in searches.items():
+                goodput[name][policy] = search.lo
+                curves[name][policy] = sorted(search.points.items())
+    name = "relaxed" if "relaxed" in slos else next(iter(slos))
+    rate = max(goodput[name][p] for p in PEER_POLICIES) or start / 8
+    distributions = {
+        policy: {
+            "rate_rps": rate,
+            **distribution(
+                run_trace(preset, trace, rate, engine_config(policy, slos[name], len(trace)), tokenizer)
+            ),
+        }
+        for policy in POLICIES
+    }
+    return {
+        "preset": preset.name,
+        "trace": trace.name,
+        "slos": {name: asdict(slo) for name, slo in slos.items()},
+        "bound_rps": {name: bound(preset, trace, slo) for name, slo in slos.items()},
+        "goodput_rps": goodput,
+        "attainment": curves,
+        "distributions": distributions,
+        "runs": runs + len(POLICIES),
+    }
+
+
+def table_rows(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for cell in cells:
+        for slo_name, by_policy in cell["goodput_rps"].items():
+            best_peer = max(PEER_POLICIES, key=lambda p: by_policy[p])
+            best = by_policy[best_peer]
+            ours = by_policy[OURS]
+            limit = cell["bound_rps"][slo_name]
+            rows.append(
+                {
+                    "trace": cell["trace"],
+                    "preset": cell["preset"],
+                    "slo_pair": slo_name,
+                    "slo_ms": f"{cell['slos'][slo_name]['ttft_ms']:g}/{cell['slos'][slo_name]['tpot_ms']:g}",
+                    **{p: round(by_policy[p], 3) for p in POLICIES},
+                    "best_peer": best_peer,
+                    "ours_over_best_peer": round(ours / best, 3) if best else None,
+                    "bound_rps": round(limit, 3),
+                    "best_peer_over_bound": round(best / limit, 3) if limit else None,
+                }
+            )
+    return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]], calibration_rows: Sequence[dict[str, Any]]) -> None:
+    print("calibration (sim vs published)")
+    columns = ("batch", "in", "out", "published", "sim", "error")
+    print(f"{'preset':17} {'metric':6} " + " ".join(f"{c:>9}" for c in columns) + "  sim runs")
+    for row in calibration_rows:
+        print(
+            f"{row['preset']:17} {row['metric']:6} {row['batch']:9} {row['input']:9} {row['output']:9} "
+            f"{row['published_ms']:9.2f} {row['sim_ms']:9.2f} {row['error']:+9.1%}  {row['sim_runs']}"
+        )
+    print("\ngoodput (requests/s at >= 99 % of requests within both SLOs)")
+    header = f"{'trace':11} {'preset':17} {'slo':12} {'ms':>9} " + " ".join(f"{p:>14}" for p in POLICIES)
+    print(header + f" {'bound':>7}  ours/best peer  best peer/bound")
+    for row in rows:
+        ratio = row["ours_over_best_peer"]
+        ratio_text = "n/a" if ratio is None else f"{ratio:.2f}x"
+        print(
+            f"{row['trace']:11} {row['preset']:17} {row['slo_pair']:12} {row['slo_ms']:>9} "
+            + " ".join(f"{row[p]:14.3f}" for p in POLICIES)
+            + f" {row['bound_rps']:7.3f}  {ratio_text:>6} ({row['best_peer']})  {row['best_peer_over_bound']}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=[p.name for p in PRESET_LIST])
+    parser.add_argument("--traces", nargs="+", default=list(traces.NAMES))
+    parser.add_argument("--requests", type=int, default=200, help="requests per run (the trace's head)")
+    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    tokenizer = Tokenizer.from_dir(args.tokenizer)
+    presets = [p for p in PRESET_LIST if p.name in args.presets]
+    calibration_rows = calibration(presets)
+    started = time.perf_counter()
+    cells = []
+    for preset in presets:
+        for trace_name in args.traces:
+            cell_start = time.perf_counter()
+            cells.append(measure_cell(preset, traces.load(trace_name).head(args.requests), tokenizer))
+            seconds = time.perf_counter() - cell_start
+            print(
+                f"  {preset.name} {trace_name}: {cells[-1]['runs']} runs in {seconds:.0f} s", file=sys.stderr
+            )
+    rows = table_rows(cells)
+    print_table(rows, calibration_rows)
+    report = {
+        "requests_per_run": args.requests,
+        "target_attainment": TARGET,
+        "policies": list(POLICIES),
+        "presets": {
+            p.name: {"device": p.device, "slots": p.slots, "grid": p.grid.to_dict()} for p in presets
+        },
+        "calibration": calibration_rows,
+        "table": rows,
+        "cells": cells,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "goodput.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_html(report, args.out / "goodput.html")
+    print(f"\n{report['wall_s']} s; wrote {args.out / 'goodput.json'} and {args.out / 'goodput.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The goodput benchmark's parts: virtual-time runs of the real engine, the rate search, the shipped traces
+and the presets' calibration. No timed assertions: virtual time is exact."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from app import metrics
+from app.backends.sim import CostModel
+from app.tokenizer import Tokenizer
+from loadtest import goodput, traces
+from loadtest.goodput import TARGET, Preset, Search, Slo
+
+TINY = CostModel(decode_fixed_s=0.01, prefill_points=((128, 0.1),))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories260k: Path) -> Tokenizer:
+    return Tokenizer.from_dir(stories260k)
+
+
+def tiny_preset(monkeypatch: pytest.MonkeyPatch) -> Preset:
+    monkeypatch.setitem(goodput.PRESETS, "tiny", TINY)
+    return Preset("tiny", 4, 256, {"relaxed": Slo(1000, 100)}, (), "test")
+
+
+@pytest.mark.parametrize("policy", goodput.POLICIES)
+def test_a_virtual_time_run_of_the_real_engine_charges_exactly_the_device_model(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Two requests far apart: each alone on the device, so TTFT is one prefill and TPOT one decode step."""
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20, 30), (5, 3), (0.0, 10.0))
+    config = goodput.engine_config(policy, Slo(1000, 100), len(trace))
+    outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer)
+    assert [o.tokens for o in outcomes if o] == [5, 3]
+    for outcome in outcomes:
+        assert outcome is not None
+        assert outcome.ttft_s == pytest.approx(0.1) and outcome.tpot_s == pytest.approx(0.01)
+
+
+def test_a_run_stops_early_once_the_target_is_out_of_reach(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20,) * 50, (40,) * 50, (0.05,) * 50)  # too fast: most wait too long
+    strict = Slo(150, 100)
+    config = goodput.engine_config("fifo", strict, len(trace))
+    outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer, (strict,))
+    assert None in outcomes and goodput.attainment(outcomes, strict) < TARGET
+
+
+def test_the_search_brackets_the_highest_rate_meeting_the_target() -> None:
+    threshold = 3.0
+    searches, runs = goodput.search_goodput(
+        lambda rate: [goodput.Outcome(0.0 if rate <= threshold else 9.0, 0.0, 2)] * 10,
+        {"slo": Slo(1000, 100)},
+        start=1.0,
+    )
+    search = searches["slo"]
+    assert search.lo <= threshold < search.hi and search.hi / search.lo <= goodput.PRECISION
+    assert len(runs) <= 10
+
+
+def test_the_search_reports_zero_when_even_a_trickle_fails() -> None:
+    search = Search()
+    for rate in (1.0, 0.5, 0.25):
+        search.add(rate, 0.5)
+    assert search.lo == 0.0 and search.next_rate(1.0, floor=0.25) is None
+
+
+def test_the_shipped_traces_are_the_seeded_generator_s() -> None:
+    for name in traces.NAMES:
+        shipped, generated = traces.load(name), traces.generate(name)
+        assert shipped.prompt_lens == generated.prompt_lens and shipped.output_lens == generated.output_lens
+        assert shipped.gaps == pytest.approx(generated.gaps, abs=1e-6)
+    chat, long = traces.load("chat"), traces.load("long")
+    assert 150 < sum(chat.prompt_lens) / len(chat) < 250 and 150 < sum(chat.output_lens) / len(chat) < 250
+    assert 1400 < sum(long.prompt_lens) / len(long) < 1600 and 230 < sum(long.output_lens) / len(long) < 270
+
+
+def test_every_fitted_figure_is_within_ten_percent_of_the_published_one() -> None:
+    rows = goodput.calibration(goodput.PRESET_LIST)
+    fitted = [r for r in rows if r["metric"] == "tpot" or r["batch"] == 1]
+    assert fitted and all(abs(r["error"]) <= 0.10 for r in fitted), fitted
+
+
+def test_a_pair_the_device_cannot_meet_is_raised_and_says_so() -> None:
+    preset = next(p for p in goodput.PRESET_LIST if p.name == "llama2-70b-tp24")
+    slos = goodput.scaled_slos(preset, traces.load("long"))
+    assert slos["interactive"].ttft_ms > 450 and "TTFT raised" in slos["interactive"].note
+    assert math.isfinite(slos["relaxed"].tpot_ms)
+
+
+def test_slo_attainment_and_decode_stall_metrics(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """r1 arrives while r0 decodes: its 100 ms prefill stalls r0 once, which breaks r0's 20 ms TPOT."""
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        labels = {"replica": metrics.SINGLE_REPLICA, **(labels or {})}
+        return metrics.REGISTRY.get_sample_value(metrics.PREFIX + name, labels) or 0.0
+
+    before = {r: value("request_slo_total", {"result": r}) for r in ("met", "tpot_missed")}
+    stall_before = value("request_decode_stall_seconds_sum")
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20, 30), (5, 3), (0.0, 0.105))
+    slo = Slo(1000, 20)
+    outcomes = goodput.run_trace(preset, trace, 1.0, goodput.engine_config("vllm-neuron", slo, 2), tokenizer)
+    assert outcomes[0] is not None and outcomes[0].tpot_s == pytest.approx(0.035)
+    assert value("request_slo_total", {"result": "tpot_missed"}) == before["tpot_missed"] + 1
+    assert value("request_slo_total", {"result": "met"}) == before["met"] + 1
+    assert value("request_decode_stall_seconds_sum") == pytest.approx(stall_before + 0.1)
