@@ -41,6 +41,7 @@ from app.engine.output import (
     CallTiming,
     OutputProcessor,
     OutputState,
+    Relay,
     RequestStream,
     SloTargets,
     StepReport,
@@ -92,6 +93,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         stats_sink: StatsSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        relay: Relay | None = None,
     ) -> None:
         """`stats_sink` receives each step's `StepStats` on the output thread (default: this process's
         Prometheus metrics); `clock` is virtual in benchmarks (`app/engine/clock.py`)."""
@@ -107,7 +109,7 @@ class LLMEngine:
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
         self._last_done = 0.0  # when the last call's tokens were back (clock.perf_counter())
         slo = SloTargets(self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3)
-        self._output = OutputProcessor(stats_sink or metrics.record_step_stats, slo)
+        self._output = OutputProcessor(stats_sink or metrics.record_step_stats, slo, relay)
         self._lock = threading.Lock()  # guards admission: _inbox, the waiting count
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -142,7 +144,22 @@ class LLMEngine:
     ) -> RequestStream:
         """Admit a request at once (or raise InvalidRequestError / OverloadedError / NotReadyError) and return
         its deltas as an async iterator bound to the running event loop."""
-        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
+        self._admit(request_id, prompt_token_ids, params, stream)
+        return stream
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams) -> None:
+        """Admit a request (raising as `generate` does) whose deltas go to the engine's `relay`, a step's
+        at a time, from the output thread (a replica process hands them to its pipe so)."""
+        self._admit(request_id, prompt_token_ids, params, None)
+
+    def _admit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: GenerationParams,
+        stream: RequestStream | None,
+    ) -> None:
         prompt = tuple(prompt_token_ids)
         self.check_request(prompt, params)
         rules = self._decode_rules if params.skip_special_tokens else self._decode_rules_with_special
@@ -154,7 +171,6 @@ class LLMEngine:
             deadline = params.deadline
             if deadline is None and self.config.request_timeout_s is not None:
                 deadline = now + self.config.request_timeout_s
-            stream = RequestStream(request_id, loop, self.abort)
             detokenizer = IncrementalDetokenizer(rules, continues_text)
             matcher = StopStringMatcher.of(params.stop_strings, params.include_stop_str_in_output)
             output = OutputState(stream, detokenizer, matcher)
@@ -162,7 +178,6 @@ class LLMEngine:
             self._output.admit(request)
             self._inbox.append(request)
         self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone); its slot is free at the next step. Unknown ids are ignored.

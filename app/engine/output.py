@@ -34,6 +34,7 @@ from app.errors import GenerationError, Inf2ServeError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
+Relay = Callable[[list[RequestOutput]], None]  # a step's deltas of the requests admitted without a stream
 BUSY_WINDOW_S = 1.0
 EWMA_WEIGHT = 0.1
 DEFAULT_REQUEST_TOKENS = 128
@@ -82,7 +83,8 @@ class RequestStream:
 
 
 class OutputState:
-    """The output thread's part of a request: its channel and what it has published so far."""
+    """The output thread's part of a request: its channel (None: the engine's relay) and what it has
+    published so far."""
 
     __slots__ = (
         "decode_s",
@@ -98,7 +100,7 @@ class OutputState:
 
     def __init__(
         self,
-        stream: RequestStream,
+        stream: RequestStream | None,
         detokenizer: IncrementalDetokenizer,
         stop_matcher: StopStringMatcher | None,
     ) -> None:
@@ -152,9 +154,10 @@ class SloTargets:
 
 
 class OutputProcessor:
-    def __init__(self, sink: StatsSink, slo: SloTargets | None = None) -> None:
+    def __init__(self, sink: StatsSink, slo: SloTargets | None = None, relay: Relay | None = None) -> None:
         self._sink = sink
         self._slo = slo
+        self._relay = relay
         self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
         self._lock = threading.Lock()  # guards _live: admitted from the caller's thread, removed here
@@ -208,6 +211,7 @@ class OutputProcessor:
         stats = self._stats = StepStats(report.num_running, report.num_waiting, report.num_slots)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         decode_s = sum([call.seconds for call in report.calls if isinstance(call.batch, DecodeBatch)])
+        relayed: list[RequestOutput] = []
         for request, num_tokens, finished in report.records:
             state = request.output
             if state is None or state.done:
@@ -220,9 +224,14 @@ class OutputProcessor:
             except Exception:
                 logger.exception("building the output of %s failed", request.request_id)
                 output = self._internal_error(request, state)
-            deliveries.setdefault(state.stream.loop, []).append((state.stream, output))
+            if state.stream is None:
+                relayed.append(output)
+            else:
+                deliveries.setdefault(state.stream.loop, []).append((state.stream, output))
         for loop, items in deliveries.items():
             self._deliver(loop, items)
+        if relayed and self._relay is not None:
+            self._relay(relayed)
         self._step_stats(report, stats)
         self._sink(stats)
 

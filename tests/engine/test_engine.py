@@ -529,3 +529,29 @@ def test_a_library_running_ahead_in_call_gets_each_step_decode_before_its_prefil
     step_decode, next_decode = backend.batches[second_prefill - 1], backend.batches[second_prefill + 1]
     assert isinstance(step_decode, DecodeBatch) and step_decode.slots == (0,)
     assert isinstance(next_decode, DecodeBatch) and next_decode.slots == (0, 1)
+
+
+def test_a_submitted_request_is_relayed_a_step_at_a_time(tokenizer: Tokenizer) -> None:
+    """Without a stream (a replica process), each step's deltas go to the relay in one call."""
+    batches: list[list[RequestOutput]] = []
+    both_done = threading.Event()
+
+    def relay(batch: list[RequestOutput]) -> None:
+        batches.append(batch)
+        if sum(o.finished for b in batches for o in b) == 2:
+            both_done.set()
+
+    engine = LLMEngine(make_backend(), tokenizer, relay=relay)
+    engine.start()
+    try:
+        engine.submit("a", [5, 6, 7], params(3))
+        engine.submit("b", [8, 9], params(3))
+        assert both_done.wait(TIMEOUT_S)
+    finally:
+        engine.stop(timeout=TIMEOUT_S)
+    outputs = [o for batch in batches for o in batch]
+    for request_id in ("a", "b"):
+        mine = [o for o in outputs if o.request_id == request_id]
+        assert mine[-1].finished and mine[-1].finish_reason is FinishReason.LENGTH
+        assert sum(len(o.token_ids) for o in mine) == 3
+    assert any(len({o.request_id for o in batch}) == 2 for batch in batches)  # one call per step
