@@ -198,3 +198,31 @@ def test_metrics_parse_and_pass_promtool(sagemaker_server):
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_prompt_logprobs_equal_transformers(client, stories260k):
+    """Loglikelihood scoring as lm-evaluation-harness asks for it (echo, logprobs, max_tokens 0), against
+    transformers' fp32 forward pass over the whole prompt."""
+    import torch
+
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32).eval()
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids).logits[0, :-1].float(), dim=-1)
+    expected = logprobs.gather(1, input_ids[0, 1:, None]).squeeze(1).tolist()
+    scored = client.completions.create(
+        model="stories260K", prompt=input_ids[0].tolist(), max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = scored.choices[0]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    best = [max(top.values()) for top in choice.logprobs.top_logprobs[1:]]
+    assert best == pytest.approx(logprobs.max(dim=-1).values.tolist(), abs=1e-4)
+    assert choice.text == tokenizer.decode(input_ids[0], skip_special_tokens=True)
+    assert scored.usage.completion_tokens == 0
+    generated = client.completions.create(
+        model="stories260K", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0, temperature=0
+    ).choices[0]
+    assert generated.logprobs.token_logprobs[1 : input_ids.shape[1]] == pytest.approx(expected, abs=1e-4)
+    assert len(generated.logprobs.tokens) == input_ids.shape[1] + 3

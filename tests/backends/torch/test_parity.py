@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.backends.base import GREEDY, DecodeBatch, PrefillBatch
+from app.backends.base import GREEDY, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.torch import TorchBackend
 
 from .helpers import GRID, TINY_CONFIGS, build_artifact, generate, load_backend
@@ -46,17 +46,23 @@ def hf_greedy(model_dir: Path, prompt: tuple[int, ...], steps: int) -> Reference
 
 
 @pytest.fixture(scope="module", params=["stories260K", *TINY_CONFIGS])
-def case(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[TorchBackend, Reference]:
+def case_model_dir(request: pytest.FixtureRequest) -> Path:
     if request.param == "stories260K":
-        model_dir, prompt = request.getfixturevalue("stories260k"), STORIES_PROMPT
-        backend = request.getfixturevalue("stories_backend")
+        return request.getfixturevalue("stories260k")
+    return request.getfixturevalue("tiny_checkpoints")[request.param]
+
+
+@pytest.fixture(scope="module")
+def case(
+    request: pytest.FixtureRequest, case_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[TorchBackend, Reference]:
+    if case_model_dir.name == "stories260K":
+        prompt, backend = STORIES_PROMPT, request.getfixturevalue("stories_backend")
     else:
-        model_dir, prompt = request.getfixturevalue("tiny_checkpoints")[request.param], TINY_PROMPT
-        backend = load_backend(build_artifact(model_dir, tmp_path_factory.mktemp(request.param)))
+        prompt = TINY_PROMPT
+        backend = load_backend(build_artifact(case_model_dir, tmp_path_factory.mktemp(case_model_dir.name)))
         request.addfinalizer(backend.close)
-    return backend, hf_greedy(model_dir, prompt, GREEDY_TOKENS)
+    return backend, hf_greedy(case_model_dir, prompt, GREEDY_TOKENS)
 
 
 def test_prefill_and_decode_logits_match_transformers(case: tuple[TorchBackend, Reference]) -> None:
@@ -82,3 +88,34 @@ def test_stories_greedy_matches_its_published_continuation(stories_backend: Torc
     """The first ids of the 60 that the model's README lists for "Once upon a time"."""
     expected = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337]
     assert generate(stories_backend, 2, STORIES_PROMPT, len(expected)) == expected
+
+
+def test_prompt_logprobs_match_transformers_in_a_mixed_batch(
+    case: tuple[TorchBackend, Reference], case_model_dir: Path
+) -> None:
+    """Rows that ask for prompt logprobs next to one that does not: each scored row equals transformers'
+    forward pass over its prompt, and every row's first token is the one it gets alone."""
+    from transformers import LlamaForCausalLM
+
+    backend, ref = case
+    long = ref.prompt + tuple(ref.tokens[:7])
+    prompts = (long, ref.prompt, long[:5])
+    scored = SamplingParams(prompt_logprobs=2)
+    batch = PrefillBatch((0, 1, 2), prompts, (scored, GREEDY, scored), GRID.context_bucket(len(long)))
+    tokens = backend.prefill(batch)
+    model = LlamaForCausalLM.from_pretrained(case_model_dir, dtype=torch.float32).eval()
+    for row in (0, 2):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompts[row]])).logits[0, :-1]
+        expected = torch.log_softmax(logits, dim=-1)
+        got = tokens[row].prompt
+        assert [s.token_id for s in got] == list(prompts[row][1:])
+        chosen = expected.gather(1, torch.tensor(prompts[row][1:])[:, None]).squeeze(1)
+        assert (torch.tensor([s.logprob for s in got]) - chosen).abs().max().item() < TOLERANCE
+        top_values, top_ids = expected.topk(2, dim=-1)
+        assert [[t for t, _ in s.top_logprobs] for s in got] == top_ids.tolist()
+        assert (
+            torch.tensor([[v for _, v in s.top_logprobs] for s in got]) - top_values
+        ).abs().max() < TOLERANCE
+    assert tokens[1].prompt is None and tokens[1].token_id == ref.tokens[0]
+    assert tokens[0].token_id == ref.tokens[7]
