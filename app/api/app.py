@@ -75,6 +75,7 @@ def create_app(
     app.state.serving = None
     app.include_router(routes.inference)
     app.include_router(routes.probes)
+    routes.install_openapi(app)
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, state=state, body_timeout_s=settings.body_timeout_s)
     return app

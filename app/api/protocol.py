@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, model_validator
 
 Role = Literal["system", "developer", "user", "assistant"]
 
@@ -348,6 +348,10 @@ class GenerateDetails(ResponseModel):
 class GenerateResponse(ResponseModel):
     generated_text: str
     details: GenerateDetails | None = None
+
+
+class GenerateResponses(RootModel[list[GenerateResponse]]):
+    """TGI's answer: a JSON array of one."""
 
 
 class GenerateStreamEvent(ResponseModel):

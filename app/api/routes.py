@@ -8,17 +8,31 @@ answer at once under any load.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from app import metrics
 from app.api import openai, tgi
 from app.api.auth import require_api_key
 from app.api.logs import REQUEST_ID
-from app.api.protocol import ModelCard, ModelList
+from app.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponses,
+    ModelCard,
+    ModelList,
+    Status,
+)
 from app.api.serving import Serving
 from app.api.state import ServerState
 from app.api.validation import Api
@@ -57,25 +71,84 @@ def request_id() -> str:
     return REQUEST_ID.get() or ""
 
 
+# The OpenAPI description: every status a route answers, with the error body's model.
+ERRORS = {
+    400: "The body is malformed, or asks for what this server or its backend cannot do (names the field)",
+    401: "Missing or invalid API key (when keys are configured)",
+    404: "No such model",
+    413: "The body is over max_body_bytes",
+    429: "The queue is full (Retry-After says when to try again)",
+    503: "Starting, draining or stopped (Retry-After when draining)",
+}
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
+BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionResponse, GenerateResponses)
+# Server-sent events, each `data:` a JSON chunk of the API's stream (the last one `[DONE]` for OpenAI's).
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+SSE = {"text/event-stream": {"schema": SSE_EVENT}}
+PROBE = {200: {"model": Status, "description": "OK"}, 503: {"model": Status, "description": "Not so"}}
+PLAIN = {"text/plain": {"schema": {"type": "string"}}}
+
+
+def _schema(*models: type[BaseModel]) -> dict[str, Any]:
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    return refs[0] if len(refs) == 1 else {"anyOf": refs}
+
+
+def _documented(*models: type[BaseModel]) -> dict[str, Any]:
+    """A generation route's responses (its 200 body, as JSON or as events, and every error)."""
+    ok = {"description": "OK", "content": {"application/json": {"schema": _schema(*models)}, **SSE}}
+    errors = {code: {"model": ErrorResponse, "description": text} for code, text in ERRORS.items()}
+    return {"responses": {200: ok, **errors}}
+
+
+def _request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _schema(*models)}}}}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """The schema FastAPI builds from the routes, plus the bodies the routes read and write themselves."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, definitions = models_json_schema(
+                [*((m, "validation") for m in REQUEST_MODELS), *((m, "serialization") for m in BODY_MODELS)],
+                ref_template="#/components/schemas/{model}",
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 inference = APIRouter(dependencies=[Depends(require_api_key)])
 probes = APIRouter()
 
 
-@inference.post("/v1/completions")
+@inference.post(
+    "/v1/completions", **_documented(CompletionResponse), openapi_extra=_request_body(CompletionRequest)
+)
 async def completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI text completions; `stream: true` for server-sent events."""
     validated = await serving.validate(Api.COMPLETION, await read_body(request))
     return await openai.create_completion(serving, validated, request, request_id())
 
 
-@inference.post("/v1/chat/completions")
+@inference.post(
+    "/v1/chat/completions",
+    **_documented(ChatCompletionResponse),
+    openapi_extra=_request_body(ChatCompletionRequest),
+)
 async def chat_completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI chat completions through the model's chat template; `stream: true` for events."""
     validated = await serving.validate(Api.CHAT, await read_body(request))
     return await openai.create_chat_completion(serving, validated, request, request_id())
 
 
-@inference.get("/v1/models")
+@inference.get(
+    "/v1/models", responses={c: {"model": ErrorResponse, "description": ERRORS[c]} for c in (401, 503)}
+)
 async def models(serving: ServingDep) -> ModelList:
     """The one model this server serves."""
     card = ModelCard(
@@ -88,7 +161,7 @@ async def models(serving: ServingDep) -> ModelList:
     return ModelList(data=[card])
 
 
-@inference.post("/invocations")
+@inference.post("/invocations", **_documented(*BODY_MODELS), openapi_extra=_request_body(*REQUEST_MODELS))
 async def invocations(request: Request, serving: ServingDep) -> Response:
     """SageMaker: an OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's `inputs` body."""
     validated = await serving.validate(None, await read_body(request))
@@ -103,27 +176,38 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-@probes.get("/health")
+@probes.get("/health", responses=PROBE)
 async def health(request: Request) -> JSONResponse:
     """Liveness: 200 while the process is starting or its engine loop is alive."""
     state = _state(request)
     return JSONResponse({"status": state.status}, status_code=200 if state.alive else 503)
 
 
-@probes.get("/ready")
+@probes.get("/ready", responses=PROBE)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once every bucket is warm and the golden prompts pass; 503 while draining."""
     state = _state(request)
     return JSONResponse({"status": state.status}, status_code=200 if state.ready else 503)
 
 
-@probes.get("/ping")
+@probes.get(
+    "/ping",
+    response_class=Response,
+    responses={
+        200: {"description": "Ready", "content": PLAIN},
+        503: {"description": "Not ready", "content": PLAIN},
+    },
+)
 async def ping(request: Request) -> Response:
     """SageMaker's health check: readiness, with an empty body."""
-    return Response(status_code=200 if _state(request).ready else 503)
+    return Response(status_code=200 if _state(request).ready else 503, media_type="text/plain")
 
 
-@probes.get("/metrics")
+@probes.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"description": "Prometheus text", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}},
+)
 async def prometheus_metrics() -> Response:
     """Prometheus text exposition of every metric."""
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
