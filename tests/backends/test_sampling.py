@@ -107,3 +107,10 @@ def test_only_the_live_rows_are_sampled() -> None:
     padded = sample_tokens(torch.cat([logits, padding]), params, [3, 3], VOCAB)
     assert padded == sample_tokens(logits, params, [3, 3], VOCAB)
     assert len(padded) == 2
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = [draw(logits, [SamplingParams(temperature=1.0, min_p=0.5, seed=2)], [p])[0] for p in range(400)]
+    assert set(kept) == {0, 1}  # 0.3 >= 0.5 * 0.5 > 0.15
+    assert abs(frequencies(kept, 4)[0].item() - 0.5 / 0.8) < 0.07

@@ -145,3 +145,15 @@ def test_launched_calls_queue_behind_each_other() -> None:
     assert decode_call.start >= prefill_call.end  # launched while the prefill ran: it waited its turn
     assert decode_call.end == pytest.approx(decode_call.start + 0.02)
     assert decode_call.returned >= decode_call.end
+
+
+def test_prompt_logprobs_are_a_pure_function_of_the_prompt() -> None:
+    backend = sim()
+    asked = SamplingParams(seed=1, prompt_logprobs=2)
+    first = backend.prefill(PrefillBatch((0,), ((5, 6, 7),), (asked,), 8))[0]
+    again = backend.prefill(
+        PrefillBatch((1, 0), ((9,), (5, 6, 7)), (GREEDY, SamplingParams(seed=8, prompt_logprobs=2)), 8)
+    )
+    assert first.prompt is not None and [s.token_id for s in first.prompt] == [6, 7]
+    assert all(len(s.top_logprobs) == 2 and s.logprob <= 0 for s in first.prompt)
+    assert again[1].prompt == first.prompt and again[0].prompt is None
