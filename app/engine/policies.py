@@ -15,6 +15,7 @@ only this; a policy never touches a device and never changes a request.
 
 from __future__ import annotations
 
+import heapq
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -197,10 +198,10 @@ class SloPolicy(Policy):
       minus its projected end (now + remaining tokens x the learned decode step). A prefill goes ahead
       only if every request still within its SLO can absorb it, or if waiting one more step would make
       the prefilled request miss its TTFT and at most `max_tpot_victims` decoding requests lose theirs.
-    - Deadline order. Waiting requests go by latest start (arrival + slo_ttft - own prefill); those that
-      can no longer meet their TTFT go after every one that can, in arrival order, so a burst does not
-      make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so none
-      starves.
+    - Deadline order. Of the waiting requests, the most that can still meet their TTFT go first, in
+      deadline order (`on_time_schedule`); the others go after them in arrival order, so a burst does
+      not make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so
+      none starves.
     - Prefill-only steps of one request: the engine stamps first tokens when a step ends, so a prefill
       shares its step with nothing (one-sequence prefill calls cost the same alone or together).
     """
@@ -230,24 +231,25 @@ class SloPolicy(Policy):
 
     def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, bool]:
         """The request to prefill next, its prefill cost, and whether deferring it one more decode step
-        would make it miss its TTFT."""
-        best: tuple[tuple[int, float], Request, float] | None = None
-        for request in waiting:
+        would make a request miss its TTFT."""
+        on_time: list[tuple[float, float, Request]] = []  # (TTFT deadline, prefill cost, request)
+        late: tuple[Request, float] | None = None
+        for request in waiting:  # in arrival order
             cost = self.costs.prefill_s(self.grid.context_bucket(request.num_prompt_tokens))
-            latest_start = request.arrival_time + self.ttft_s - cost
-            waited = now - request.arrival_time
-            if waited >= self.aging_factor * self.ttft_s:
-                key = (0, request.arrival_time)
-            elif latest_start >= now:
-                key = (1, latest_start)
-            else:
-                key = (2, request.arrival_time)
-            if best is None or key < best[0]:
-                best = (key, request, cost)
-        assert best is not None  # decide is called only when a request waits
-        (tier, latest_start), request, cost = best
-        urgent = tier == 1 and latest_start - now < self.costs.decode_s
-        return request, cost, urgent
+            if now - request.arrival_time >= self.aging_factor * self.ttft_s:
+                return request, cost, False
+            deadline = request.arrival_time + self.ttft_s
+            if deadline - cost >= now:
+                on_time.append((deadline, cost, request))
+            elif late is None:
+                late = (request, cost)
+        kept = on_time_schedule(on_time, now)
+        if kept:
+            slack = min(deadline - end for deadline, end, _, _ in kept)
+            _, _, request, cost = kept[0]
+            return request, cost, slack < self.costs.decode_s
+        assert late is not None  # decide is called only when a request waits
+        return late[0], late[1], False
 
     def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[float]:
         """Seconds of stall each decoding request can still absorb within its TPOT SLO; requests already
@@ -264,6 +266,31 @@ class SloPolicy(Policy):
             if budget >= 0:
                 budgets.append(budget)
         return budgets
+
+
+def on_time_schedule(
+    jobs: list[tuple[float, float, Request]], now: float
+) -> list[tuple[float, float, Request, float]]:
+    """The most requests that can all meet their TTFT deadline if prefilled back to back from `now`
+    (Moore-Hodgson: in deadline order, and whenever one would be late, drop the longest prefill so far),
+    in the order to run them: (deadline, end, request, cost). The dropped ones are late anyway."""
+    kept: list[tuple[float, float, Request]] = []
+    longest: list[tuple[float, int]] = []  # heap of (-cost, index into kept)
+    end = now
+    for index, (deadline, cost, request) in enumerate(sorted(jobs, key=lambda job: job[0])):
+        kept.append((deadline, cost, request))
+        heapq.heappush(longest, (-cost, index))
+        end += cost
+        if end > deadline:
+            negative_cost, dropped = heapq.heappop(longest)
+            kept[dropped] = (math.inf, 0.0, kept[dropped][2])  # dropped: late anyway
+            end += negative_cost
+    schedule, end = [], now
+    for deadline, cost, request in kept:
+        if deadline < math.inf:
+            end += cost
+            schedule.append((deadline, end, request, cost))
+    return schedule
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -6,7 +6,7 @@ from typing import get_args
 
 from app.backends.base import DecodeBatch, PrefillBatch, SamplingParams
 from app.engine.config import EngineConfig
-from app.engine.policies import POLICIES, TgiNeuronPolicy
+from app.engine.policies import POLICIES, TgiNeuronPolicy, on_time_schedule
 from app.engine.request import Request
 from app.engine.scheduler import BatchPlan, Scheduler
 from app.settings import ServerSettings
@@ -140,3 +140,11 @@ def test_slo_serves_requests_that_can_still_meet_their_ttft_before_late_ones_and
     s.add(very_late)
     s.add(other)
     assert prefilled(s.schedule(4.6)) == ["r0"]  # waited 4x its TTFT target: it goes first
+
+
+def test_on_time_schedule_keeps_the_most_requests_within_their_deadlines() -> None:
+    long, short1, short2 = (make_request(i) for i in range(3))
+    jobs = [(1.0, 0.8, long), (1.0, 0.3, short1), (1.1, 0.3, short2)]  # all three take 1.4 s
+    schedule = on_time_schedule(jobs, now=0.0)
+    assert [request for _, _, request, _ in schedule] == [short1, short2]  # the long one is late anyway
+    assert [round(end, 3) for _, end, _, _ in schedule] == [0.3, 0.6]
