@@ -1,15 +1,19 @@
 """The load-test kit: sweep request rate (open loop) or concurrency (closed loop) against any
-OpenAI-compatible server (ours or a peer such as vLLM or TGI), over a synthetic length distribution or a
-JSONL trace, and report what users look at: TTFT, time per output token, inter-token latency and
-end-to-end percentiles, throughput, SLO attainment and goodput, as JSON and PNG plots.
+OpenAI-compatible server (ours or a peer such as vLLM or TGI), over a synthetic length distribution, a
+shipped trace (`loadtest/traces/`: lengths and arrival gaps) or a JSONL trace, and report what users look
+at: TTFT, time per output token, inter-token latency and end-to-end percentiles, throughput, SLO
+attainment and goodput, as JSON and PNG plots.
 
     .venv/bin/python -m loadtest.sweep --url http://127.0.0.1:8000 --rates 1,2,4,8 \\
         --tokenizer ../shared/models/stories260K --input-tokens 128 --output-tokens 64 \\
         --slo-ttft-ms 500 --slo-tpot-ms 50 --out-dir loadtest/reports/sweep
     .venv/bin/python -m loadtest.sweep --url http://peer:8000 --concurrency 1,4,16 --trace prompts.jsonl
+    .venv/bin/python -m loadtest.sweep --url ... --rates 1,2 --trace mix-bursty --tokenizer PATH
     .venv/bin/python -m loadtest.sweep --plot ours/sweep.json peer/sweep.json --out-dir compare
 
-A JSONL trace holds one request per line: {"prompt": "...", "output_tokens": 64}. Requests stream from
+A JSONL trace holds one request per line: {"prompt": "...", "output_tokens": 64}. A shipped trace
+gives lengths (prompts are random token ids of `--tokenizer`) and its own arrival gaps, scaled to each
+rate; otherwise arrivals are Poisson, or gamma with `--burstiness` below 1. Requests stream from
 `/v1/completions` with `ignore_eos` (a vLLM extension; `--no-ignore-eos` for servers without it) so each
 produces its output length. Goodput follows DistServe and `vllm bench serve --goodput`: per sweep point,
 the requests per second that met every SLO; for the sweep, the highest offered load whose SLO attainment
@@ -36,6 +40,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from loadtest import traces
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "reports" / "sweep"
 Body = dict[str, Any]
 
@@ -44,6 +50,12 @@ Body = dict[str, Any]
 class TraceRequest:
     prompt: str | list[int]
     output_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: list[TraceRequest]
+    gaps: list[float]  # seconds between arrivals at one request per second (mean 1)
 
 
 @dataclass
@@ -99,24 +111,40 @@ def synthetic_trace(
     output_stdev: float = 0.0,
     seed: int = 0,
 ) -> list[TraceRequest]:
-    """Prompts of normally distributed token lengths, sent as token ids (exact lengths, no re-encoding):
-    random non-special ids of the server's tokenizer."""
+    """Normally distributed prompt and output lengths."""
+    rng = random.Random(seed)
+
+    def length(mean: int, stdev: float) -> int:
+        return max(1, round(rng.gauss(mean, stdev))) if stdev else mean
+
+    lengths = [(length(input_tokens, input_stdev), length(output_tokens, output_stdev)) for _ in range(count)]
+    return token_prompts(tokenizer_path, lengths, seed)
+
+
+def token_prompts(tokenizer_path: str, lengths: Sequence[tuple[int, int]], seed: int) -> list[TraceRequest]:
+    """Prompts sent as token ids (exact lengths, no re-encoding): random non-special ids of the server's
+    tokenizer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(len(tokenizer)) if i not in special]
     rng = random.Random(seed)
+    return [TraceRequest(rng.choices(vocab, k=prompt), output) for prompt, output in lengths]
 
-    def length(mean: int, stdev: float) -> int:
-        return max(1, round(rng.gauss(mean, stdev))) if stdev else mean
 
-    return [
-        TraceRequest(
-            rng.choices(vocab, k=length(input_tokens, input_stdev)), length(output_tokens, output_stdev)
-        )
-        for _ in range(count)
-    ]
+def shipped_trace(name: str, tokenizer_path: str, count: int, seed: int) -> Workload:
+    """The first `count` requests of a trace in `loadtest/traces/` (cycled where it has fewer)."""
+    trace = traces.load(name)
+    picks = [i % len(trace) for i in range(count)]
+    lengths = [(trace.prompt_lens[i], trace.output_lens[i]) for i in picks]
+    return Workload(token_prompts(tokenizer_path, lengths, seed), [trace.gaps[i] for i in picks])
+
+
+def gamma_gaps(count: int, burstiness: float, seed: int) -> list[float]:
+    """Gaps of mean 1: exponential (Poisson arrivals) at burstiness 1, burstier below."""
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, 1.0 / burstiness) for _ in range(count)]
 
 
 def jsonl_trace(path: Path, count: int | None = None) -> list[TraceRequest]:
@@ -197,14 +225,13 @@ async def run_point(
     bodies: Sequence[Body],
     rate: float | None,
     concurrency: int | None,
-    burstiness: float,
-    seed: int,
+    gaps: Sequence[float],
     on_done: Callable[[], None],
     timeout_s: float,
     headers: dict[str, str],
 ) -> tuple[list[Sample], float]:
-    """Send every body: at Poisson (burstiness 1) or gamma arrivals of `rate` per second, or with
-    `concurrency` in flight. Returns the samples and the wall time from the first send to the last end."""
+    """Send every body: arrivals `gaps` / `rate` seconds apart, or with `concurrency` in flight.
+    Returns the samples and the wall time from the first send to the last end."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
@@ -218,7 +245,7 @@ async def run_point(
         if concurrency is not None:
             samples = await _closed_loop(one, bodies, concurrency)
         else:
-            samples = await _open_loop(one, bodies, rate or 1.0, burstiness, random.Random(seed))
+            samples = await _open_loop(one, bodies, rate or 1.0, gaps)
         return samples, time.perf_counter() - started
 
 
@@ -235,13 +262,12 @@ async def _closed_loop(one: Callable[[Body], Any], bodies: Sequence[Body], concu
 
 
 async def _open_loop(
-    one: Callable[[Body], Any], bodies: Sequence[Body], rate: float, burstiness: float, rng: random.Random
+    one: Callable[[Body], Any], bodies: Sequence[Body], rate: float, gaps: Sequence[float]
 ) -> list[Sample]:
-    """Gamma-distributed gaps with mean 1/rate; shape `burstiness` (1: Poisson, < 1: burstier)."""
     tasks = []
-    for body in bodies:
+    for body, gap in zip(bodies, gaps, strict=True):
         tasks.append(asyncio.create_task(one(body)))
-        await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+        await asyncio.sleep(gap / rate)
     return list(await asyncio.gather(*tasks))
 
 
@@ -300,11 +326,11 @@ async def server_model(url: str, headers: dict[str, str]) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-def sweep(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> dict[str, Any]:
+def sweep(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.url.rstrip("/").removesuffix("/v1")
     model = args.model or asyncio.run(server_model(base, headers))
-    bodies = [completion_body(request, model, not args.no_ignore_eos) for request in trace]
+    bodies = [completion_body(request, model, not args.no_ignore_eos) for request in workload.requests]
     mode, loads = ("rate", args.rates) if args.rates else ("concurrency", args.concurrency)
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     points = []
@@ -317,8 +343,7 @@ def sweep(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> dict[str, 
                     bodies,
                     rate=load if mode == "rate" else None,
                     concurrency=int(load) if mode == "concurrency" else None,
-                    burstiness=args.burstiness,
-                    seed=args.seed,
+                    gaps=workload.gaps,
                     on_done=lambda: progress.update(1),
                     timeout_s=args.request_timeout_s,
                     headers=headers,
@@ -333,16 +358,34 @@ def sweep(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> dict[str, 
         "slo": {**asdict(slo), "attainment": args.slo_attainment},
         "config": {
             "num_requests": len(bodies),
-            "trace": str(args.trace) if args.trace else "synthetic",
+            "trace": args.trace or "synthetic",
             "input_tokens": None if args.trace else [args.input_tokens, args.input_stdev],
             "output_tokens": None if args.trace else [args.output_tokens, args.output_stdev],
             "ignore_eos": not args.no_ignore_eos,
-            "burstiness": args.burstiness,
+            "burstiness": None if args.trace in traces.NAMES else args.burstiness,
             "seed": args.seed,
         },
         "points": points,
         "summary": sweep_summary(points, args.slo_attainment),
     }
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    if args.trace in traces.NAMES:
+        return shipped_trace(args.trace, args.tokenizer, args.num_requests, args.seed)
+    if args.trace is not None:
+        requests = jsonl_trace(Path(args.trace), args.num_requests)
+    else:
+        requests = synthetic_trace(
+            args.tokenizer,
+            args.num_requests,
+            args.input_tokens,
+            args.output_tokens,
+            args.input_stdev,
+            args.output_stdev,
+            args.seed,
+        )
+    return Workload(requests, gamma_gaps(len(requests), args.burstiness, args.seed))
 
 
 def loads(text: str) -> list[float]:
@@ -360,7 +403,10 @@ def parser() -> argparse.ArgumentParser:
     sweep_kind.add_argument("--concurrency", type=loads, help="closed loop: requests in flight, e.g. 1,4,16")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 is Poisson")
     p.add_argument("--num-requests", type=int, default=100, help="requests per sweep point")
-    p.add_argument("--trace", type=Path, help='JSONL: {"prompt": ..., "output_tokens": N} per line')
+    p.add_argument(
+        "--trace",
+        help=f'a shipped trace ({", ".join(traces.NAMES)}), or JSONL: {{"prompt": ..., "output_tokens": N}}',
+    )
     p.add_argument("--tokenizer", help="the server's tokenizer (a local path), for synthetic prompts")
     p.add_argument("--input-tokens", type=int, default=128)
     p.add_argument("--input-stdev", type=float, default=0.0)
@@ -392,21 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if not args.url or not (args.rates or args.concurrency):
             p.error("--url and one of --rates / --concurrency are required (or --plot REPORT...)")
-        if args.trace:
-            trace = jsonl_trace(args.trace, args.num_requests)
-        elif args.tokenizer:
-            trace = synthetic_trace(
-                args.tokenizer,
-                args.num_requests,
-                args.input_tokens,
-                args.output_tokens,
-                args.input_stdev,
-                args.output_stdev,
-                args.seed,
-            )
-        else:
-            p.error("give --trace FILE, or --tokenizer PATH for synthetic prompts")
-        report = sweep(args, trace)
+        if not args.tokenizer and (args.trace is None or args.trace in traces.NAMES):
+            p.error("give --trace FILE, or --tokenizer PATH for synthetic prompts or a shipped trace")
+        report = sweep(args, build_workload(args))
         (args.out_dir / "sweep.json").write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out_dir / 'sweep.json'}", file=sys.stderr)
         reports = [report]

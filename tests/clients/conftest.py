@@ -35,5 +35,5 @@ def stories_server(
 @pytest.fixture(scope="session")
 def sim_server(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("sim-server")
-    artifact = build_sim_artifact(root / "artifacts", stories260k, sim_grid(8, 256), TEN_MS_STEP)
+    artifact = build_sim_artifact(root / "artifacts", stories260k, sim_grid(8, 1024), TEN_MS_STEP)
     yield from serve(artifact, root / "server.log")

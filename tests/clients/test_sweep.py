@@ -1,5 +1,6 @@
-"""The load-test kit (`python -m loadtest.sweep`) end to end: a short rate sweep and a concurrency sweep
-against a real server on the simulated device, their JSON reports and PNG plots; goodput arithmetic."""
+"""The load-test kit (`python -m loadtest.sweep`) end to end: a short rate sweep, a concurrency sweep over
+a JSONL trace and a point over a shipped trace, against a real server on the simulated device, their JSON
+reports and PNG plots; goodput arithmetic."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 
+from loadtest import traces
 from loadtest.sweep import Sample, Slo, main, summarize_point
 
 pytestmark = pytest.mark.slow
@@ -82,6 +84,19 @@ def test_concurrency_sweep_over_a_jsonl_trace_and_side_by_side_plots(sim_server,
     compare = tmp_path / "compare"
     assert main(["--plot", str(out / "sweep.json"), str(out / "sweep.json"), "--out-dir", str(compare)]) == 0
     assert_plots(compare)
+
+
+def test_a_shipped_trace_gives_lengths_and_arrival_gaps(sim_server, stories260k, tmp_path):
+    argv = ["--url", sim_server.url, "--rates", "50", "--num-requests", "4", "--trace", "chat"]
+    argv += ["--tokenizer", str(stories260k), "--out-dir", str(tmp_path), "--quiet"]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    chat = traces.load("chat")
+    (point,) = report["points"]
+    assert report["config"]["trace"] == "chat" and point["failed"] == 0
+    assert point["prompt_tokens"] == sum(chat.prompt_lens[:4])
+    assert point["output_tokens"] == sum(chat.output_lens[:4])
+    assert_plots(tmp_path)
 
 
 def test_goodput_counts_failed_and_slow_requests_as_missing_the_slo():
