@@ -235,3 +235,10 @@ def test_each_overlay_sets_the_service_monitor_release_label(rendered: dict[str,
         patched = [p for p in kustomization["patches"] if p["target"]["kind"] == "ServiceMonitor"]
         assert len(patched) == 1 and "/metadata/labels/release" in patched[0]["patch"], tree
         assert _one(rendered[tree], "ServiceMonitor")["metadata"]["labels"]["release"]
+
+
+def test_production_deploys_a_pinned_artifact(rendered: dict[str, list[dict]]) -> None:
+    from app.artifacts.pin import split_pin
+
+    uri, digest = split_pin(_env(rendered["overlays/production"])["INF2SERVE_ARTIFACT"])
+    assert uri.startswith("s3://") and digest is not None
