@@ -6,10 +6,18 @@ It serves GetObject (whole or `Range: bytes=a-b`, honouring `If-Match`) from obj
 the upstream S3 server (`prefetch`, not timed): moto reads a whole object for every GET, ranged or not,
 which would make the server, not the capped connections, the bottleneck of a split download. The ETag,
 Last-Modified and Content-Type are upstream's. Anything else is relayed to upstream as it is.
+`GET /_stats` answers the number of connections accepted so far.
+
+It runs in a process of its own (`python -m loadtest.capped_s3 ...`, `start_capped_s3`), so that pacing
+and sending never compete with the loader under test for its interpreter.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -71,6 +79,11 @@ class CappedS3:
                     proxy.connections += 1
 
             def do_GET(self) -> None:
+                if self.path == "/_stats":
+                    self._send(
+                        200, "application/json", json.dumps({"connections": proxy.connections}).encode()
+                    )
+                    return
                 cached = proxy.objects.get(urlsplit(self.path).path)
                 if cached is None:
                     self._relay()
@@ -110,9 +123,11 @@ class CappedS3:
                     self.close_connection = True
 
             def _error(self, status: int, code: str) -> None:
-                body = f"<Error><Code>{code}</Code><Message>{code}</Message></Error>".encode()
+                self._send(status, "application/xml", f"<Error><Code>{code}</Code></Error>".encode())
+
+            def _send(self, status: int, content_type: str, body: bytes) -> None:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -140,3 +155,48 @@ class CappedS3:
                 return None
 
         return Handler
+
+
+@dataclass
+class CappedProcess:
+    """`CappedS3` in a child process: its URL, and its connection count on demand."""
+
+    process: subprocess.Popen[str]
+    url: str
+
+    @property
+    def connections(self) -> int:
+        return int(httpx.get(f"{self.url}/_stats", timeout=10).json()["connections"])
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def start_capped_s3(
+    upstream: str, bucket: str, keys: list[str], bytes_per_s: float, first_byte_s: float
+) -> CappedProcess:
+    """Start the stand-in in a child process (S3 credentials from this environment), objects prefetched."""
+    argv = [sys.executable, "-m", "loadtest.capped_s3", upstream, bucket, ",".join(keys)]
+    argv += [str(bytes_per_s), str(first_byte_s)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    return CappedProcess(process, process.stdout.readline().strip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="serve a capped S3 stand-in; print its URL")
+    for name in ("upstream", "bucket", "keys", "bytes_per_s", "first_byte_s"):
+        parser.add_argument(name)
+    args = parser.parse_args()
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=args.upstream)
+    with CappedS3(args.upstream, float(args.bytes_per_s), float(args.first_byte_s)) as proxy:
+        proxy.prefetch(client, args.bucket, args.keys.split(","))
+        print(proxy.url, flush=True)
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -70,7 +70,7 @@ from app.artifacts.loader import load_artifact, pinned_reference
 from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from compile.pipeline import CompileOptions, compile_artifact
 from compile.random_checkpoint import write_random_llama
-from loadtest.capped_s3 import CappedS3
+from loadtest.capped_s3 import start_capped_s3
 from tests.artifacts.synthetic import write_artifact
 from tests.s3_server import S3Server, s3_env, start_s3_server, upload_tree
 
@@ -388,11 +388,9 @@ def capped_main(args: argparse.Namespace) -> dict[str, Any]:
             upload_tree(server.client(), Path(scratch) / "artifact", BUCKET, CAPPED_PREFIX)
             del files
             uri = f"s3://{BUCKET}/{CAPPED_PREFIX}"
-            with CappedS3(server.endpoint_url, cap, args.first_byte_ms / 1000) as proxy:
-                keys = [
-                    f"{CAPPED_PREFIX}/{name}" for name in [MANIFEST_NAME, *(e.path for e in manifest.files)]
-                ]
-                proxy.prefetch(server.client(), BUCKET, keys)
+            keys = [f"{CAPPED_PREFIX}/{name}" for name in [MANIFEST_NAME, *(e.path for e in manifest.files)]]
+            proxy = start_capped_s3(server.endpoint_url, BUCKET, keys, cap, args.first_byte_ms / 1000)
+            try:
                 os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url
                 storage.s3_client.cache_clear()
                 caches = Path(scratch) / "caches"
@@ -408,10 +406,12 @@ def capped_main(args: argparse.Namespace) -> dict[str, Any]:
                     for name in (list(modes)[i] for i in balanced_order(len(modes), number)):
                         opened = proxy.connections
                         samples[name].append(timed(modes[name]))
-                        connections[name] = max(connections[name], proxy.connections - opened)
+                        connections[name] = max(connections[name], proxy.connections - opened - 1)
                         storage.s3_client.cache_clear()  # the next load opens its own connections
                         shutil.rmtree(caches)
                         caches.mkdir()
+            finally:
+                proxy.stop()
     finally:
         server.stop()
     concurrency = storage.TransferConfig().concurrency
