@@ -25,13 +25,14 @@ import os
 import random
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from deploy.canary.cli import DEFAULT_SAMPLES
 from deploy.canary.replay import side_by_side, workload
 from deploy.canary.targets import HttpTarget, Prompt, Sample
-from deploy.canary.verdict import Thresholds, decide, error_check, latency_checks
+from deploy.canary.verdict import Thresholds, error_check, latency_checks
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
 from tests.integration.server import BIN, ServerProcess
 from tests.s3_server import free_port
@@ -63,8 +64,12 @@ def start(artifact: Path, factor: float, log: Path) -> ServerProcess:
 
 def verdict(baseline: list[Sample], candidate: list[Sample], limits: Thresholds) -> bool:
     """True when the canary would roll the candidate back."""
+    return bool(failed_checks(baseline, candidate, limits))
+
+
+def failed_checks(baseline: list[Sample], candidate: list[Sample], limits: Thresholds) -> list[str]:
     checks = [error_check(baseline, candidate, limits), *latency_checks(baseline, candidate, limits)]
-    return decide(checks) == "ROLL BACK"
+    return [check.name for check in checks if check.passed is False]
 
 
 async def live_runs(
@@ -126,8 +131,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         medians = [
             sorted(s.e2e_s for s in side if s.ok and s.e2e_s)[len(side) // 2] for side in level_runs[0]
         ]
+        reasons = Counter(name for b, c in level_runs for name in failed_checks(b, c, limits))
         results[level] = {
             "live_rollback_rate": live,
+            "live_failed_checks": dict(reasons),
             "live_runs": len(level_runs),
             "resampled_rollback_rate": resampled_rate(level_runs, args.samples, args.resamples, limits, rng),
             "first_run_e2e_median_ms": [round(m * 1000, 1) for m in medians],
