@@ -15,7 +15,7 @@ Side by side in one run, each against a real `inf2serve serve --replicas N` proc
 The sim sleeps instead of computing, so replicas should scale even on a small host; the machine may be
 shared, so its CPU count and load average are recorded with the figures.
 
-    .venv/bin/python -m loadtest.replica_bench [--max-tokens 64] [--waves 3] [--rate 30] [--duration 20]
+    .venv/bin/python -m loadtest.replica_bench [--max-tokens 64] [--waves 3] [--rate 60] [--duration 20]
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 DEFAULT_OUT = REPO / "loadtest" / "reports" / "replica_bench.json"
 SLOTS = 32
-# 25 ms a decode step; a prefill costs 10 ms per sequence at the 64 bucket up to 320 ms at 2048 (about
-# Llama-3.1-8B at TP8 on inf2, research/perf-anchors.md).
+# 25 ms a decode step; a prefill costs 10 ms per sequence at the 64 bucket, 320 ms at 2048 and 650 ms at
+# 4096 (linear beyond 2048; about Llama-3.1-8B at TP8 on inf2, research/perf-anchors.md).
 COST_MODEL = {"decode_fixed_s": 0.025, "prefill_points": [[64, 0.010], [2048, 0.320]]}
+MAX_POSITIONS = 4096
 SHORT_PROMPT_TOKENS = 8
 SHORT_MAX_TOKENS = 32
 GOALS = {"scaling_3_over_3x1": 0.9, "p99_ttft_ours_over_round_robin": 0.7}
@@ -187,7 +188,7 @@ def router_cpu_us_per_request(num_requests: int = 100_000) -> float:
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="inf2serve-replica-bench-") as scratch:
         root = Path(scratch)
-        grid = sim_grid(SLOTS, max_positions=2048)
+        grid = sim_grid(SLOTS, max_positions=MAX_POSITIONS)
         artifact = build_sim_artifact(root / "artifacts", STORIES, grid, COST_MODEL)
         one = scaling_run(artifact, 1, args, root / "one.log")
         three = scaling_run(artifact, 3, args, root / "three.log")
@@ -223,10 +224,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request in the scaling runs")
     parser.add_argument("--waves", type=int, default=3, help="scaling runs: requests = waves x in flight")
-    parser.add_argument("--rate", type=float, default=30.0, help="routing runs: Poisson arrivals per second")
+    parser.add_argument("--rate", type=float, default=60.0, help="routing runs: Poisson arrivals per second")
     parser.add_argument("--duration", type=float, default=20.0, help="routing runs: seconds of arrivals")
-    parser.add_argument("--long-fraction", type=float, default=0.01)
-    parser.add_argument("--long-tokens", type=int, default=1500)
+    parser.add_argument("--long-fraction", type=float, default=0.005)
+    parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     report = bench(args)
