@@ -17,7 +17,7 @@ from app.artifacts.loader import load_artifact
 from app.backends.base import SamplingParams
 from app.engine.stats import StepStats
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
-from app.errors import InvalidRequestError, NotReadyError, ReplicaLostError
+from app.errors import ConfigError, InvalidRequestError, NotReadyError, ReplicaLostError
 from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
 from app.settings import ServerSettings
@@ -157,3 +157,21 @@ def test_server_totals_sum_the_replicas_and_forget_a_dead_one(monkeypatch: pytes
     metrics.forget_replica("7")
     metrics.forget_replica("8")
     assert total("server_requests_running") == 0 and total("server_slot_usage_perc") == 0
+
+
+def test_a_replica_that_fails_to_start_fails_the_startup(
+    sim_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ready means every replica passed its startup: one that fails (here: a sim cost model that does not
+    exist, as a bad placement or golden replay would) fails the whole start, with its reason."""
+    monkeypatch.setenv("INF2SERVE_SIM_COST_MODEL", "no-such-device")  # inherited by the replicas
+
+    async def main() -> ReplicaPool:
+        pool = pool_for(sim_artifact)
+        with pytest.raises(ConfigError, match=r"replica 0 .*unknown sim cost model 'no-such-device'"):
+            await pool.start()
+        return pool
+
+    pool = run(main())
+    assert pool.restarts == 0
+    assert all(r.process is not None and not r.process.is_alive() for r in pool.replicas)
