@@ -20,6 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
 from app.backends.base import DecodeBatch, PrefillBatch
@@ -42,6 +43,14 @@ class StepDecision:
 
 
 DECODE_ONLY = StepDecision()
+
+
+class Urgency(Enum):
+    """How soon `SloPolicy` must prefill a waiting request."""
+
+    CAN_WAIT = "can_wait"
+    URGENT = "urgent"  # deferring one more decode step would make a request miss its TTFT
+    AGED = "aged"  # it waited so long that it goes now, whatever the stall budgets say
 
 
 class Policy(ABC):
@@ -220,24 +229,23 @@ class SloPolicy(Policy):
         self.costs.observe(batch, seconds)
 
     def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
-        candidate, cost, urgent = self._next(scheduler.waiting(), now)
+        candidate, cost, urgency = self._next(scheduler.waiting(), now)
         decoding = scheduler.decoding()
-        if decoding:
+        if decoding and urgency is not Urgency.AGED:
             budgets = self._stall_budgets(decoding, now)
             victims = sum(1 for budget in budgets if budget < cost)
-            if victims and not (urgent and victims <= self.max_tpot_victims):
+            if victims and not (urgency is Urgency.URGENT and victims <= self.max_tpot_victims):
                 return DECODE_ONLY
         return StepDecision([[candidate]], decode=False)
 
-    def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, bool]:
-        """The request to prefill next, its prefill cost, and whether deferring it one more decode step
-        would make a request miss its TTFT."""
+    def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, Urgency]:
+        """The request to prefill next, its prefill cost, and how soon it must go."""
         on_time: list[tuple[float, float, Request]] = []  # (TTFT deadline, prefill cost, request)
         late: tuple[Request, float] | None = None
         for request in waiting:  # in arrival order
             cost = self.costs.prefill_s(self.grid.context_bucket(request.num_prompt_tokens))
             if now - request.arrival_time >= self.aging_factor * self.ttft_s:
-                return request, cost, False
+                return request, cost, Urgency.AGED
             deadline = request.arrival_time + self.ttft_s
             if deadline - cost >= now:
                 on_time.append((deadline, cost, request))
@@ -247,9 +255,9 @@ class SloPolicy(Policy):
         if kept:
             slack = min(deadline - end for deadline, end, _, _ in kept)
             _, _, request, cost = kept[0]
-            return request, cost, slack < self.costs.decode_s
+            return request, cost, Urgency.URGENT if slack < self.costs.decode_s else Urgency.CAN_WAIT
         assert late is not None  # decide is called only when a request waits
-        return late[0], late[1], False
+        return late[0], late[1], Urgency.CAN_WAIT
 
     def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[float]:
         """Seconds of stall each decoding request can still absorb within its TPOT SLO; requests already

@@ -148,3 +148,11 @@ def test_on_time_schedule_keeps_the_most_requests_within_their_deadlines() -> No
     schedule = on_time_schedule(jobs, now=0.0)
     assert [request for _, _, request, _ in schedule] == [short1, short2]  # the long one is late anyway
     assert [round(end, 3) for _, end, _, _ in schedule] == [0.3, 0.6]
+
+
+def test_slo_prefills_an_aged_request_whatever_the_stall_budgets_say() -> None:
+    s = scheduler("slo", slo_ttft_ms=100, slo_tpot_ms=25)  # aged after 4 x 100 ms
+    short_and_long_decoding(s)
+    s.add(make_request(2, max_tokens=4, arrival=0.0))
+    assert prefilled(s.schedule(0.01)) == []  # r1 cannot absorb the prefill and r2 is already late
+    assert prefilled(s.schedule(0.5)) == ["r2"]
