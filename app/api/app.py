@@ -101,7 +101,7 @@ async def _start(
         if on_fatal is not None:
             on_fatal()
         return
-    app.state.serving = Serving(runtime, settings)
+    app.state.serving = Serving(runtime, settings, stop_at=lambda: state.stop_at)
     state.device_metrics = DeviceMetrics.for_backend(runtime.backend_name)
     state.device_metrics.start()
     state.runtime = runtime

@@ -52,8 +52,9 @@ class DrainingServer(uvicorn.Server):
         # NOTE: runs as a signal handler, between two bytecodes of the event loop: only plain
         # attribute stores here; logging and metrics happen in `on_tick`.
         if sig == signal.SIGTERM and self.drain_deadline is None:
-            self.state.draining = True
             self.drain_deadline = time.monotonic() + self.drain_s
+            self.state.stop_at = self.drain_deadline + self.shutdown_timeout_s
+            self.state.draining = True
         elif self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from app.api.drain import check_finishes_in_time
 from app.api.validation import Api, EngineRequest, Limits, Validated, Validator
 from app.backends.base import SampledToken
 from app.engine.detokenizer import DecodeRules
@@ -159,7 +160,9 @@ def server_timing(timings: Sequence[RequestTimings]) -> str:
 class Serving:
     """The limits, tokenizer and engine one request needs; shared by every generation route."""
 
-    def __init__(self, runtime: Runtime, settings: ServerSettings) -> None:
+    def __init__(
+        self, runtime: Runtime, settings: ServerSettings, stop_at: Callable[[], float | None] = lambda: None
+    ) -> None:
         self.engine = runtime.engine
         self.tokenizer = runtime.tokenizer
         self.limits = Limits.resolve(settings, runtime.grid)
@@ -169,6 +172,7 @@ class Serving:
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
         self.max_waiting = settings.max_waiting
+        self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
         self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)
@@ -186,4 +190,5 @@ class Serving:
                 f"{self.max_waiting} the queue can ever hold (max_waiting)",
                 param="n",
             )
+        check_finishes_in_time(self.engine, requests, self.stop_at())
         return Job(self.engine, request_id, requests).start()

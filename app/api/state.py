@@ -40,6 +40,7 @@ class ServerState:
         self.startup_error: str | None = None
         self.device_metrics: DeviceMetrics | None = None
         self.draining = False
+        self.stop_at: float | None = None  # draining: when unfinished work is cut (time.monotonic())
         self.responses_cut = 0  # started responses ended by shutdown before their natural end
         self._runtime_closed = threading.Lock()
 

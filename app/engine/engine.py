@@ -208,6 +208,15 @@ class LLMEngine:
         """Recent device time of one engine step (0.0 before the first step)."""
         return self._output.step_s
 
+    def expected_time_s(self, max_tokens: int) -> float | None:
+        """Seconds a request admitted now with `max_tokens` is expected to take: its queue wait plus one
+        measured step per token (None before anything was measured)."""
+        rate, step_s = self.service_rate(), self._output.step_s
+        if not rate.measured or not step_s:
+            return None
+        free = self.grid.num_slots - self.num_running
+        return rate.wait_s(self.num_waiting, free) + max_tokens * step_s
+
     def service_rate(self) -> ServiceRate:
         """How fast slots free up, as measured (`app/engine/admission.py`); before any step was
         measured, a guess from DEFAULT_STEP_S, used for Retry-After only (`measured` is False)."""

@@ -3,7 +3,8 @@ four slots of a simulated device (10 ms a step, 400 tokens each: at least 4 s) a
 wait for a slot; SIGTERM with a 0.5 s drain window and a 1 s shutdown timeout. Every started stream ends
 with an error event (no `[DONE]`), every waiting request is refused before its first byte with 503 and
 Retry-After, and the exit code says that streams were cut. No outcome depends on timing: the streams
-cannot finish before the cut (the device takes 4 s), and the waiting requests cannot start."""
+cannot finish before the cut (the device takes 4 s), and the waiting requests cannot start. And while
+draining, a request expected to run past the stop is refused before its first byte instead."""
 
 from __future__ import annotations
 
@@ -28,13 +29,30 @@ STREAM_TOKENS = 400
 EXIT_CUT = 3
 
 
-@pytest.fixture
-def server(stories260k: Path, tmp_path: Path):
-    artifact = build_sim_artifact(tmp_path / "artifacts", stories260k, sim_grid(SLOTS, 512), TEN_MS_STEP)
+def sim_server(checkpoint: Path, root: Path, drain_s: float, shutdown_timeout_s: float) -> ServerProcess:
+    artifact = build_sim_artifact(root / "artifacts", checkpoint, sim_grid(SLOTS, 512), TEN_MS_STEP)
     port = free_port()
     argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
-    env = {"INF2SERVE_PORT": str(port), "INF2SERVE_DRAIN_S": "0.5", "INF2SERVE_SHUTDOWN_TIMEOUT_S": "1"}
-    process = ServerProcess(argv, env, port, tmp_path / "server.log").start()
+    env = {
+        "INF2SERVE_PORT": str(port),
+        "INF2SERVE_DRAIN_S": str(drain_s),
+        "INF2SERVE_SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s),
+    }
+    return ServerProcess(argv, env, port, root / "server.log").start()
+
+
+@pytest.fixture
+def server(stories260k: Path, tmp_path: Path):
+    process = sim_server(stories260k, tmp_path, drain_s=0.5, shutdown_timeout_s=1)
+    try:
+        yield process.wait_ready()
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def slow_stop_server(stories260k: Path, tmp_path: Path):
+    process = sim_server(stories260k, tmp_path, drain_s=1, shutdown_timeout_s=1)
     try:
         yield process.wait_ready()
     finally:
@@ -95,3 +113,24 @@ def test_a_drain_that_must_cut_ends_streams_with_an_error_and_refuses_the_rest(s
 def test_the_shutdown_timeout_must_cover_the_drain_window() -> None:
     with pytest.raises(ValueError, match=r"shutdown_timeout_s \(5.0\) must be at least drain_s \(10.0\)"):
         ServerSettings(drain_s=10, shutdown_timeout_s=5)
+
+
+def test_while_draining_only_what_can_finish_before_the_stop_is_accepted(slow_stop_server) -> None:
+    """The server stops 2 s after SIGTERM. A 450-token request (over 2.25 s on this device, whatever the
+    host: no step is shorter than 5 ms) is refused before its first byte; a 10-token one is served whole;
+    nothing is cut."""
+    server = slow_stop_server
+    long = {"prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True, "stream": True}
+    short = {"prompt": "Once upon a time", "max_tokens": 10, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.post("/v1/completions", json=short).status_code == 200  # a step time is measured
+        server.terminate()
+        for _ in range(3000):  # the SIGTERM handler runs at the server's next tick
+            if client.get("/ready").status_code == 503:
+                break
+        refused = client.post("/v1/completions", json=long)
+        served = client.post("/v1/completions", json=short)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 10
+    assert server.wait(60) == 0, server.failure("exited non-zero")
