@@ -16,7 +16,7 @@ import json
 import sys
 import tempfile
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ CPU = torch.device("cpu")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # The stand-in sampler's fixed generator seed: a device draws from its own generator, not the request's.
 DEVICE_SEED = 1234
+IGNORED_LOGIT = -3000.0  # the sampler's IGNORED_LOGITS_VALUE
 
 
 def make_modules(names_to_attributes: Mapping[str, Mapping[str, Any]]) -> dict[str, types.ModuleType]:
@@ -136,10 +137,17 @@ class StandInDevice:
         return self.runner.run(PrefillStep((tuple(tokens),), (last_index,), (slot,)))[0]
 
     def generate(
-        self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int], span: int
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        span: int,
+        skip: Collection[int] = (),
     ) -> torch.Tensor:
-        """One token-generation step over whole-batch rows: fp32 logits [rows, vocab]."""
-        return self.runner.run(DecodeStep(tuple(tokens), tuple(positions), tuple(slots), span))
+        """One token-generation step over whole-batch rows: fp32 logits [rows, vocab]. Rows in `skip`
+        write their KV into a scratch line instead of their slot's (the library's padding zone)."""
+        lines = tuple(self.num_slots if row in skip else slot for row, slot in enumerate(slots))
+        return self.runner.run(DecodeStep(tuple(tokens), tuple(positions), lines, span))
 
 
 def graph_file_name(graph: Mapping[str, Any]) -> str:
@@ -148,22 +156,39 @@ def graph_file_name(graph: Mapping[str, Any]) -> str:
 
 
 def sample_rows(
-    logits: torch.Tensor, params: torch.Tensor, global_topk: int, generator: torch.Generator
+    logits: torch.Tensor, params: torch.Tensor, global_topk: int, next_positions: torch.Tensor
 ) -> torch.Tensor:
-    """The stand-in device sampler: per row (top_k, top_p, temperature), top_k 1 is argmax; otherwise a
-    draw from the device's own generator among the `global_topk` best candidates."""
+    """The 0.8 on-device sampler (`Sampler._multinomial_sample`, modules/generation/sampling.py:395-430)
+    over [rows, vocab] logits and [rows, 3] (top_k, top_p, temperature): the `global_topk` best, those
+    past each row's top_k masked, divided by temperature; then every candidate whose INCLUSIVE cumulative
+    probability exceeds max(top_p, the smallest cumulative probability in the whole batch) is dropped,
+    the first always kept. The draw: the device's generator is not the request's, so the stand-in draws
+    from a generator keyed by the row's best candidate and the position it generates (a pure function,
+    so a step run ahead and the same step run in sync draw alike)."""
+    values, ids = logits.topk(min(global_topk, logits.shape[-1]), dim=-1)
+    top_k, top_p, temperature = (params[:, i : i + 1] for i in range(3))
+    rank = torch.arange(values.shape[-1])[None, :]
+    values = values.masked_fill(rank >= torch.where(top_k > 0, top_k, values.shape[-1]), IGNORED_LOGIT)
+    values = values / temperature
+    cumulative = torch.softmax(values, dim=-1).cumsum(dim=-1)
+    threshold = torch.maximum(cumulative.min(), top_p)
+    dropped = cumulative > threshold
+    dropped[:, 0] = False  # need to keep at least one token
+    probs = torch.softmax(values.masked_fill(dropped, IGNORED_LOGIT), dim=-1)
     tokens = []
-    for row, (top_k, top_p, temperature) in zip(logits, params.tolist(), strict=True):
-        if int(top_k) == 1 or temperature == 0:
-            tokens.append(int(row.argmax()))
-            continue
-        values, ids = row.topk(min(global_topk, row.shape[-1]))
-        keep = int(top_k) if int(top_k) > 0 else len(values)
-        probs = torch.softmax(values[:keep] / temperature, dim=-1)
-        inside = (probs.cumsum(-1) - probs) < top_p
-        probs = probs * inside
-        tokens.append(int(ids[torch.multinomial(probs / probs.sum(), 1, generator=generator)]))
+    for row, position in zip(range(logits.shape[0]), next_positions.tolist(), strict=True):
+        key = hash((DEVICE_SEED, int(position), int(ids[row, 0]))) & 0x7FFFFFFF
+        draw = torch.multinomial(probs[row], 1, generator=torch.Generator().manual_seed(key))
+        tokens.append(int(ids[row, draw]))
     return torch.tensor(tokens, dtype=torch.int32)
+
+
+def top_p_kept(probs: Sequence[float], top_p: float) -> list[bool]:
+    """For one row of candidates sorted by probability: which the 0.8 top-p mask keeps."""
+    cumulative = torch.tensor(probs).cumsum(0)
+    kept = ~(cumulative > max(float(cumulative.min()), top_p))
+    kept[0] = True
+    return kept.tolist()
 
 
 def recorded(inputs: Mapping[str, Any]) -> dict[str, Any]:

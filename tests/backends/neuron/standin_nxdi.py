@@ -28,7 +28,6 @@ from transformers import AutoConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .standin_common import (
-    DEVICE_SEED,
     DTYPE_NAMES,
     StandInDevice,
     make_modules,
@@ -276,7 +275,6 @@ class NeuronApplicationBase(torch.nn.Module):
         debug: bool = False,
         pre_shard_weights_hook: Callable[[Any], None] | None = None,
         dry_run: bool = False,
-        disable_fail_fast: bool = False,
     ) -> None:
         path = compiled_model_path.rstrip("/") + "/"
         self.config.save(path)
@@ -351,9 +349,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise NotImplementedError("Chunked Prefill is not available in NxD Inference for now")
         self.kv_cache_populated = False
         self.default_sampling_params = prepare_sampling_params(self.neuron_config.batch_size)
-        self.generator = torch.Generator().manual_seed(DEVICE_SEED)
+        # async state (model_base.py:3077-3088)
+        self.async_mode = self.neuron_config.async_mode
+        self.prior_outputs: CausalLMOutputWithPast | None = None
+        self.prior_seq_ids: torch.Tensor | None = None
+        self.async_should_stop = False
+        if self.async_mode:
+            os.environ["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = "2"
+            os.environ["NEURON_RT_IO_RING_CACHE_SIZE"] = "2"
         self.calls: list[dict[str, Any]] = []  # what reached the library, for the tests
-        self.buckets_used: list[tuple[str, int]] = []
+        self.executions: list[dict[str, Any]] = []  # what the device ran (graph, bucket, rows), in order
 
     def forward(
         self,
@@ -374,7 +379,6 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return_dict: bool | None = None,
         llava_args: list[Any] | None = [],  # noqa: B006 (as the library)
         input_capture_hook: Callable[..., Any] | None = None,
-        tensor_capture_hook: Callable[..., Any] | None = None,
         slot_mapping: torch.LongTensor | None = None,
         block_table: torch.LongTensor | None = None,
         full_context_lens: torch.LongTensor | None = None,
@@ -393,27 +397,81 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.calls.append(call)
         if self.on_device_sampling:
             validate_sampling_params(sampling_params, self.neuron_config.on_device_sampling_config)
-        if int(position_ids.min()) == 0:
-            logits = self._context_encoding(input_ids, seq_ids, position_ids)
-            self.kv_cache_populated = True
+        if self.prior_seq_ids is None:  # preprocess_inputs: "self.prior_seq_ids should never be None"
+            self.prior_seq_ids = seq_ids
+        if self.async_mode:
+            output = self._forward_async(input_ids, seq_ids, position_ids, sampling_params)
         else:
-            logits = self._token_generation(input_ids, seq_ids, position_ids)
-        output = self._output(logits, sampling_params)
-        call.update(logits=logits, tokens=output.tokens)
+            output = self._execute(input_ids, seq_ids, position_ids, sampling_params)
+        call.update(logits=output.standin_logits, tokens=output.tokens)
         return output
 
     def reset(self) -> None:
         self.kv_cache_populated = False
 
+    def _forward_async(
+        self,
+        input_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sampling: torch.Tensor,
+    ) -> CausalLMOutputWithPast:
+        """`causal_lm_async_execution` (modules/async_execution.py:190-304) on a device that runs each
+        launched step at once (the order of KV writes is the device queue's)."""
+        if _is_prefill(position_ids):
+            output = self._execute(input_ids, seq_ids, position_ids, sampling)
+            self.prior_outputs = self.prior_seq_ids = None
+            return output
+        if not self.on_device_sampling:  # model_wrapper.py:1215 reshapes output 0 to (batch, 1)
+            raise RuntimeError("STAND-IN: async mode feeds back token ids; logits cannot be reshaped")
+        hits = _will_hit_bucket_boundary(int(position_ids.max()), self.neuron_config.token_buckets())
+        sync = not torch.equal(self.prior_seq_ids, seq_ids) or hits
+        start = not sync and self.prior_outputs is None
+        if sync:
+            self.prior_outputs = self.prior_seq_ids = None
+            return self._execute(
+                input_ids, seq_ids, position_ids, sampling, "second_fit" if hits else "first_fit"
+            )
+        if start:
+            self.prior_outputs = self._execute(input_ids, seq_ids, position_ids, sampling)
+            self.prior_seq_ids = seq_ids
+        returned = self.prior_outputs
+        if self.neuron_config.seq_len - int(position_ids.max()) > 2:  # within_bounds
+            # The caller's input_ids are ignored: the launched step reads the device's last tokens.
+            fed_back = returned.tokens.to(torch.int64)[:, None]
+            next_positions = position_ids.amax(dim=1, keepdim=True) + 1
+            self.prior_outputs = self._execute(fed_back, seq_ids, next_positions, sampling)
+            self.prior_seq_ids = seq_ids
+        else:
+            self.prior_outputs = self.prior_seq_ids = None
+            self.async_should_stop = True
+        return returned
+
+    def _execute(
+        self,
+        input_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sampling: torch.Tensor,
+        pad_type: str = "first_fit",
+    ) -> CausalLMOutputWithPast:
+        if _is_prefill(position_ids):
+            logits = self._context_encoding(input_ids, seq_ids, position_ids)
+            self.kv_cache_populated = True
+        else:
+            logits = self._token_generation(input_ids, seq_ids, position_ids, pad_type)
+        output = self._output(logits, sampling, position_ids.amax(dim=1) + 1)
+        output.standin_logits = logits  # for the tests: the unpadded logits the sampler saw
+        return output
+
     def _context_encoding(
         self, input_ids: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        """One execution per sequence (context batch 1), each into KV row `seq_ids[i]`."""
+        """One execution per sequence (context batch 1), each into KV row `seq_ids[i]`, in the first
+        context bucket strictly larger than the input (`_get_seq_bucket`, model_wrapper.py:900-912)."""
         width = input_ids.shape[1]
-        buckets = self.neuron_config.context_buckets()
-        if width > buckets[-1] and not self.neuron_config.allow_input_truncation:
-            raise ValueError(f"input length {width} exceeds the largest context bucket {buckets[-1]}")
-        self.buckets_used.append(("context", _strict_bucket(buckets, width)))
+        bucket = _seq_bucket(self.neuron_config.context_buckets(), width, "first_fit", self.neuron_config)
+        self.executions.append({"graph": "context", "bucket": bucket, "rows": input_ids.shape[0]})
         logits = [
             self.device.context(tokens.tolist(), int(positions.argmax()), int(slot))
             for tokens, positions, slot in zip(input_ids, position_ids, seq_ids, strict=True)
@@ -421,37 +479,48 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return torch.stack(logits)
 
     def _token_generation(
-        self, input_ids: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor, pad_type: str
     ) -> torch.Tensor:
-        """The whole batch at once; a short batch is padded with the missing slots, sorted, repeating the
-        first row (which writes into those slots), and read back in the caller's order."""
-        batch = self.neuron_config.tkg_batch_size
-        rows = input_ids.shape[0]
+        """`ModelWrapper.forward` over the contiguous-KV decode graph (model_wrapper.py:569-698, 1314-1440):
+        graph row i reads and writes KV line i. A full batch is passed through as is: `seq_ids` places
+        nothing (only `apply_seq_ids_mask` reads it). A short batch is padded to the compiled batch with
+        the missing `seq_ids`, every filler row a copy of the caller's first row (so it writes KV into its
+        line at that row's position, unless `apply_seq_ids_mask` sends filler writes to a padding zone),
+        sorted by `seq_ids`, and read back in the caller's order."""
+        config = self.neuron_config
+        batch, rows = config.tkg_batch_size, input_ids.shape[0]
         if rows > batch:
-            raise ValueError(f"{rows} rows exceed the token-generation batch {batch}")
-        missing = [s for s in range(batch) if s not in set(seq_ids.tolist())]
-        slots = seq_ids.tolist() + missing
-        tokens = input_ids[:, -1].tolist() + [int(input_ids[0, -1])] * len(missing)
-        positions = position_ids[:, -1].tolist() + [int(position_ids[0, -1])] * len(missing)
-        span = _strict_bucket(self.neuron_config.token_buckets(), max(positions))
-        self.buckets_used.append(("token", span))
-        order = sorted(range(batch), key=lambda i: slots[i])
-        logits = self.device.generate(
-            [tokens[i] for i in order], [positions[i] for i in order], sorted(slots), span
-        )
-        back = torch.tensor([order.index(i) for i in range(rows)])
-        return logits[back]
+            raise NotImplementedError("STAND-IN: more rows than the compiled batch run in chunks there")
+        tokens, positions = input_ids[:, -1].tolist(), position_ids[:, -1].tolist()
+        masked: set[int] = set()
+        back = list(range(rows))
+        if rows < batch:
+            ids = seq_ids.tolist()
+            padded = ids + [s for s in range(batch) if s not in ids]
+            if len(padded) > batch:
+                raise IndexError(f"seq_ids {ids} reach outside the batch of {batch}")
+            order = sorted(range(batch), key=lambda i: padded[i])
+            source = [i if i < rows else 0 for i in range(batch)]  # filler rows repeat row 0
+            tokens = [tokens[source[i]] for i in order]
+            positions = [positions[source[i]] for i in order]
+            if config.apply_seq_ids_mask:
+                masked = {line for line, i in enumerate(order) if i >= rows}
+            back = [order.index(i) for i in range(rows)]
+        span = _seq_bucket(config.token_buckets(), max(positions), pad_type, config)
+        self.executions.append({"graph": "token", "bucket": span, "rows": batch, "masked": sorted(masked)})
+        logits = self.device.generate(tokens, positions, list(range(batch)), span, skip=masked)
+        return logits[torch.tensor(back)]
 
-    def _output(self, logits: torch.Tensor, sampling_params: torch.Tensor) -> CausalLMOutputWithPast:
+    def _output(
+        self, logits: torch.Tensor, sampling_params: torch.Tensor, next_positions: torch.Tensor
+    ) -> CausalLMOutputWithPast:
         if not self.on_device_sampling:
             output = CausalLMOutputWithPast(logits=logits[:, None, :], hidden_states=logits[:, None, :])
             output.tokens = output.logits
             return output
         config = self.neuron_config.on_device_sampling_config
-        rows = sampling_params.clone()
-        rows[rows[:, 2] == 0, :2] = 1.0
         if config.do_sample or config.dynamic:
-            tokens = sample_rows(logits, rows, config.global_topk, self.generator)
+            tokens = sample_rows(logits, sampling_params, config.global_topk, next_positions)
         else:
             tokens = logits.argmax(dim=-1).to(torch.int32)
         if not self.neuron_config.output_logits:
@@ -466,12 +535,27 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return output
 
 
-def _strict_bucket(buckets: list[int], length: int) -> int:
-    """The library's choice: the first bucket strictly larger than `length`; the largest also fits equal."""
-    for bucket in buckets:
-        if length < bucket:
+def _is_prefill(position_ids: torch.Tensor) -> bool:
+    return int(position_ids.min()) == 0
+
+
+def _will_hit_bucket_boundary(known_length: int, buckets: list[int]) -> bool:
+    """async_execution.py:172-187: step n+1 runs before step n is known, so a call within two tokens
+    below a bucket boundary stays synchronous and runs in the bucket after the first fitting one."""
+    return any(known_length < bucket <= known_length + 2 for bucket in buckets)
+
+
+def _seq_bucket(buckets: list[int], length: int, strategy: str, config: Any) -> int:
+    """`_get_seq_bucket` (model_wrapper.py:900-912): the first bucket strictly larger than `length`
+    ("second_fit": the one after it); `length` equal to the largest bucket runs in it."""
+    for i, bucket in enumerate(buckets):
+        if strategy == "first_fit" and length < bucket:
             return bucket
-    return buckets[-1]
+        if strategy == "second_fit" and length < bucket:
+            return buckets[min(i + 1, len(buckets) - 1)]
+    if length == buckets[-1] or config.allow_input_truncation:
+        return buckets[-1]
+    raise ValueError(f"Input len {length} exceeds largest bucket ({buckets[-1]})")
 
 
 class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):

@@ -46,7 +46,7 @@ def test_decode_carries_every_slot_in_slot_order_and_maps_back(nxdi: NxdiBackend
     # Free slots sit at the smallest live position: never 0 (that routes to context encoding).
     assert call["position_ids"].tolist() == [[4], [4], [4], [7]]
     assert [s.token_id for s in sampled] == [int(call["tokens"][3]), int(call["tokens"][0])]
-    assert nxdi._neuron.buckets_used[-1] == ("token", 32)
+    assert nxdi._neuron.executions[-1]["bucket"] == 32
 
 
 def test_sampling_rows_reach_the_library_per_slot(nxdi: NxdiBackend) -> None:
