@@ -7,7 +7,9 @@ backend (which pads to it). Nothing outside this grid is ever run on a device.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 from app.errors import ConfigError
 
@@ -31,6 +33,24 @@ def pick_bucket(buckets: tuple[int, ...], size: int) -> int:
     return buckets[index]
 
 
+class BucketRule(StrEnum):
+    """How the device picks a bucket from the grid: the backend's, not the artifact's (never serialized).
+
+    `inclusive`: the smallest bucket >= the size (a backend that pads to the shape it is given), and a
+    decode batch of n rows in the batch bucket of n.
+    `nxdi`: NxD Inference's own choice (`ModelWrapper._get_seq_bucket`): a prompt of n tokens runs in the
+    first context bucket strictly larger than n (the largest bucket also takes exactly its size); a decode
+    runs in the first token bucket larger than its largest position; its rows are KV lines 0..B-1, so a
+    decode batch is the batch bucket above its highest slot.
+    `nxdi-async`: as `nxdi`, and a decode whose largest position is within two below a token bucket runs
+    synchronously in the bucket after the first fitting one (`will_hit_bucket_boundary`, second fit).
+    """
+
+    INCLUSIVE = "inclusive"
+    NXDI = "nxdi"
+    NXDI_ASYNC = "nxdi-async"
+
+
 @dataclass(frozen=True)
 class ShapeGrid:
     """What an artifact is compiled for.
@@ -46,6 +66,7 @@ class ShapeGrid:
     context_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
     batch_buckets: tuple[int, ...]
+    rule: BucketRule = field(default=BucketRule.INCLUSIVE, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("context_buckets", "token_buckets", "batch_buckets"):
@@ -80,13 +101,23 @@ class ShapeGrid:
         return self.context_buckets[-1]
 
     def context_bucket(self, num_tokens: int) -> int:
-        return pick_bucket(self.context_buckets, num_tokens)
+        if self.rule is BucketRule.INCLUSIVE or num_tokens == self.max_prompt_tokens:
+            return pick_bucket(self.context_buckets, num_tokens)
+        return pick_bucket(self.context_buckets, num_tokens + 1)
 
     def token_bucket(self, num_positions: int) -> int:
-        return pick_bucket(self.token_buckets, num_positions)
+        """The bucket of a decode whose rows attend `num_positions` (largest position + 1)."""
+        first = pick_bucket(self.token_buckets, num_positions)
+        if self.rule is BucketRule.NXDI_ASYNC and first <= num_positions + 1:  # within two of `first`
+            return self.token_buckets[min(self.token_buckets.index(first) + 1, len(self.token_buckets) - 1)]
+        return first
 
     def batch_bucket(self, num_rows: int) -> int:
         return pick_bucket(self.batch_buckets, num_rows)
+
+    def decode_batch_bucket(self, slots: Sequence[int]) -> int:
+        """The batch bucket a decode of `slots` runs in (see `BucketRule`)."""
+        return self.batch_bucket(len(slots) if self.rule is BucketRule.INCLUSIVE else max(slots) + 1)
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         return (

@@ -66,6 +66,12 @@ def register_compile(subparsers: Any) -> None:
     parser.add_argument("--context-buckets", type=int_list, help="prefill lengths, e.g. 128,256,512")
     parser.add_argument("--token-buckets", type=int_list, help="decode KV lengths, ending at max positions")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument(
+        "--decode-batches", type=int_list, help="decode batch sizes, e.g. 1,2,4 (neuron-nxdi: several graphs)"
+    )
+    parser.add_argument(
+        "--async-mode", action="store_true", help="neuron-nxdi: run each decode step ahead (one decode batch)"
+    )
     parser.add_argument("--name", help="model name in the artifact key (default: the source's name)")
     parser.set_defaults(handler=run_compile)
 
@@ -89,6 +95,8 @@ def run_compile(args: argparse.Namespace) -> None:
         token_buckets=args.token_buckets,
         dtype=args.dtype,
         name=args.name,
+        decode_batches=args.decode_batches,
+        async_mode=args.async_mode,
     )
     print(compile_artifact(options).uri, flush=True)
 

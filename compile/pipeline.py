@@ -65,6 +65,10 @@ class CompileOptions:
     token_buckets: tuple[int, ...] | None = None
     dtype: str = "fp32"
     name: str | None = None
+    decode_batches: tuple[int, ...] | None = (
+        None  # decode batch sizes (neuron-nxdi: token_generation_batches)
+    )
+    async_mode: bool = False  # neuron-nxdi: NxD Inference's async_mode (one decode batch size only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +90,8 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
     with tempfile.TemporaryDirectory(prefix="inf2serve-compile-") as scratch:
         checkpoint, hashed = fetch_checkpoint(options.model, Path(scratch) / "checkpoint")
         llama = check_checkpoint(checkpoint)
-        spec = BackendSpec(options.backend, options.tp_degree, options.dtype, build_grid(options, llama))
+        grid = build_grid(options, llama)
+        spec = BackendSpec(options.backend, options.tp_degree, options.dtype, grid, options.async_mode)
         builder.check(llama, spec)
         name = check_name("model name", options.name or default_name(options.model))
         source_sha256 = checkpoint_sha256(checkpoint, hashed)
@@ -152,12 +157,16 @@ def build_grid(options: CompileOptions, llama: LlamaSpec) -> ShapeGrid:
         max_positions=max_positions,
         context_buckets=options.context_buckets or default.context_buckets,
         token_buckets=options.token_buckets or default.token_buckets,
-        batch_buckets=batch_buckets(options.backend, options.batch_size),
+        batch_buckets=batch_buckets(options.backend, options.batch_size, options.decode_batches),
     )
 
 
-def batch_buckets(backend: str, batch_size: int) -> tuple[int, ...]:
-    """Neuron decode graphs carry every slot in every call (see `ShapeGrid`): one batch bucket."""
+def batch_buckets(backend: str, batch_size: int, decode_batches: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The decode batch sizes, the full batch always among them. By default the portable backends get
+    powers of two and the Neuron ones the full batch only (every decode carries every slot; NxD
+    Inference compiles more sizes on request, `token_generation_batches`)."""
+    if decode_batches:
+        return tuple(sorted({*decode_batches, batch_size}))
     return (batch_size,) if backend.startswith("neuron-") else powers_of_two(1, batch_size)
 
 

@@ -127,6 +127,10 @@ class BackendSpec:
     tp_degree: int
     dtype: str
     grid: ShapeGrid
+    async_mode: bool = False
+    """neuron-nxdi: compiled for NxD Inference's `async_mode` (the library runs each decode step ahead);
+    it needs one decode batch size (`batch_buckets == [num_slots]`). Recorded only when set, so the
+    artifacts compiled before it keep their keys."""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -134,6 +138,7 @@ class BackendSpec:
             "tp_degree": self.tp_degree,
             "dtype": self.dtype,
             **self.grid.to_dict(),
+            **({"async_mode": True} if self.async_mode else {}),
         }
 
     @classmethod
@@ -143,6 +148,7 @@ class BackendSpec:
             tp_degree=int(data["tp_degree"]),  # type: ignore[arg-type]
             dtype=str(data["dtype"]),
             grid=ShapeGrid.from_dict(data),
+            async_mode=bool(data.get("async_mode", False)),
         )
 
 

@@ -419,7 +419,6 @@ def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | D
             )
             for i, r in enumerate(requests)
         ]
-    rows = grid.batch_bucket(1)
     return [
         DecodeGroup(
             (r,),
@@ -429,7 +428,7 @@ def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | D
                 last_tokens=batch.last_tokens[i : i + 1],
                 positions=batch.positions[i : i + 1],
                 sampling=batch.sampling[i : i + 1],
-                batch_bucket=rows,
+                batch_bucket=grid.decode_batch_bucket(batch.slots[i : i + 1]),
             ),
         )
         for i, r in enumerate(requests)

@@ -240,11 +240,12 @@ class Scheduler:
         running = [r for r in self._running if headroom[r] > 0]
         self._rows_uses_left = min([headroom[r] for r in running], default=0)
         self._token_bucket = 0
+        slots = tuple([r.slot for r in running])
         self._rows = DecodeRows(
             requests=tuple(running),
-            slots=tuple([r.slot for r in running]),
+            slots=slots,
             sampling=tuple([r.params.sampling for r in running]),
-            batch_bucket=self.grid.batch_bucket(len(running)),
+            batch_bucket=self.grid.decode_batch_bucket(slots) if slots else 0,
         )
         return self._rows
 

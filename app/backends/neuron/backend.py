@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import torch
+
 from app.backends.base import (
     Backend,
     BackendSpec,
@@ -54,14 +56,17 @@ class NeuronBackend(Backend):
         check_prefill(batch, self.spec.grid, self.model.vocab_size)
         tokens: list[SampledToken] = []
         for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
-            tokens.append(self._prefill_one(slot, prompt, params, batch.context_bucket))
+            with torch.inference_mode():  # as the libraries' own guides run their steps
+                tokens.append(self._prefill_one(slot, prompt, params, batch.context_bucket))
             self._fresh.add(slot, len(prompt))
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
         check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
-        return self._decode(decode_rows(batch, grid.num_slots, grid.max_positions, self._fresh.take()), batch)
+        rows = decode_rows(batch, batch.batch_bucket, grid.max_positions, self._fresh.take())
+        with torch.inference_mode():
+            return self._decode(rows, batch)
 
     def close(self) -> None:
         """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""

@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -33,6 +34,7 @@ from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, device_tokens, global_topk, sampling_row
 from app.errors import ArtifactError
+from app.shapes import BucketRule
 
 MODELING = "neuronx_distributed_inference.models.llama.modeling_llama"
 SAMPLING = "neuronx_distributed_inference.modules.generation.sampling"
@@ -92,7 +94,15 @@ def neuron_config_kwargs(spec: BackendSpec, vocab_size: int) -> dict[str, Any]:
             "top_k_kernel_enabled": False,
         },
         "output_logits": True,
+        "async_mode": spec.async_mode,
+        "token_generation_batches": decode_batches(spec),
     }
+
+
+def decode_batches(spec: BackendSpec) -> list[int] | None:
+    """`token_generation_batches`: the grid's decode batch sizes, when it has more than the full batch."""
+    buckets = spec.grid.batch_buckets
+    return list(buckets) if buckets != (spec.grid.num_slots,) else None
 
 
 def read_compiled_config(artifact_dir: Path) -> dict[str, Any]:
@@ -115,6 +125,8 @@ def check_compiled(config: dict[str, Any], spec: BackendSpec) -> None:
         "token_generation_buckets": list(grid.token_buckets),
         "is_continuous_batching": True,
         "output_logits": True,
+        "async_mode": spec.async_mode,
+        "token_generation_batches": decode_batches(spec),
     }
     wrong = {key: config.get(key) for key, value in expected.items() if config.get(key) != value}
     if config.get("on_device_sampling_config") is None:
@@ -149,7 +161,9 @@ class NxdiBackend(NeuronBackend):
         info: ModelInfo,
         view: tempfile.TemporaryDirectory[str],
     ) -> None:
-        super().__init__(neuron_model, spec, info)
+        rule = BucketRule.NXDI_ASYNC if spec.async_mode else BucketRule.NXDI
+        super().__init__(neuron_model, replace(spec, grid=replace(spec.grid, rule=rule)), info)
+        self.runs_ahead_in_call = spec.async_mode
         self._prepare_sampling_params = prepare_sampling_params
         self.max_top_k = global_topk(info.vocab_size)
         self._view = view
@@ -187,7 +201,7 @@ class NxdiBackend(NeuronBackend):
         return self._tokens(output, [0], [params])[0]
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
-        output = self._step(rows.input_ids, range(self.spec.grid.num_slots), rows.position_ids, rows.sampling)
+        output = self._step(rows.input_ids, range(len(rows.tokens)), rows.position_ids, rows.sampling)
         return self._tokens(output, list(batch.slots), batch.sampling)
 
     def _step(

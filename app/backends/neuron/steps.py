@@ -1,8 +1,11 @@
 """Step plumbing shared by both Neuron libraries, with no Neuron import: per-row sampling parameters,
 the decode batch laid out on every compiled slot, and library outputs turned into `SampledToken`s.
 
-Decode always runs on all `num_slots` rows in slot order (row i is slot i, so `seq_ids`/`start_ids`
-is `arange(num_slots)` and no library-side reordering happens). Live slots carry their token and
+Decode always runs on all rows of its batch bucket in slot order (row i is slot i, so `seq_ids`/`start_ids`
+is `arange(batch_bucket)`: a full batch is the one layout the libraries take without reordering, and with
+no missing `seq_ids` the library adds no filler rows, which would copy row 0 and write its KV entry into
+the missing slots; the batch bucket lies above the highest live slot, `BucketRule.NXDI`, so every live
+slot has its row). Live slots carry their token and
 position; every other row is padding, token 0, and the device writes its junk KV entry into that row's
 slot, so where it is parked matters:
 - a slot prefilled since the last decode call but left out of this one (the engine decodes a new sequence
@@ -28,19 +31,24 @@ import torch
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, SampledToken, SamplingParams
 from app.backends.sampling import SampleOutput, sampled_tokens
-from app.errors import ConfigError, InvalidRequestError
+from app.errors import BatchError, ConfigError, InvalidRequestError
 
 # The device sampler first keeps the `global_topk` most likely tokens; top-k beyond it cannot be honoured.
 DEFAULT_GLOBAL_TOPK = 256
 
 
 def check_grid(spec: BackendSpec) -> None:
-    """Neuron decode graphs are compiled for the full batch only: every call carries every slot."""
+    """transformers-neuronx compiles the full decode batch only. NxD Inference compiles several
+    (`token_generation_batches`) but then not `async_mode`: its second-fit bucket raises under batch
+    bucketing and its fed-back tokens are reshaped to the full batch (research: neuron-signatures (a))."""
     grid = spec.grid
-    if grid.batch_buckets != (grid.num_slots,):
+    if spec.async_mode and spec.backend != "neuron-nxdi":
+        raise ConfigError(f"async_mode is an NxD Inference option; {spec.backend} has none")
+    if grid.batch_buckets != (grid.num_slots,) and (spec.backend != "neuron-nxdi" or spec.async_mode):
+        reason = "with async_mode" if spec.async_mode else ""
         raise ConfigError(
-            f"{spec.backend} compiles one decode batch of num_slots={grid.num_slots} rows; "
-            f"batch_buckets must be [{grid.num_slots}], got {list(grid.batch_buckets)}"
+            f"{spec.backend} {reason} compiles one decode batch of num_slots={grid.num_slots} rows; "
+            f"batch_buckets must be [{grid.num_slots}], got {list(grid.batch_buckets)}".replace("  ", " ")
         )
 
 
@@ -100,8 +108,10 @@ class FreshSlots:
 def decode_rows(
     batch: DecodeBatch, num_slots: int, max_positions: int, fresh: Mapping[int, int]
 ) -> DecodeRows:
-    """Lay `batch` out on every slot; `fresh` maps a slot prefilled since the last decode call to its
-    prompt length. See the module docstring for the padding rule."""
+    """Lay `batch` out on the `num_slots` rows of its batch bucket; `fresh` maps a slot prefilled since
+    the last decode call to its prompt length. See the module docstring for the padding rule."""
+    if max(batch.slots) >= num_slots:
+        raise BatchError(f"decode slots {list(batch.slots)} do not fit the batch bucket of {num_slots} rows")
     pad_position = min(batch.positions)
     parked = {slot: length for slot, length in fresh.items() if length < max_positions}
     tokens = [0] * num_slots

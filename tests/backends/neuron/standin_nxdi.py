@@ -359,6 +359,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             os.environ["NEURON_RT_IO_RING_CACHE_SIZE"] = "2"
         self.calls: list[dict[str, Any]] = []  # what reached the library, for the tests
         self.executions: list[dict[str, Any]] = []  # what the device ran (graph, bucket, rows), in order
+        self.async_modes: list[str] = []  # per async decode call: sync, start, continue (+ stop)
 
     def forward(
         self,
@@ -403,7 +404,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             output = self._forward_async(input_ids, seq_ids, position_ids, sampling_params)
         else:
             output = self._execute(input_ids, seq_ids, position_ids, sampling_params)
-        call.update(logits=output.standin_logits, tokens=output.tokens)
+        call.update(logits=output.standin_logits, tokens=output.tokens, bucket=output.standin_bucket)
         return output
 
     def reset(self) -> None:
@@ -424,9 +425,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             return output
         if not self.on_device_sampling:  # model_wrapper.py:1215 reshapes output 0 to (batch, 1)
             raise RuntimeError("STAND-IN: async mode feeds back token ids; logits cannot be reshaped")
+        if self.neuron_config.token_generation_batches is not None:  # model_wrapper.py:1183-1186
+            raise RuntimeError("STAND-IN: async inputs are reshaped to the full batch; batch buckets break")
         hits = _will_hit_bucket_boundary(int(position_ids.max()), self.neuron_config.token_buckets())
         sync = not torch.equal(self.prior_seq_ids, seq_ids) or hits
         start = not sync and self.prior_outputs is None
+        self.async_modes.append("sync" if sync else "start" if start else "continue")
         if sync:
             self.prior_outputs = self.prior_seq_ids = None
             return self._execute(
@@ -445,6 +449,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         else:
             self.prior_outputs = self.prior_seq_ids = None
             self.async_should_stop = True
+            self.async_modes.append("stop")
         return returned
 
     def _execute(
@@ -462,6 +467,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             logits = self._token_generation(input_ids, seq_ids, position_ids, pad_type)
         output = self._output(logits, sampling, position_ids.amax(dim=1) + 1)
         output.standin_logits = logits  # for the tests: the unpadded logits the sampler saw
+        output.standin_bucket = self.executions[-1]["bucket"]  # and the bucket that computed them
         return output
 
     def _context_encoding(
@@ -489,6 +495,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         sorted by `seq_ids`, and read back in the caller's order."""
         config = self.neuron_config
         batch, rows = config.tkg_batch_size, input_ids.shape[0]
+        if config.token_generation_batches is not None:  # first fit only (model_wrapper.py:843-896)
+            if pad_type != "first_fit":
+                raise ValueError(f"strategy='{pad_type}' is currently not supported for batch bucketing")
+            batch = next((b for b in config.token_generation_batches if rows <= b), batch)
         if rows > batch:
             raise NotImplementedError("STAND-IN: more rows than the compiled batch run in chunks there")
         tokens, positions = input_ids[:, -1].tolist(), position_ids[:, -1].tolist()

@@ -124,7 +124,12 @@ def test_sampling_rows() -> None:
         sampling_row(SamplingParams(temperature=1.0, top_k=257), 256)
 
 
-def test_neuron_grids_have_one_batch_bucket() -> None:
+def test_several_decode_batches_only_on_nxdi_and_never_with_async_mode() -> None:
     grid = replace(GRID, batch_buckets=(2, 4))
+    check_grid(spec_for("neuron-nxdi", grid=grid))  # token_generation_batches
     with pytest.raises(ConfigError, match="num_slots=4"):
-        check_grid(spec_for("neuron-nxdi", grid=grid))
+        check_grid(spec_for("neuron-tnx", grid=grid))
+    with pytest.raises(ConfigError, match="with async_mode compiles one decode batch"):
+        check_grid(replace(spec_for("neuron-nxdi", grid=grid), async_mode=True))
+    with pytest.raises(ConfigError, match="async_mode is an NxD Inference option"):
+        check_grid(replace(spec_for("neuron-tnx"), async_mode=True))
