@@ -55,40 +55,40 @@ class Budget:
     client_timeout_s: int  # read timeout a client (the canary) should use
 
 
-def alb(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAULT_STARTUP_S) -> Budget:
-    detection = ALB_HEALTH_INTERVAL_S * ALB_UNHEALTHY_THRESHOLD
-    drain = detection + MARGIN_S
-    idle = max_generation_s + MARGIN_S
+def _behind_alb(
+    generation: int, startup: int, drain: int, prestop: int, deregistration: int, stop: int
+) -> Budget:
+    """What every platform behind an ALB shares: the deadline, in-flight time, idle timeout and
+    keep-alive all follow the longest generation."""
+    idle = generation + MARGIN_S
     return Budget(
-        request_timeout_s=max_generation_s,
+        request_timeout_s=generation,
         drain_s=drain,
-        shutdown_timeout_s=max_generation_s,
+        shutdown_timeout_s=generation,
         keep_alive_s=idle + MARGIN_S,
         idle_timeout_s=idle,
-        deregistration_delay_s=max_generation_s + MARGIN_S,
-        stop_timeout_s=drain + max_generation_s + MARGIN_S,
-        prestop_s=0,
-        startup_s=startup_s,
+        deregistration_delay_s=deregistration,
+        stop_timeout_s=stop,
+        prestop_s=prestop,
+        startup_s=startup,
         client_timeout_s=idle + MARGIN_S,
     )
+
+
+def alb(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAULT_STARTUP_S) -> Budget:
+    """EC2: deregistered first, SIGTERM after the delay; the drain covers health-check detection."""
+    drain = ALB_HEALTH_INTERVAL_S * ALB_UNHEALTHY_THRESHOLD + MARGIN_S
+    deregistration = max_generation_s + MARGIN_S
+    stop = drain + max_generation_s + MARGIN_S
+    return _behind_alb(max_generation_s, startup_s, drain, 0, deregistration, stop)
 
 
 def eks(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAULT_STARTUP_S) -> Budget:
+    """EKS: preStop, then the drain (readiness noticing), then in-flight, all inside the grace period,
+    which the ALB's deregistration delay equals."""
     drain = K8S_READINESS_PERIOD_S * K8S_READINESS_FAILURES
     grace = K8S_PRESTOP_S + drain + max_generation_s + MARGIN_S
-    idle = max_generation_s + MARGIN_S
-    return Budget(
-        request_timeout_s=max_generation_s,
-        drain_s=drain,
-        shutdown_timeout_s=max_generation_s,
-        keep_alive_s=idle + MARGIN_S,
-        idle_timeout_s=idle,
-        deregistration_delay_s=grace,
-        stop_timeout_s=grace,
-        prestop_s=K8S_PRESTOP_S,
-        startup_s=startup_s,
-        client_timeout_s=idle + MARGIN_S,
-    )
+    return _behind_alb(max_generation_s, startup_s, drain, K8S_PRESTOP_S, grace, grace)
 
 
 def sagemaker(startup_s: int = DEFAULT_STARTUP_S) -> Budget:
