@@ -5,17 +5,20 @@ Side by side in one run, each against a real `inf2serve serve --replicas N` proc
 1. Scaling: closed loop with 32 requests in flight per replica (short prompts, `--max-tokens` each,
    non-streamed so the client's per-token parsing stays out of it), 1 replica then 3 replicas: aggregate
    HTTP tokens/s with 3 over 3x that with 1 (goal >= 0.9).
-2. Routing: 3 replicas, the same seeded open-loop Poisson trace (`--rate` requests/s, a few long prompts,
-   `--long-fraction` of `--long-tokens` tokens, among short ones), streamed, under `least_work` then
-   `round_robin`: p99 time to first token of ours over round-robin's (goal <= 0.7), over every request
-   and over the short ones.
+2. Routing: 3 replicas, seeded open-loop Poisson traces (`--rate` requests/s, a few long prompts,
+   `--long-fraction` of `--long-tokens` tokens, among short ones), streamed, each trace under `least_work`
+   and `round_robin` (`--rounds` traces, alternating which policy goes first, TTFTs pooled per policy):
+   p99 time to first token of ours over round-robin's (goal <= 0.7), over every request and over the
+   short ones.
+   The same closed loop is also run straight into a `ReplicaPool` in this process (replica processes,
+   no HTTP, no client): the replicas' own scaling, apart from the front and the client.
 3. The router's CPU per request: `Router.pick` plus the bookkeeping for one request's life (route, one
    delta, finish) timed in this process on 3 replicas; and the front process's whole CPU per request
    (HTTP, tokenizer, routing, relaying deltas) from /proc during (1).
 The sim sleeps instead of computing, so replicas should scale even on a small host; the machine may be
 shared, so its CPU count and load average are recorded with the figures.
 
-    .venv/bin/python -m loadtest.replica_bench [--max-tokens 64] [--waves 3] [--rate 60] [--duration 20]
+    .venv/bin/python -m loadtest.replica_bench [--waves 3] [--rate 30] [--duration 15] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -32,8 +35,13 @@ from typing import Any
 
 import httpx
 
+from app.artifacts.loader import load_artifact
+from app.backends.base import SamplingParams
+from app.engine.types import GenerationParams
+from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
-from loadtest.client import percentiles, run_load, summarize
+from app.settings import ServerSettings
+from loadtest.client import percentiles, run_load
 from loadtest.http_bench import cpu_seconds
 from loadtest.sim_artifact import build_sim_artifact, sim_grid
 from tests.integration.server import BIN, ServerProcess
@@ -49,6 +57,7 @@ COST_MODEL = {"decode_fixed_s": 0.025, "prefill_points": [[64, 0.010], [2048, 0.
 MAX_POSITIONS = 4096
 SHORT_PROMPT_TOKENS = 8
 SHORT_MAX_TOKENS = 32
+POLICIES = ("least_work", "round_robin")
 GOALS = {"scaling_3_over_3x1": 0.9, "p99_ttft_ours_over_round_robin": 0.7}
 
 
@@ -104,6 +113,31 @@ async def closed_loop(url: str, concurrency: int, num_requests: int, max_tokens:
     return {"requests": num_requests, "failed": failed, "tokens": tokens, "wall_s": wall_s}
 
 
+async def pool_tokens_per_s(artifact: Path, replicas: int, args: argparse.Namespace) -> float:
+    """The same closed loop straight into a `ReplicaPool` in this process (replica processes, no HTTP):
+    what the replicas deliver when neither the HTTP layer nor the client is in the way."""
+    settings = ServerSettings(artifact=str(artifact), verify_golden=False, log_level="warning")
+    pool = ReplicaPool(load_artifact(str(artifact)), settings, ["cpu"] * replicas)
+    await pool.start()
+    rng, concurrency = random.Random(0), SLOTS * replicas
+    requests = iter(range(concurrency * args.waves))
+    params = GenerationParams(SamplingParams(), args.max_tokens, ignore_eos=True)
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        for index in requests:
+            async for output in pool.generate(f"r{index}", prompt(rng, SHORT_PROMPT_TOKENS), params):
+                tokens += len(output.token_ids)
+
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return tokens / (time.perf_counter() - started)
+    finally:
+        await asyncio.to_thread(pool.close)
+
+
 def scaling_run(artifact: Path, replicas: int, args: argparse.Namespace, log: Path) -> dict[str, Any]:
     server = start_server(artifact, replicas, "least_work", log)
     try:
@@ -125,11 +159,11 @@ def scaling_run(artifact: Path, replicas: int, args: argparse.Namespace, log: Pa
     return run
 
 
-def skewed_body(args: argparse.Namespace) -> Any:
-    """Request i of the trace: the same for every policy (seeded per index)."""
+def skewed_body(args: argparse.Namespace, round_index: int) -> Any:
+    """Request i of round r's trace: the same for every policy (seeded per round and index)."""
 
     def make(index: int) -> dict[str, Any]:
-        rng = random.Random(index)
+        rng = random.Random(f"{round_index}/{index}")
         long = rng.random() < args.long_fraction
         return {
             "prompt": prompt(rng, args.long_tokens if long else SHORT_PROMPT_TOKENS),
@@ -142,26 +176,48 @@ def skewed_body(args: argparse.Namespace) -> Any:
     return make
 
 
-def routing_run(artifact: Path, routing: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+def routing_run(
+    artifact: Path, routing: str, round_index: int, args: argparse.Namespace, log: Path
+) -> dict[str, Any]:
+    """One policy on round `round_index`'s trace: TTFT of every request, short and long apart."""
     server = start_server(artifact, 3, routing, log)
-    make = skewed_body(args)
+    make = skewed_body(args, round_index)
     num_requests = int(args.rate * args.duration)
     try:
-        results, wall_s = asyncio.run(run_load(server.url, make, num_requests, rate=args.rate, seed=1))
+        load = run_load(server.url, make, num_requests, rate=args.rate, seed=round_index)
+        results, _ = asyncio.run(load)
     finally:
         server.stop()
         server.wait(60)
     long = {i for i in range(num_requests) if len(make(i)["prompt"]) == args.long_tokens}
-    ok = [(i, r) for i, r in enumerate(results) if r.ok and r.ttft_s is not None]
-    summary = summarize(results, wall_s)
+    ok = [(i, r.ttft_s) for i, r in enumerate(results) if r.ok and r.ttft_s is not None]
     return {
-        "requests": num_requests,
-        "long_requests": len(long),
-        "failed": summary["failed"],
-        "errors": summary["errors"],
-        "ttft_s": percentiles([r.ttft_s for _, r in ok]),  # type: ignore[misc]
-        "ttft_short_s": percentiles([r.ttft_s for i, r in ok if i not in long]),  # type: ignore[misc]
-        "ttft_long_s": percentiles([r.ttft_s for i, r in ok if i in long]),  # type: ignore[misc]
+        "failed": sum(not r.ok for r in results),
+        "short": [ttft for i, ttft in ok if i not in long],
+        "long": [ttft for i, ttft in ok if i in long],
+    }
+
+
+def routing_runs(artifact: Path, args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]:
+    """Both policies on each round's trace, alternating which goes first; TTFTs pooled over the rounds."""
+    pooled: dict[str, dict[str, Any]] = {p: {"failed": 0, "short": [], "long": []} for p in POLICIES}
+    for round_index in range(args.rounds):
+        order = POLICIES if round_index % 2 == 0 else POLICIES[::-1]
+        for policy in order:
+            run = routing_run(artifact, policy, round_index, args, root / f"{policy}-{round_index}.log")
+            for key in ("short", "long"):
+                pooled[policy][key] += run[key]
+            pooled[policy]["failed"] += run["failed"]
+    return {
+        policy: {
+            "requests": len(runs["short"]) + len(runs["long"]) + runs["failed"],
+            "long_requests": len(runs["long"]),
+            "failed": runs["failed"],
+            "ttft_s": percentiles(runs["short"] + runs["long"]),
+            "ttft_short_s": percentiles(runs["short"]),
+            "ttft_long_s": percentiles(runs["long"]),
+        }
+        for policy, runs in pooled.items()
     }
 
 
@@ -192,8 +248,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         artifact = build_sim_artifact(root / "artifacts", STORIES, grid, COST_MODEL)
         one = scaling_run(artifact, 1, args, root / "one.log")
         three = scaling_run(artifact, 3, args, root / "three.log")
-        ours = routing_run(artifact, "least_work", args, root / "least_work.log")
-        round_robin = routing_run(artifact, "round_robin", args, root / "round_robin.log")
+        pool_one = asyncio.run(pool_tokens_per_s(artifact, 1, args))
+        pool_three = asyncio.run(pool_tokens_per_s(artifact, 3, args))
+        routing = routing_runs(artifact, args, root)
+        ours, round_robin = routing["least_work"], routing["round_robin"]
     return {
         "config": {**{k: str(v) for k, v in vars(args).items()}, "cost_model": COST_MODEL, "slots": SLOTS},
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
@@ -202,6 +260,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "results": {
             "tokens_per_s_1": one["tokens_per_s"],
             "tokens_per_s_3": three["tokens_per_s"],
+            "pool_only_tokens_per_s_1": pool_one,
+            "pool_only_tokens_per_s_3": pool_three,
+            "pool_only_scaling_3_over_3x1": pool_three / (3 * pool_one),
             "scaling_3_over_3x1": three["tokens_per_s"] / (3 * one["tokens_per_s"]),
             "p99_ttft_s_least_work": ours["ttft_s"]["p99"],
             "p99_ttft_s_round_robin": round_robin["ttft_s"]["p99"],
@@ -224,8 +285,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request in the scaling runs")
     parser.add_argument("--waves", type=int, default=3, help="scaling runs: requests = waves x in flight")
-    parser.add_argument("--rate", type=float, default=60.0, help="routing runs: Poisson arrivals per second")
-    parser.add_argument("--duration", type=float, default=20.0, help="routing runs: seconds of arrivals")
+    parser.add_argument("--rate", type=float, default=30.0, help="routing runs: Poisson arrivals per second")
+    parser.add_argument("--duration", type=float, default=15.0, help="routing runs: seconds of arrivals")
+    parser.add_argument("--rounds", type=int, default=2, help="routing: traces, each run under both policies")
     parser.add_argument("--long-fraction", type=float, default=0.005)
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
