@@ -199,15 +199,16 @@ def run_round(
 
 
 def wait_until_idle(pid: int, quiet_seconds: float = 0.05, limit_seconds: float = 2.0) -> None:
-    """Wait until process `pid` has used no CPU for `quiet_seconds` (at most `limit_seconds`). moto
-    frees a large object's copies after its response has gone out: without this wait that work (25 ms
-    for this artifact) lands on whatever mode runs next, and `plain_get`, which reads the largest file
-    last, never pays for its own."""
+    """Wait until process `pid` has used no CPU for `quiet_seconds` and none of its threads is runnable
+    (at most `limit_seconds`). moto frees a large object's copies after its response has gone out:
+    without this wait that work (25 ms for this artifact) lands on whatever mode runs next, and
+    `plain_get`, which reads the largest file last, never pays for its own. A thread that wants the CPU
+    but is not getting it (a busy host) uses no CPU either, so its run state is checked too."""
     deadline, before = time.monotonic() + limit_seconds, _cpu_ticks(pid)
     while time.monotonic() < deadline:
         time.sleep(quiet_seconds)
         now = _cpu_ticks(pid)
-        if now == before:
+        if now == before and not _runnable(pid):
             return
         before = now
 
@@ -216,6 +217,12 @@ def _cpu_ticks(pid: int) -> int:
     """User plus system CPU time of `pid`, in clock ticks (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return int(fields[11]) + int(fields[12])
+
+
+def _runnable(pid: int) -> bool:
+    """Whether any thread of `pid` is running or waiting for a CPU (state R in Linux /proc)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return any((task / "stat").read_text().rpartition(")")[2].split()[0] == "R" for task in tasks)
 
 
 def cpu_seconds() -> float:
