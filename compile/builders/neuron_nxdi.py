@@ -17,7 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from app.backends.base import BackendSpec
-from app.backends.neuron.nxdi import COMPILED_FILES, MODELING, neuron_config_kwargs
+from app.backends.neuron.nxdi import (
+    COMPILED_FILES,
+    MODELING,
+    check_inf2_release,
+    installed_library_version,
+    neuron_config_kwargs,
+)
 from app.backends.neuron.runtime import import_library
 from app.backends.neuron.steps import check_grid
 from app.errors import ConfigError
@@ -31,6 +37,7 @@ INF2_TP_DEGREES = (1, 2, 4, 8, 24)
 
 
 def check(llama: LlamaSpec, spec: BackendSpec) -> None:
+    check_inf2_release(installed_library_version())
     check_grid(spec)
     if spec.tp_degree not in INF2_TP_DEGREES:
         raise ConfigError(

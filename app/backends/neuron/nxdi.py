@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -33,11 +35,13 @@ from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken,
 from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, device_tokens, global_topk, sampling_row
-from app.errors import ArtifactError
+from app.errors import ArtifactError, ConfigError
 from app.shapes import BucketRule
 
 MODELING = "neuronx_distributed_inference.models.llama.modeling_llama"
 SAMPLING = "neuronx_distributed_inference.modules.generation.sampling"
+DISTRIBUTION = "neuronx-distributed-inference"
+LAST_INF2_RELEASE = (0, 8)  # NxD Inference of Neuron 2.28
 CONFIG_FILE = "neuron_config.json"
 COMPILED_FILES = (CONFIG_FILE, "model.pt")
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -97,6 +101,28 @@ def neuron_config_kwargs(spec: BackendSpec, vocab_size: int) -> dict[str, Any]:
         "async_mode": spec.async_mode,
         "token_generation_batches": decode_batches(spec),
     }
+
+
+def check_inf2_release(library_version: str | None) -> None:
+    """Refuse NxD Inference after 0.8 (Neuron 2.28): from 2.29 its release notes support its models on
+    Trn2 and newer only, and 0.9+ samples every non-greedy row through an NKI cumsum kernel that those
+    notes say Trn1/Inf2 no longer support, with no flag to avoid it (research: neuron-signatures (f))."""
+    if library_version is None:  # not installed: the import guard says so when the backend loads
+        return
+    release = tuple(int(part) for part in re.findall(r"\d+", library_version)[:2])
+    if release > LAST_INF2_RELEASE:
+        raise ConfigError(
+            f"neuronx-distributed-inference {library_version} does not support Inf2 (NxD Inference "
+            f"{'.'.join(map(str, LAST_INF2_RELEASE))}, Neuron 2.28, is the last release that does); "
+            "see README, 'Neuron stack'"
+        )
+
+
+def installed_library_version() -> str | None:
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return None
 
 
 def decode_batches(spec: BackendSpec) -> list[int] | None:
@@ -170,6 +196,7 @@ class NxdiBackend(NeuronBackend):
 
     @classmethod
     def _check_artifact(cls, artifact_dir: Path, spec: BackendSpec) -> None:
+        check_inf2_release(installed_library_version())
         check_compiled(read_compiled_config(artifact_dir), spec)
 
     @classmethod

@@ -12,7 +12,7 @@ import pytest
 
 from app.artifacts.manifest import Manifest, ValidationReport, check_against_stack, significant
 from app.backends.base import GREEDY, DecodeBatch, SamplingParams
-from app.backends.neuron.nxdi import NxdiBackend
+from app.backends.neuron.nxdi import NxdiBackend, check_inf2_release
 from app.backends.neuron.runtime import (
     RUNTIME_PACKAGE,
     import_library,
@@ -133,3 +133,13 @@ def test_several_decode_batches_only_on_nxdi_and_never_with_async_mode() -> None
         check_grid(replace(spec_for("neuron-nxdi", grid=grid), async_mode=True))
     with pytest.raises(ConfigError, match="async_mode is an NxD Inference option"):
         check_grid(replace(spec_for("neuron-tnx"), async_mode=True))
+
+
+def test_nxdi_after_neuron_2_28_is_refused_for_inf2() -> None:
+    for accepted in (None, "0.8.16251", "0.7.14366"):
+        check_inf2_release(accepted)
+    for refused in ("0.9.17334", "0.10.18399"):
+        with pytest.raises(
+            ConfigError, match=rf"neuronx-distributed-inference {refused} does not support Inf2"
+        ):
+            check_inf2_release(refused)
