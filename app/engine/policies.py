@@ -20,7 +20,6 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
 
 from app.backends.base import DecodeBatch, PrefillBatch
@@ -43,14 +42,6 @@ class StepDecision:
 
 
 DECODE_ONLY = StepDecision()
-
-
-class Urgency(Enum):
-    """How soon `SloPolicy` must prefill a waiting request."""
-
-    CAN_WAIT = "can_wait"
-    URGENT = "urgent"  # deferring one more decode step would make a request miss its TTFT
-    AGED = "aged"  # it waited so long that it goes now, whatever the stall budgets say
 
 
 class Policy(ABC):
@@ -204,9 +195,10 @@ class SloPolicy(Policy):
     On Inferentia a prefill is a separate call that stalls every decoding request; one stall of a long
     prompt can break the TPOT of a request with few tokens to spread it over. So:
     - Stall budgets. A decoding request may still absorb `first_token_time + slo_tpot x (max_tokens - 1)`
-      minus its projected end (now + remaining tokens x the learned decode step). A prefill goes ahead
-      only if every request still within its SLO can absorb it, or if waiting one more step would make
-      the prefilled request miss its TTFT and at most `max_tpot_victims` decoding requests lose theirs.
+      minus its projected end (now + remaining tokens x the learned decode step). A prefill waits only
+      while a request within its SLO that cannot absorb it would finish before the waiting requests
+      must start (their TTFT; a late one's aging): deferring then spares it the stall; otherwise the
+      stall is unavoidable and the prefill goes at once.
     - Deadline order. Of the waiting requests, the most that can still meet their TTFT go first, in
       deadline order (`on_time_schedule`); the others go after them in arrival order, so a burst does
       not make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so
@@ -217,7 +209,6 @@ class SloPolicy(Policy):
 
     name = "slo"
     aging_factor: ClassVar[float] = 4.0
-    max_tpot_victims: ClassVar[int] = 1
 
     def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
         super().__init__(grid, config)
@@ -229,50 +220,47 @@ class SloPolicy(Policy):
         self.costs.observe(batch, seconds)
 
     def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
-        candidate, cost, urgency = self._next(scheduler.waiting(), now)
-        decoding = scheduler.decoding()
-        if decoding and urgency is not Urgency.AGED:
-            budgets = self._stall_budgets(decoding, now)
-            victims = sum(1 for budget in budgets if budget < cost)
-            if victims and not (urgency is Urgency.URGENT and victims <= self.max_tpot_victims):
+        candidate, cost, slack = self._next(scheduler.waiting(), now)
+        for budget, finish_s in self._stall_budgets(scheduler.decoding(), now):
+            if budget < cost and finish_s <= slack:  # deferring lets it finish before this stall
                 return DECODE_ONLY
         return StepDecision([[candidate]], decode=False)
 
-    def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, Urgency]:
-        """The request to prefill next, its prefill cost, and how soon it must go."""
+    def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, float]:
+        """The request to prefill next, its prefill cost, and how long it can still wait: until the first
+        request of the on-time schedule would miss its TTFT, or, for a late one, until it ages."""
         on_time: list[tuple[float, float, Request]] = []  # (TTFT deadline, prefill cost, request)
-        late: tuple[Request, float] | None = None
+        late: tuple[Request, float, float] | None = None
         for request in waiting:  # in arrival order
             cost = self.costs.prefill_s(self.grid.context_bucket(request.num_prompt_tokens))
-            if now - request.arrival_time >= self.aging_factor * self.ttft_s:
-                return request, cost, Urgency.AGED
+            aged_at = request.arrival_time + self.aging_factor * self.ttft_s
+            if now >= aged_at:
+                return request, cost, 0.0
             deadline = request.arrival_time + self.ttft_s
             if deadline - cost >= now:
                 on_time.append((deadline, cost, request))
             elif late is None:
-                late = (request, cost)
+                late = (request, cost, aged_at - now)
         kept = on_time_schedule(on_time, now)
         if kept:
-            slack = min(deadline - end for deadline, end, _, _ in kept)
             _, _, request, cost = kept[0]
-            return request, cost, Urgency.URGENT if slack < self.costs.decode_s else Urgency.CAN_WAIT
+            return request, cost, min(deadline - end for deadline, end, _, _ in kept)
         assert late is not None  # decide is called only when a request waits
-        return late[0], late[1], Urgency.CAN_WAIT
+        return late
 
-    def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[float]:
-        """Seconds of stall each decoding request can still absorb within its TPOT SLO; requests already
-        past it (negative budget) no longer constrain anything."""
+    def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[tuple[float, float]]:
+        """For each decoding request still within its TPOT SLO: the stall it can still absorb, and the
+        time it needs to finish."""
         step = self.costs.decode_s
         budgets = []
         for request in decoding:
             if request.first_token_time is None:
                 continue
             outputs = request.token_limit - request.num_prompt_tokens
-            remaining = request.token_limit - request.num_tokens - request.pending
-            allowed_end = request.first_token_time + self.tpot_s * max(outputs - 1, 1)
-            budget = allowed_end - (now + remaining * step)
+            finish_s = (request.token_limit - request.num_tokens - request.pending) * step
+            budget = request.first_token_time + self.tpot_s * max(outputs - 1, 1) - (now + finish_s)
             if budget >= 0:
-                budgets.append(budget)
+                budgets.append((budget, finish_s))
         return budgets
 
 
