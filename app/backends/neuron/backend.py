@@ -42,6 +42,7 @@ class NeuronBackend(Backend):
         self.model = info
         self._neuron = neuron_model
         self._fresh = FreshSlots()
+        self._failed: dict[int, tuple[int, int]] = {}  # slot -> (token, position) in a failed decode
 
     @classmethod
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> Self:
@@ -59,14 +60,23 @@ class NeuronBackend(Backend):
             with torch.inference_mode():  # as the libraries' own guides run their steps
                 tokens.append(self._prefill_one(slot, prompt, params, batch.context_bucket))
             self._fresh.add(slot, len(prompt))
+            self._failed.pop(slot, None)
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
         check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
-        rows = decode_rows(batch, batch.batch_bucket, grid.max_positions, self._fresh.take())
-        with torch.inference_mode():
-            return self._decode(rows, batch)
+        rows = decode_rows(batch, batch.batch_bucket, grid.max_positions, self._fresh.take(), self._failed)
+        try:
+            with torch.inference_mode():
+                tokens = self._decode(rows, batch)
+        except Exception:
+            rows_run = zip(batch.last_tokens, batch.positions, strict=True)
+            self._failed |= dict(zip(batch.slots, rows_run, strict=True))
+            raise
+        for slot in batch.slots:  # its row ran: its own next call carries it again, or it has ended
+            self._failed.pop(slot, None)
+        return tokens
 
     def close(self) -> None:
         """Drop the model (the runtime frees its NeuronCores when it unloads, at the latest at exit)."""

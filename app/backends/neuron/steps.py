@@ -11,6 +11,9 @@ slot, so where it is parked matters:
 - a slot prefilled since the last decode call but left out of this one (the engine decodes a new sequence
   from the step after its prefill) is parked at its prompt's length: the first position the sequence
   itself writes, before it ever reads it, so the junk is overwritten unseen;
+- a slot whose row was in a decode call that failed, and which the engine now runs without it (it
+  re-runs a failed step's rows one by one to find the bad one), replays that row: its own token at its own
+  position, which rewrites the very KV entry its next real step writes;
 - any other slot is free (every live sequence is in every decode call) and is parked at the smallest live
   position, which is never 0 (NxDI routes a batch holding a position-0 row to context encoding) and never
   raises the token bucket the library picks from the largest position.
@@ -106,10 +109,15 @@ class FreshSlots:
 
 
 def decode_rows(
-    batch: DecodeBatch, num_slots: int, max_positions: int, fresh: Mapping[int, int]
+    batch: DecodeBatch,
+    num_slots: int,
+    max_positions: int,
+    fresh: Mapping[int, int],
+    replayed: Mapping[int, tuple[int, int]] | None = None,
 ) -> DecodeRows:
     """Lay `batch` out on the `num_slots` rows of its batch bucket; `fresh` maps a slot prefilled since
-    the last decode call to its prompt length. See the module docstring for the padding rule."""
+    the last decode call to its prompt length, `replayed` a slot of a failed call to its (token,
+    position) there. See the module docstring for the padding rule."""
     if max(batch.slots) >= num_slots:
         raise BatchError(f"decode slots {list(batch.slots)} do not fit the batch bucket of {num_slots} rows")
     pad_position = min(batch.positions)
@@ -117,6 +125,9 @@ def decode_rows(
     tokens = [0] * num_slots
     positions = [parked.get(slot, pad_position) for slot in range(num_slots)]
     sampling = [GREEDY] * num_slots
+    for slot, (token, position) in (replayed or {}).items():
+        if slot < num_slots:
+            tokens[slot], positions[slot] = token, position
     for slot, token, position, params in zip(
         batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True
     ):

@@ -142,3 +142,23 @@ def test_load_pins_the_configured_cores(nxdi_artifact: Path, monkeypatch: pytest
     assert os.environ["NEURON_RT_VISIBLE_CORES"] == "2-3"
     with pytest.raises(ConfigError, match="tp_degree 2"):
         NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:0-3")
+
+
+def test_rows_of_a_failed_decode_replay_while_the_engine_reruns_them_one_by_one(
+    nxdi: NxdiBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed step the engine re-runs its rows one per call; the rows left out of such a call are
+    live, so they replay their own token at their own position instead of being parked over their KV."""
+    settled(nxdi)
+    first = {slot: prefill(nxdi, slot, (1, 403, 407, 261, 378, 432, 383)) for slot in (0, 2)}
+    batch = decode_batch([0, 2], [first[0], first[2]], [7, 7])
+    decode = nxdi._decode
+    monkeypatch.setattr(nxdi, "_decode", lambda rows, batch: (_ for _ in ()).throw(RuntimeError("device")))
+    with pytest.raises(RuntimeError):
+        nxdi.decode(batch)
+    monkeypatch.setattr(nxdi, "_decode", decode)
+    nxdi.decode(decode_batch([0], [first[0]], [7]))
+    call = library_calls(nxdi)[-1]
+    assert call["input_ids"][:, 0].tolist()[2] == first[2] and call["position_ids"][:, 0].tolist()[2] == 7
+    nxdi.decode(decode_batch([2], [first[2]], [7]))
+    assert nxdi._failed == {}
