@@ -100,7 +100,7 @@ class Preset:
         """What the Neuron backends compile: one decode batch of every slot."""
         buckets = powers_of_two(128, self.max_positions)
         return ShapeGrid(
-            self.slots, self.max_positions, buckets, buckets, batch_buckets("neuron-nxdi", self.slots)
+            self.slots, self.max_positions, buckets, buckets, batch_buckets("neuron-nxdi", self.slots, None)
         )
 
 
