@@ -161,7 +161,9 @@ def build_grid(options: CompileOptions, llama: LlamaSpec) -> ShapeGrid:
     )
 
 
-def batch_buckets(backend: str, batch_size: int, decode_batches: tuple[int, ...] | None) -> tuple[int, ...]:
+def batch_buckets(
+    backend: str, batch_size: int, decode_batches: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
     """The decode batch sizes, the full batch always among them. By default the portable backends get
     powers of two and the Neuron ones the full batch only (every decode carries every slot; NxD
     Inference compiles more sizes on request, `token_generation_batches`)."""
