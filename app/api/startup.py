@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -29,6 +29,7 @@ from app.artifacts.paths import manifest_view, remove_view
 from app.backends import backend_class
 from app.backends.base import Backend
 from app.engine.engine import LLMEngine
+from app.engine.types import EngineClient
 from app.errors import ArtifactError
 from app.placement import replica_devices
 from app.replicas import pool as replica_pool  # the module: a replica process imports this one
@@ -134,14 +135,25 @@ async def start_replicas(
     """One engine process per device placement, behind the front's router; ready when all are."""
     pool = replica_pool.ReplicaPool(artifact, settings, devices, settings.replica_routing)
     await pool.start()
-    manifest = artifact.manifest
 
     def close() -> None:
         pool.close()
         remove_view(artifact.root)
 
+    return _runtime(artifact, tokenizer, settings, pool, close, caveats)
+
+
+def _runtime(
+    artifact: LocalArtifact,
+    tokenizer: Tokenizer,
+    settings: ServerSettings,
+    engine: EngineClient,
+    close: Callable[[], None],
+    caveats: tuple[str, ...],
+) -> Runtime:
+    manifest = artifact.manifest
     return Runtime(
-        engine=pool,
+        engine=engine,
         tokenizer=tokenizer,
         model_name=settings.served_model_name or manifest.model_name,
         artifact_id=manifest.artifact_id,
@@ -192,13 +204,4 @@ async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runt
         backend.close()
         remove_view(artifact.root)
 
-    return Runtime(
-        engine=engine,
-        tokenizer=tokenizer,
-        model_name=settings.served_model_name or manifest.model_name,
-        artifact_id=manifest.artifact_id,
-        backend_name=manifest.spec.backend,
-        grid=manifest.spec.grid,
-        close=close,
-        caveats=caveats,
-    )
+    return _runtime(artifact, tokenizer, settings, engine, close, caveats)
