@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.raw_http import read_until_closed
+
 from .conftest import API_KEY, MAX_WAITING
 
 COMPLETIONS = "/v1/completions"
@@ -89,25 +91,13 @@ def _connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
-def _until_closed(sock: socket.socket) -> bytes:
-    received = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return received
-        if not chunk:
-            return received
-        received += chunk
-
-
 def test_11_a_slowloris_client_is_disconnected(adversarial_server) -> None:
     with _connect(adversarial_server.url) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
         answer = b""
         for _ in range(600):  # one header byte every 50 ms, 30 s at most
             if select.select([sock], [], [], 0.05)[0]:
-                answer = _until_closed(sock)
+                answer = read_until_closed(sock)
                 break
             sock.send(b"X")
     assert answer.startswith(b"HTTP/1.1 408 ")
@@ -123,7 +113,7 @@ def test_11_a_one_megabyte_header_is_refused(adversarial_server) -> None:
                 sock.sendall(request[start : start + 16384])
             except (BrokenPipeError, ConnectionResetError):
                 break
-        answer = _until_closed(sock)
+        answer = read_until_closed(sock)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431 ")
 
 

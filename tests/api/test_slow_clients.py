@@ -18,6 +18,7 @@ import uvicorn
 from app.api.app import create_app
 from app.api.server import uvicorn_config
 from app.settings import ServerSettings
+from tests.raw_http import read_until_closed
 from tests.s3_server import free_port
 
 from .conftest import wait_ready
@@ -53,19 +54,6 @@ def connect(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=BOUND_S)
     return sock
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (EOF, or a reset after its answer)."""
-    received = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return received
-        if not chunk:
-            return received
-        received += chunk
 
 
 def trickle_until_answered(sock: socket.socket, byte: bytes) -> bytes:
