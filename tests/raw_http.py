@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 
 
@@ -16,3 +17,16 @@ def read_until_closed(sock: socket.socket) -> bytes:
         if not chunk:
             return received
         received += chunk
+
+
+def send_until_answered(sock: socket.socket, request: bytes, piece: int = 16384) -> bytes:
+    """Send `request` in pieces, stopping early once the server answers or closes (as it may refuse an
+    oversized request before it has all been sent); then everything it sends until it closes."""
+    for start in range(0, len(request), piece):
+        if select.select([sock], [], [], 0)[0]:
+            break
+        try:
+            sock.sendall(request[start : start + piece])
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    return read_until_closed(sock)

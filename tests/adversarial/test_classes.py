@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.raw_http import read_until_closed
+from tests.raw_http import read_until_closed, send_until_answered
 
 from .conftest import API_KEY, MAX_WAITING
 
@@ -106,14 +106,7 @@ def test_11_a_slowloris_client_is_disconnected(adversarial_server) -> None:
 def test_11_a_one_megabyte_header_is_refused(adversarial_server) -> None:
     request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_048_576 + b"\r\n\r\n"
     with _connect(adversarial_server.url) as sock:
-        for start in range(0, len(request), 16384):
-            if select.select([sock], [], [], 0)[0]:
-                break
-            try:
-                sock.sendall(request[start : start + 16384])
-            except (BrokenPipeError, ConnectionResetError):
-                break
-        answer = read_until_closed(sock)
+        answer = send_until_answered(sock, request)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431 ")
 
 

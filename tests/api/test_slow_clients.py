@@ -18,7 +18,7 @@ import uvicorn
 from app.api.app import create_app
 from app.api.server import uvicorn_config
 from app.settings import ServerSettings
-from tests.raw_http import read_until_closed
+from tests.raw_http import read_until_closed, send_until_answered
 from tests.s3_server import free_port
 
 from .conftest import wait_ready
@@ -94,16 +94,8 @@ def test_a_stalled_body_is_answered_408_and_disconnected(server) -> None:
 
 def test_a_one_megabyte_header_is_refused(server) -> None:
     request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_048_576 + b"\r\n\r\n"
-    answer = b""
     with connect(server) as sock:
-        for start in range(0, len(request), 16384):
-            if select.select([sock], [], [], 0)[0]:
-                break
-            try:
-                sock.sendall(request[start : start + 16384])
-            except (BrokenPipeError, ConnectionResetError):
-                break
-        answer = read_until_closed(sock)
+        answer = send_until_answered(sock, request)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert b" 200 " not in answer[:20]
     assert httpx.get(server + "/health").status_code == 200
