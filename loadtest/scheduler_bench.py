@@ -93,8 +93,13 @@ def run_trace(
     (output_len is then only their cap)."""
     spec = BackendSpec("sim", 1, "fp32", grid)
     backend = SimBackend.create(spec, cost, 512, (1, 2), eos_probability, record_timeline=True)
+    # fifo in both modes: static batching is fifo's run-to-completion mode, so only the batching differs.
     config = EngineConfig(
-        max_waiting=len(trace), max_queue_wait_s=None, static_batching=static, run_ahead=run_ahead
+        max_waiting=len(trace),
+        max_queue_wait_s=None,
+        static_batching=static,
+        run_ahead=run_ahead,
+        policy="fifo",
     )
     engine = LLMEngine(backend, tokenizer, config)
     received = 0
@@ -206,8 +211,9 @@ def scheduler_cpu(num_sequences: int, iterations: int) -> dict[str, Any]:
         params = GenerationParams(SamplingParams(seed=index), max_tokens=8000)
         scheduler.add(Request(f"r{index}", tuple(range(3, 103)), params, 0.0, frozenset({1, 2})))
     samples = [SampledToken(7, -1.0)] * num_sequences
-    for group in scheduler.schedule(0.0).prefills:
-        scheduler.apply(group.requests, samples[: len(group.requests)], 0.0)
+    while scheduler.num_waiting:  # the default (slo) policy admits one prefill a step
+        for group in scheduler.schedule(0.0).groups:
+            scheduler.apply(group.requests, samples[: len(group.requests)], 0.0)
     start = time.thread_time_ns()
     for _ in range(iterations):
         plan = scheduler.schedule(0.0)

@@ -44,6 +44,8 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
             )
+        if self.static_batching and self.policy != "fifo":
+            raise ConfigError(f"static_batching is a mode of the fifo policy, not of {self.policy!r}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

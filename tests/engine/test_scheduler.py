@@ -12,7 +12,7 @@ from app.engine.policies import POLICIES
 from app.engine.request import RequestState
 from app.engine.scheduler import BatchPlan, Scheduler
 from app.engine.types import FinishReason
-from app.errors import DeadlineExceededError, GenerationError
+from app.errors import ConfigError, DeadlineExceededError, GenerationError
 from tests.engine.helpers import EOS_IDS, TINY_GRID, make_request, sample
 
 
@@ -127,6 +127,11 @@ def test_random_operations_never_use_a_slot_twice_nor_lose_one(policy: str) -> N
     while any(not r.is_finished for r in requests):
         execute(s, s.schedule(0.0))
     assert s.num_free_slots == TINY_GRID.num_slots and s.num_waiting == 0
+
+
+def test_static_batching_is_refused_under_another_policy() -> None:
+    with pytest.raises(ConfigError, match="static_batching is a mode of the fifo policy"):
+        EngineConfig(static_batching=True, policy="slo")
 
 
 def test_static_batching_admits_only_into_an_empty_engine() -> None:
