@@ -22,14 +22,15 @@ against rate per policy, TTFT and TPOT distributions at one rate: `loadtest/repo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import statistics
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -227,44 +228,81 @@ def run_trace(
     clock = VirtualClock()
     spec = BackendSpec("sim", 1, "bf16", preset.grid)
     backend = SimBackend.create(spec, preset.cost, VOCAB, EOS_IDS, clock=clock)
-    engine = LLMEngine(backend, tokenizer, config, clock=clock)
-    arrivals = trace.arrivals(rate)
-    allowed = (1 - TARGET) * len(trace)
-    misses = [0] * len(slos)
-
-    async def consume(stream: AsyncIterator[RequestOutput]) -> Outcome:
-        last = None
-        async for last in stream:  # noqa: B007
-            pass
-        assert last is not None and last.error is None, last
-        n, timings = last.num_generated_tokens, last.timings
-        ttft, total = timings.time_to_first_token_s or 0.0, timings.total_s or 0.0
-        outcome = Outcome(ttft, (total - ttft) / (n - 1) if n > 1 else 0.0, n)
-        for index, slo in enumerate(slos):
-            misses[index] += not slo.met(outcome.ttft_s, outcome.tpot_s)
-        return outcome
-
-    async def drive() -> list[Outcome | None]:
-        tasks = []
-        clock.open_gate(arrivals[0])
-        for index, arrival in enumerate(arrivals):
-            if slos and min(misses) > allowed:
-                break
-            await asyncio.to_thread(clock.wait_blocked)
-            clock.arrive(arrival)
-            prompt = [3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index])]
-            params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
-            tasks.append(asyncio.create_task(consume(engine.generate(f"r{index}", prompt, params))))
-            clock.open_gate(arrivals[index + 1] if index + 1 < len(arrivals) else math.inf)
-        clock.open_gate(math.inf)
-        outcomes: list[Outcome | None] = list(await asyncio.gather(*tasks))
-        return outcomes + [None] * (len(arrivals) - len(outcomes))
-
+    run = TraceRun(trace, slos)
+    engine = LLMEngine(backend, tokenizer, config, clock=clock, relay=run.relay)
+    clock.feed(trace.arrivals(rate), partial(run.arrive, engine))
     engine.start()
     try:
-        return asyncio.run(drive())
+        return run.outcomes(engine)
     finally:
         engine.stop()
+
+
+class TraceRun:
+    """One run's requests: submitted on the engine's thread as the virtual clock reaches each arrival, their
+    final outputs taken from the engine's relay on its output thread; `outcomes` waits for them."""
+
+    def __init__(self, trace: Trace, slos: Sequence[Slo]) -> None:
+        self.trace = trace
+        self.slos = slos
+        self.allowed = (1 - TARGET) * len(trace)
+        self.misses = [0] * len(slos)
+        self.finals: dict[int, RequestOutput] = {}
+        self.submitted = 0
+        self.arriving = True
+        self.lock = threading.Lock()  # the engine thread submits, the output thread finishes
+        self.done = threading.Event()
+
+    def arrive(self, engine: LLMEngine, index: int) -> bool:
+        """Submit request `index`, unless the target is already out of reach (then no more arrive)."""
+        if self.slos and min(self.misses) > self.allowed:
+            with self.lock:
+                self.arriving = False
+                self._check_done()
+            return False
+        trace = self.trace
+        prompt = [3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index])]
+        params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
+        with self.lock:
+            self.submitted += 1
+            self.arriving = index + 1 < len(trace)
+        engine.submit(f"r{index}", prompt, params)
+        return True
+
+    def relay(self, outputs: list[RequestOutput]) -> None:
+        """One step's deltas (the output thread)."""
+        for output in outputs:
+            if output.finished:
+                index = int(output.request_id[1:])
+                self.finals[index] = output
+                outcome = outcome_of(output)
+                for k, slo in enumerate(self.slos):
+                    self.misses[k] += outcome is None or not slo.met(outcome.ttft_s, outcome.tpot_s)
+                with self.lock:
+                    self._check_done()
+
+    def _check_done(self) -> None:
+        if not self.arriving and len(self.finals) == self.submitted:
+            self.done.set()
+
+    def outcomes(self, engine: LLMEngine) -> list[Outcome | None]:
+        while not self.done.wait(1.0):
+            if not engine.is_alive:
+                raise RuntimeError("the engine stopped before the run ended")
+        outcomes: list[Outcome | None] = [None] * len(self.trace)
+        for index, output in self.finals.items():
+            assert output.error is None, output
+            outcomes[index] = outcome_of(output)
+        return outcomes
+
+
+def outcome_of(output: RequestOutput) -> Outcome | None:
+    """A finished request's TTFT and TPOT (None if it failed)."""
+    if output.error is not None:
+        return None
+    n, timings = output.num_generated_tokens, output.timings
+    ttft, total = timings.time_to_first_token_s or 0.0, timings.total_s or 0.0
+    return Outcome(ttft, (total - ttft) / (n - 1) if n > 1 else 0.0, n)
 
 
 def runner(

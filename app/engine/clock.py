@@ -7,9 +7,9 @@ instead of sleeping, and the whole run is CPU-bound. Production uses `SYSTEM_CLO
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 
@@ -41,16 +41,21 @@ SYSTEM_CLOCK = SystemClock()
 
 class VirtualClock:
     """Virtual time for the real engine against the sim device (`SimBackend(clock=...)`): only the device
-    moves it, to the end of each call it is waited for. A driver thread submits arrivals in lockstep:
-    the engine may not move time to or past `gate` (the next arrival not yet submitted); it blocks
-    there, or when it idles, until the driver has submitted that arrival (`wait_blocked`, `arrive`,
-    `open_gate`). So a run is deterministic and takes CPU time only."""
+    moves it, to the end of each call it is waited for, and arrivals join at their own times (`feed`).
+    Before time moves to or past the next arrival (the engine waits for a call ending then, or idles), it
+    moves to that arrival and the arrival is submitted, on the engine's thread. So a run is deterministic,
+    takes CPU time only, and hands nothing between threads per arrival or step."""
 
     def __init__(self) -> None:
         self._now = 0.0
-        self._cond = threading.Condition()
-        self._gate = math.inf
-        self._blocked: float | None = None  # where the engine waits: a time, or inf when idle
+        self._arrivals: Sequence[float] = ()
+        self._next = 0  # the next arrival's index
+        self._arrive: Callable[[int], bool] = lambda index: False
+
+    def feed(self, arrivals: Sequence[float], arrive: Callable[[int], bool]) -> None:
+        """Arrival times, ascending; at time `arrivals[i]`, `arrive(i)` submits arrival i, or returns False
+        to end the arrivals there (set before the engine starts)."""
+        self._arrivals, self._arrive, self._next = arrivals, arrive, 0
 
     def monotonic(self) -> float:
         return self._now
@@ -59,41 +64,17 @@ class VirtualClock:
         return self._now
 
     def sleep_until(self, deadline: float) -> None:
-        with self._cond:
-            while deadline >= self._gate:
-                self._blocked = deadline
-                self._cond.notify_all()
-                self._cond.wait()
-            self._now = max(self._now, deadline)
+        while self._next < len(self._arrivals) and self._arrivals[self._next] <= deadline:
+            self._submit_next()
+        self._now = max(self._now, deadline)
 
     def idle(self, wake: threading.Event, timeout: float) -> None:
-        with self._cond:
-            if self._gate < math.inf:
-                self._blocked = math.inf
-                self._cond.notify_all()
-                while self._blocked == math.inf and not wake.is_set():
-                    self._cond.wait()
-                return
+        if self._next < len(self._arrivals):
+            self._submit_next()  # the engine has nothing to do until then
+            return
         wake.wait(timeout)  # no arrival to come: the run is over
 
-    # --- the driver's side ---
-
-    def wait_blocked(self, timeout: float = 120.0) -> float:
-        """Wait until the engine blocks at the gate (or idles); where it waits."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._blocked is not None, timeout):
-                raise TimeoutError("the engine neither reached the next arrival nor idled")
-            return self._blocked  # type: ignore[return-value]
-
-    def arrive(self, arrival: float) -> None:
-        """Only while the engine is blocked: time moves to an arrival it has reached."""
-        with self._cond:
-            self._now = max(self._now, arrival)
-
-    def open_gate(self, gate: float) -> None:
-        """The next arrival not yet submitted (inf: none); releases the engine if it may go on."""
-        with self._cond:
-            self._gate = gate
-            if self._blocked is not None and (self._blocked == math.inf or self._blocked < gate):
-                self._blocked = None
-            self._cond.notify_all()
+    def _submit_next(self) -> None:
+        index = self._next
+        self._now = max(self._now, self._arrivals[index])
+        self._next = index + 1 if self._arrive(index) else len(self._arrivals)
