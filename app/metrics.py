@@ -94,6 +94,9 @@ PADDED_TOKENS = _counter(
     "num_batched_tokens_padding", "Padded (wasted) tokens, by phase and bucket.", _PHASE_BUCKET
 )
 BATCHED_TOKENS = _counter("num_batched_tokens", "Useful tokens computed, by phase and bucket.", _PHASE_BUCKET)
+PREEMPTIONS = _counter(
+    "num_preemptions", "Requests evicted from their slots to be prefilled again later (the slo policy)."
+)
 DECODE_STALL = _histogram(
     "decode_stall_seconds",
     "Time running decodes waited on prefills in a step (a prefill-only step counts as one).",
@@ -240,6 +243,8 @@ def record_step_stats(stats: StepStats, replica: str = SINGLE_REPLICA) -> None:
         PADDED_TOKENS.labels(*labels).inc(call.padded_tokens)
     if stats.decode_stall_s:
         DECODE_STALL.labels(replica).observe(stats.decode_stall_s)
+    if stats.preempted:
+        PREEMPTIONS.labels(replica).inc(stats.preempted)
     _engine_state[replica] = (stats.num_running, stats.num_waiting, stats.num_slots)
     RUNNING.labels(replica).set(stats.num_running)
     WAITING.labels(replica).set(stats.num_waiting)

@@ -72,6 +72,19 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def survives_recompute(self) -> bool:
+        """Whether a prefill of the prompt and the tokens generated so far samples what decoding on would
+        (a token is a function of logits, seed and position): no penalty or minimum that counts output
+        tokens apart from prompt tokens, and no prompt logprobs to return twice."""
+        return (
+            self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.min_tokens == 0
+            and self.prompt_logprobs is None
+        )
+
 
 NEUTRAL_SAMPLING: dict[str, object] = {
     "min_p": 0.0,

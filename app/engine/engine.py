@@ -291,8 +291,8 @@ class LLMEngine:
         ended = [*self._take_inbox()]
         plan = self._scheduler.schedule(self.clock.monotonic())
         ended += plan.expired
-        if ended:
-            self._report(_final_records(ended), (), self.clock.monotonic())
+        if ended or plan.preempted:
+            self._report(_final_records(ended), (), self.clock.monotonic(), len(plan.preempted))
         return plan
 
     def _idle(self) -> None:
@@ -377,12 +377,22 @@ class LLMEngine:
         return CallOutcome(batch, seconds, call.group.requests, samples, error)
 
     def _report(
-        self, records: list[tuple[Request, int, bool]], calls: Sequence[CallTiming], now: float
+        self,
+        records: list[tuple[Request, int, bool]],
+        calls: Sequence[CallTiming],
+        now: float,
+        preempted: int = 0,
     ) -> None:
-        if records or calls:
+        if records or calls or preempted:
             scheduler = self._scheduler
             report = StepReport(
-                now, records, calls, scheduler.num_running, scheduler.num_waiting, self.grid.num_slots
+                now,
+                records,
+                calls,
+                scheduler.num_running,
+                scheduler.num_waiting,
+                self.grid.num_slots,
+                preempted,
             )
             self._output.submit(report)
 

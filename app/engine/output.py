@@ -134,6 +134,7 @@ class StepReport:
     num_running: int = 0
     num_waiting: int = 0
     num_slots: int = 1
+    preempted: int = 0  # requests evicted from their slots (recompute preemption)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +209,9 @@ class OutputProcessor:
             self._process(report)
 
     def _process(self, report: StepReport) -> None:
-        stats = self._stats = StepStats(report.num_running, report.num_waiting, report.num_slots)
+        stats = self._stats = StepStats(
+            report.num_running, report.num_waiting, report.num_slots, preempted=report.preempted
+        )
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         decode_s = sum([call.seconds for call in report.calls if isinstance(call.batch, DecodeBatch)])
         relayed: list[RequestOutput] = []

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from app.backends.base import DecodeBatch, PrefillBatch
 from app.engine.config import EngineConfig
-from app.engine.request import Request
+from app.engine.request import DECODING, Request
 from app.shapes import ShapeGrid
 
 if TYPE_CHECKING:
@@ -33,12 +33,14 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class StepDecision:
-    """One step: prefill calls (each padded to its longest prompt's context bucket), then, or before them
-    (`decode_first`), one decode of every running slot unless `decode` is false."""
+    """One step: the running requests that leave their slots first (`preempt`), prefill calls (each padded
+    to its longest prompt's context bucket), then, or before them (`decode_first`), one decode of every
+    running slot unless `decode` is false."""
 
     prefills: list[list[Request]] = field(default_factory=list)
     decode: bool = True
     decode_first: bool = False
+    preempt: tuple[Request, ...] = ()
 
 
 DECODE_ONLY = StepDecision()
@@ -46,6 +48,7 @@ DECODE_ONLY = StepDecision()
 
 class Policy(ABC):
     name: ClassVar[str]
+    preempts: ClassVar[bool] = False  # asked to decide also when no slot is free
 
     def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
         self.grid = grid
@@ -53,7 +56,8 @@ class Policy(ABC):
 
     @abstractmethod
     def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
-        """Called only when some request waits and a slot is free; otherwise every slot decodes."""
+        """Called only when some request waits and a slot is free (or, if the policy `preempts`, when some
+        request waits); otherwise every slot decodes."""
 
     def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:  # noqa: B027
         """The device time a call took (the engine reports every call); most policies ignore it."""
@@ -203,12 +207,20 @@ class SloPolicy(Policy):
       deadline order (`on_time_schedule`); the others go after them in arrival order, so a burst does
       not make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so
       none starves.
+    - Slot time-sharing. When every slot is taken and the next request would miss its TTFT waiting for
+      one to free, the running request with the largest stall budget leaves its slot (recompute
+      preemption) if that budget covers `preempt_margin` times the prefills involved; it waits with its
+      budget as the deadline for its own prefill again, so it returns before its TPOT is at risk (a slot
+      it cannot get otherwise is taken from another request in the same way). Devices with few slots
+      and a decode step well under `slo_tpot` serve more requests at once this way.
     - Prefill-only steps of one request: the engine stamps first tokens when a step ends, so a prefill
       shares its step with nothing (one-sequence prefill calls cost the same alone or together).
     """
 
     name = "slo"
+    preempts = True
     aging_factor: ClassVar[float] = 4.0
+    preempt_margin: ClassVar[float] = 2.0
 
     def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
         super().__init__(grid, config)
@@ -220,48 +232,98 @@ class SloPolicy(Policy):
         self.costs.observe(batch, seconds)
 
     def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
-        candidate, cost, slack = self._next(scheduler.waiting(), now)
-        for budget, finish_s in self._stall_budgets(scheduler.decoding(), now):
-            if budget < cost and finish_s <= slack:  # deferring lets it finish before this stall
+        decoding = scheduler.decoding()
+        budgets = self._stall_budgets(decoding, now)
+        job = self._next(scheduler.waiting(), scheduler.preempted(), now)
+        if job is None:  # only preempted requests wait, with a token still in flight
+            return DECODE_ONLY
+        if not scheduler.num_free_slots:
+            frees_in = min((self._finish_s(r) for r in decoding), default=math.inf)
+            victim = self._victim(budgets, job) if job.on_time and frees_in > job.slack else None
+            if victim is None:
                 return DECODE_ONLY
-        return StepDecision([[candidate]], decode=False)
+            return StepDecision([[job.request]], decode=False, preempt=(victim,))
+        for _, budget, finish_s in budgets:
+            if budget < job.cost and finish_s <= job.slack:  # deferring lets it finish before this stall
+                return DECODE_ONLY
+        return StepDecision([[job.request]], decode=False)
 
-    def _next(self, waiting: Iterable[Request], now: float) -> tuple[Request, float, float]:
-        """The request to prefill next, its prefill cost, and how long it can still wait: until the first
-        request of the on-time schedule would miss its TTFT, or, for a late one, until it ages."""
-        on_time: list[tuple[float, float, Request]] = []  # (TTFT deadline, prefill cost, request)
-        late: tuple[Request, float, float] | None = None
+    def _prefill_cost(self, request: Request) -> float:
+        return self.costs.prefill_s(self.grid.context_bucket(request.num_tokens))
+
+    def _next(self, waiting: Iterable[Request], preempted: Sequence[Request], now: float) -> Candidate | None:
+        """The request to prefill next: the first of the on-time schedule, whose slack is how long the
+        schedule can wait before one of its requests misses its deadline (a new request's TTFT, a
+        preempted one's stall budget); else a late one, which can wait until it ages."""
+        on_time: list[tuple[float, float, Request]] = []  # (deadline, prefill cost, request)
+        late: Candidate | None = None
+        for request in preempted:
+            cost = self._prefill_cost(request)
+            budget = self._budget(request, now)
+            if budget < cost:  # its TPOT is lost: it goes before anything new (no starving)
+                return Candidate(request, cost, 0.0, on_time=False)
+            on_time.append((now + budget, cost, request))
         for request in waiting:  # in arrival order
-            cost = self.costs.prefill_s(self.grid.context_bucket(request.num_prompt_tokens))
+            cost = self._prefill_cost(request)
             aged_at = request.arrival_time + self.aging_factor * self.ttft_s
             if now >= aged_at:
-                return request, cost, 0.0
+                return Candidate(request, cost, 0.0, on_time=False)
             deadline = request.arrival_time + self.ttft_s
             if deadline - cost >= now:
                 on_time.append((deadline, cost, request))
             elif late is None:
-                late = (request, cost, aged_at - now)
+                late = Candidate(request, cost, aged_at - now, on_time=False)
         kept = on_time_schedule(on_time, now)
         if kept:
             _, _, request, cost = kept[0]
-            return request, cost, min(deadline - end for deadline, end, _, _ in kept)
-        assert late is not None  # decide is called only when a request waits
+            return Candidate(request, cost, min(deadline - end for deadline, end, _, _ in kept), on_time=True)
         return late
 
-    def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[tuple[float, float]]:
+    def _finish_s(self, request: Request) -> float:
+        """Decoding time until the request's last token (projected: it may end earlier)."""
+        return (request.token_limit - request.num_tokens - request.pending) * self.costs.decode_s
+
+    def _budget(self, request: Request, now: float) -> float:
+        """The stall a request that has its first token can still absorb and meet its TPOT."""
+        assert request.first_token_time is not None
+        outputs = request.token_limit - request.num_prompt_tokens
+        return request.first_token_time + self.tpot_s * max(outputs - 1, 1) - (now + self._finish_s(request))
+
+    def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[tuple[Request, float, float]]:
         """For each decoding request still within its TPOT SLO: the stall it can still absorb, and the
         time it needs to finish."""
-        step = self.costs.decode_s
         budgets = []
         for request in decoding:
-            if request.first_token_time is None:
-                continue
-            outputs = request.token_limit - request.num_prompt_tokens
-            finish_s = (request.token_limit - request.num_tokens - request.pending) * step
-            budget = request.first_token_time + self.tpot_s * max(outputs - 1, 1) - (now + finish_s)
-            if budget >= 0:
-                budgets.append((budget, finish_s))
+            if request.first_token_time is not None:
+                budget = self._budget(request, now)
+                if budget >= 0:
+                    budgets.append((request, budget, self._finish_s(request)))
         return budgets
+
+    def _victim(self, budgets: list[tuple[Request, float, float]], job: Candidate) -> Request | None:
+        """The running request to preempt for `job`: the one with the largest budget left after its own
+        prefill again, if that covers `preempt_margin` times both prefills (none otherwise)."""
+        best, spare = None, 0.0
+        for request, budget, _ in budgets:
+            if request.state is not DECODING or not request.params.sampling.survives_recompute:
+                continue
+            if request.num_tokens > self.grid.max_prompt_tokens:
+                continue
+            recompute = self._prefill_cost(request)
+            left = budget - recompute
+            if left > spare and left >= self.preempt_margin * (job.cost + recompute):
+                best, spare = request, left
+        return best
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """The request `SloPolicy` would prefill next, its prefill's cost, and how long it can wait."""
+
+    request: Request
+    cost: float
+    slack: float
+    on_time: bool
 
 
 def on_time_schedule(

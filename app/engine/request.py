@@ -1,6 +1,9 @@
 """One generation request inside the engine and its state machine:
 
     WAITING -> PREFILLING -> DECODING -> FINISHED(reason)
+    DECODING -> PREEMPTED -> PREFILLING: evicted from its slot (recompute preemption), the request waits
+    again and is prefilled later with its prompt and the tokens it generated (`prefill_token_ids`); a
+    token of a step in flight when it was evicted is still appended (running ahead)
     (any state but FINISHED) -> FINISHED(abort, error: cancelled, deadline passed, device step failed)
 
 The engine thread owns the token-side fields (state, slot, output ids, timestamps) and changes them only
@@ -25,17 +28,20 @@ class RequestState(Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
 # Module constants: looking a member up on an Enum class costs a call in CPython 3.11, per token here.
 WAITING, PREFILLING = RequestState.WAITING, RequestState.PREFILLING
 DECODING, FINISHED = RequestState.DECODING, RequestState.FINISHED
+PREEMPTED = RequestState.PREEMPTED
 
 _NEXT_STATES: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
     RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.FINISHED}),
-    RequestState.DECODING: frozenset({RequestState.FINISHED}),
+    RequestState.DECODING: frozenset({RequestState.PREEMPTED, RequestState.FINISHED}),
+    RequestState.PREEMPTED: frozenset({RequestState.PREFILLING, RequestState.FINISHED}),
     RequestState.FINISHED: frozenset(),
 }
 
@@ -114,17 +120,31 @@ class Request:
     def is_finished(self) -> bool:
         return self.state is FINISHED
 
+    @property
+    def prefill_token_ids(self) -> tuple[int, ...]:
+        """What a prefill of this request processes: the prompt, and after a preemption its outputs too."""
+        if not self.output_token_ids:
+            return self.prompt_token_ids
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
     def start_prefill(self, slot: int, now: float) -> None:
         self._move(RequestState.PREFILLING)
         self.slot = slot
-        self.scheduled_time = now
+        if self.scheduled_time is None:  # a preempted request keeps its first admission time
+            self.scheduled_time = now
+
+    def preempt(self) -> None:
+        self._move(PREEMPTED)
+        self.slot = -1
 
     def append_token(self, sample: SampledToken, now: float) -> None:
         if self.state is not DECODING:
-            if self.state is not PREFILLING:
+            if self.state is PREFILLING:
+                self._move(DECODING)
+                if self.first_token_time is None:
+                    self.first_token_time = now
+            elif self.state is not PREEMPTED:  # PREEMPTED: a token of a step in flight at eviction
                 raise InvalidTransitionError(f"{self!r} received a token")
-            self._move(DECODING)
-            self.first_token_time = now
         self.output_token_ids.append(sample.token_id)
         self.samples.append(sample)
         self.last_token_id = sample.token_id

@@ -4,9 +4,12 @@ calls a backend.
 
 One step:
 1. Expire: requests past their deadline, or waiting longer than `max_queue_wait_s`, fail.
-2. Decide (`app/engine/policies.py`, `EngineConfig.policy`): when a request waits and a slot is free,
-   the policy picks which waiting requests are prefilled, in which calls (each padded to its longest
-   prompt's context bucket), and whether the running slots decode in this step; otherwise they do.
+2. Decide (`app/engine/policies.py`, `EngineConfig.policy`): when a request waits and a slot is free
+   (or, for a policy that preempts, whenever a request waits), the policy picks which running requests
+   leave their slots (recompute preemption), which waiting requests are prefilled, in which calls (each
+   padded to its longest prompt's context bucket), and whether the running slots decode in this step;
+   otherwise they do. A preempted request waits apart from the queue and is prefilled again later with
+   its prompt and the tokens it generated, which yields its next token (`Request.prefill_token_ids`).
 3. Decode: every request holding a slot decodes one token, in one batch padded to the batch bucket of
    its size and the token bucket of its longest sequence. A request admitted in this step decodes from
    the next one on (its first token comes from its prefill).
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from app.backends.base import FED_BACK, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.engine.config import EngineConfig
 from app.engine.policies import POLICIES, StepDecision
-from app.engine.request import FINISHED, WAITING, Request
+from app.engine.request import DECODING, FINISHED, PREEMPTED, WAITING, Request
 from app.engine.stops import token_stop_reason
 from app.engine.types import FinishReason
 from app.errors import DeadlineExceededError, Inf2ServeError
@@ -69,6 +72,7 @@ class BatchPlan:
     decode: DecodeGroup | None
     expired: tuple[Request, ...]  # finished by this schedule (deadline, queue wait)
     decode_first: bool = False
+    preempted: tuple[Request, ...] = ()  # evicted from their slots by this schedule
 
     @property
     def has_work(self) -> bool:
@@ -89,6 +93,7 @@ class Scheduler:
         self.policy = POLICIES[config.policy](grid, config)
         self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
         self._num_waiting = 0
+        self._preempted: list[Request] = []  # unfinished, evicted from their slots, in eviction order
         self._running: list[Request] = []  # holding a slot; finished entries are dropped lazily
         self._rows: DecodeRows | None = None  # the running requests' rows; None once one joins or leaves
         self._rows_uses_left = 0  # steps the rows serve before one of them reaches its token limit
@@ -100,7 +105,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        """Requests waiting for a slot: queued, and preempted."""
+        return self._num_waiting + len(self._preempted)
 
     @property
     def num_running(self) -> int:
@@ -124,11 +130,13 @@ class Scheduler:
         """The next step's calls; each request in them has one more pending token until `apply`."""
         expired = self._expire(now)
         decision = StepDecision()
-        if self._free_slots and self._num_waiting:
+        if self.num_waiting and (self._free_slots or self.policy.preempts):
             decision = self.policy.decide(self, now)
+        for request in decision.preempt:
+            self._preempt(request)
         decode = self._decode_group() if decision.decode else None
         prefills = self._admit(decision.prefills, now)
-        plan = BatchPlan(prefills, decode, expired, decision.decode_first)
+        plan = BatchPlan(prefills, decode, expired, decision.decode_first, decision.preempt)
         for group in plan.groups:
             for request in group.requests:
                 request.pending += 1
@@ -159,6 +167,8 @@ class Scheduler:
         request.finish(reason, now, error)
         if state is WAITING:
             self._num_waiting -= 1
+        elif state is PREEMPTED:
+            self._preempted.remove(request)
         elif self._slot_owner[request.slot] is request:
             self._slot_owner[request.slot] = None
             self._free_slots.append(request.slot)
@@ -166,7 +176,7 @@ class Scheduler:
 
     def finish_all(self, reason: FinishReason, now: float, error: Inf2ServeError) -> list[Request]:
         """End every unfinished request (engine shutdown); returns them."""
-        unfinished = [r for r in (*self._waiting, *self._running) if not r.is_finished]
+        unfinished = [r for r in (*self._waiting, *self._preempted, *self._running) if not r.is_finished]
         for request in unfinished:
             self.finish(request, reason, now, error)
         return unfinished
@@ -235,7 +245,7 @@ class Scheduler:
     def _decode_rows(self) -> DecodeRows:
         """Rebuilt only in a step after a sequence joined or left, or when one's pending token is its last
         (running ahead): most steps just decode the same rows."""
-        self._running = [r for r in self._running if r.state is not FINISHED]
+        self._running = [r for r in self._running if r.state is not FINISHED]  # preempted: removed
         headroom = {r: r.token_limit - r.num_tokens - r.pending for r in self._running}
         running = [r for r in self._running if headroom[r] > 0]
         self._rows_uses_left = min([headroom[r] for r in running], default=0)
@@ -252,6 +262,10 @@ class Scheduler:
     def waiting(self) -> Iterator[Request]:
         """The unfinished waiting requests, in arrival order (for policies)."""
         return (r for r in self._waiting if r.state is WAITING)
+
+    def preempted(self) -> list[Request]:
+        """The preempted requests that can be prefilled again: none of their tokens is still in flight."""
+        return [r for r in self._preempted if not r.pending]
 
     def decoding(self) -> list[Request]:
         """The requests that would decode in this step (for policies)."""
@@ -271,13 +285,20 @@ class Scheduler:
             raise RuntimeError(
                 f"policy {self.policy.name} admitted {chosen} into {len(self._free_slots)} slots"
             )
-        self._take_waiting(chosen)
+        resumed = [r for r in chosen if r.state is PREEMPTED]
+        for request in resumed:
+            if request.pending:
+                raise RuntimeError(f"policy {self.policy.name} resumed {request!r} with a token in flight")
+            self._preempted.remove(request)
+        self._take_waiting([r for r in chosen if r.state is WAITING])
         for request in chosen:
             self._assign_slot(request, now)
         return tuple(self._prefill_group(call) for call in calls if call)
 
     def _take_waiting(self, chosen: list[Request]) -> None:
         """Remove the chosen requests from the queue: popped from its head when they lead it (FIFO)."""
+        if not chosen:
+            return
         waiting, rest = self._waiting, set(map(id, chosen))
         while waiting and (id(waiting[0]) in rest or waiting[0].is_finished):
             rest.discard(id(waiting.popleft()))
@@ -295,11 +316,22 @@ class Scheduler:
         self._running.append(request)
         self._rows = None
 
+    def _preempt(self, request: Request) -> None:
+        """Evict a running request from its slot; a token of a step in flight still reaches it."""
+        if request.state is not DECODING or self._slot_owner[request.slot] is not request:
+            raise RuntimeError(f"policy {self.policy.name} preempted {request!r}, which holds no slot")
+        self._slot_owner[request.slot] = None
+        self._free_slots.append(request.slot)
+        self._running.remove(request)
+        self._rows = None
+        request.preempt()
+        self._preempted.append(request)
+
     def _prefill_group(self, requests: list[Request]) -> PrefillGroup:
-        bucket = self.grid.context_bucket(max(r.num_prompt_tokens for r in requests))
+        bucket = self.grid.context_bucket(max(r.num_tokens for r in requests))
         batch = PrefillBatch(
             slots=tuple(r.slot for r in requests),
-            prompts=tuple(r.prompt_token_ids for r in requests),
+            prompts=tuple(r.prefill_token_ids for r in requests),
             sampling=tuple(r.params.sampling for r in requests),
             context_bucket=bucket,
         )

@@ -54,6 +54,7 @@ class StepStats:
     inter_token_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
     busy_ratio: float | None = None  # the device's busy fraction, when a window closed at this step
+    preempted: int = 0  # requests evicted from their slots, to be prefilled again (recompute preemption)
 
 
 StatsSink = Callable[[StepStats], None]

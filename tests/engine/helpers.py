@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -86,3 +86,7 @@ def expected_tokens(backend: SimBackend, prompt: list[int], seed: int, count: in
         previous = backend.sample_token(seed, len(prompt) + k, previous).token_id
         tokens.append(previous)
     return tokens
+
+
+async def drain(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in stream]

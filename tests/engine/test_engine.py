@@ -34,6 +34,7 @@ from tests.engine.helpers import (
     TIMEOUT_S,
     TINY_GRID,
     collect,
+    drain,
     expected_tokens,
     make_backend,
     params,
@@ -55,10 +56,6 @@ def check_stream(outputs: list[RequestOutput]) -> None:
     assert counts == sorted(counts)
     assert sum(len(o.token_ids) for o in outputs) == counts[-1]
     assert all(len(o.samples) == len(o.token_ids) for o in outputs)
-
-
-async def drain(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [out async for out in stream]
 
 
 def check_idle(engine: LLMEngine) -> None:

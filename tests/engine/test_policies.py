@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import get_args
 
 from app.backends.base import DecodeBatch, PrefillBatch, SamplingParams
 from app.engine.config import EngineConfig
 from app.engine.policies import POLICIES, TgiNeuronPolicy, on_time_schedule
-from app.engine.request import Request
+from app.engine.request import Request, RequestState
 from app.engine.scheduler import BatchPlan, Scheduler
+from app.engine.types import FinishReason
 from app.settings import ServerSettings
 from app.shapes import ShapeGrid
 from tests.engine.helpers import TINY_GRID, make_request, sample
@@ -156,3 +158,79 @@ def test_slo_prefills_an_aged_request_whatever_the_stall_budgets_say() -> None:
     s.add(make_request(2, max_tokens=4, arrival=0.0))
     assert prefilled(s.schedule(0.01)) == []  # r1 cannot absorb the prefill and r2 is already late
     assert prefilled(s.schedule(0.5)) == ["r2"]
+
+
+def full_slots(s: Scheduler, sampling: SamplingParams | None = None) -> tuple[list[Request], float]:
+    """Every slot decoding a 60-token request (prefills 100 ms, decode steps 10 ms); the time after."""
+    running, now = [], 0.0
+    for index in range(TINY_GRID.num_slots):
+        request = make_request(index, max_tokens=60)
+        if sampling is not None:
+            request.params = replace(request.params, sampling=sampling)
+        running.append(request)
+        s.add(request)
+        execute(s, s.schedule(now), now=now + 0.1, decode_s=0.01)
+        now += 0.1
+    execute(s, s.schedule(now), now=now + 0.01, decode_s=0.01)
+    return running, now + 0.01
+
+
+def test_slo_preempts_the_request_with_the_most_stall_budget_for_one_that_would_miss_its_ttft() -> None:
+    s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=1000)
+    running, now = full_slots(s)  # no slot frees for 580 ms: the newcomer's TTFT cannot wait that long
+    newcomer = make_request(9, max_tokens=60, arrival=now)
+    s.add(newcomer)
+    plan = s.schedule(now)
+    victim = running[-1]  # its first token came last: the largest budget
+    assert plan.preempted == (victim,) and victim.state is RequestState.PREEMPTED
+    assert (
+        prefilled(plan) == ["r9"] and plan.decode is None and newcomer.slot == plan.prefills[0].batch.slots[0]
+    )
+    assert s.num_waiting == 1 and s.num_running == TINY_GRID.num_slots
+    execute(s, plan, now=now + 0.1)
+    outputs, first_token = list(victim.output_token_ids), victim.first_token_time
+    s.finish(running[0], FinishReason.ABORT, now + 0.1)  # a slot frees: the preempted request returns
+    plan = s.schedule(now + 0.1)
+    assert prefilled(plan) == [victim.request_id]
+    batch = plan.prefills[0].batch
+    assert batch.prompts == (victim.prompt_token_ids + tuple(outputs),)  # its prompt and its tokens so far
+    assert batch.context_bucket == TINY_GRID.context_bucket(len(victim.prompt_token_ids) + len(outputs))
+    execute(s, plan, now=now + 0.2)
+    assert victim.state is RequestState.DECODING and victim.first_token_time == first_token
+    assert victim.num_output_tokens == len(outputs) + 1
+
+
+def test_slo_does_not_preempt_while_a_slot_frees_in_time() -> None:
+    s = scheduler("slo", slo_ttft_ms=2000, slo_tpot_ms=1000)
+    full_slots(s)  # slots free in 580 ms, well within a 2 s TTFT
+    s.add(make_request(9, arrival=0.4))
+    plan = s.schedule(0.41)
+    assert plan.preempted == () and prefilled(plan) == [] and len(decoded(plan)) == TINY_GRID.num_slots
+
+
+def test_slo_never_preempts_a_request_whose_tokens_a_second_prefill_would_change() -> None:
+    s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=1000)
+    _, now = full_slots(s, SamplingParams(repetition_penalty=1.2))  # penalties count output tokens
+    s.add(make_request(9, arrival=now))
+    plan = s.schedule(now)
+    assert plan.preempted == () and prefilled(plan) == []
+
+
+def test_slo_does_not_preempt_a_request_without_the_budget_for_both_prefills() -> None:
+    s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=12)  # 2 ms of stall per token over a 10 ms step
+    _, now = full_slots(s)
+    s.add(make_request(9, arrival=now))
+    assert s.schedule(now).preempted == ()
+
+
+def test_a_preempted_request_with_a_token_in_flight_gets_it_and_waits_for_it() -> None:
+    s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=1000)
+    _, now = full_slots(s)
+    in_flight = s.schedule(now)  # running ahead: this decode is launched, its tokens not back yet
+    s.add(make_request(9, arrival=now))
+    plan = s.schedule(now)
+    (victim,) = plan.preempted
+    assert victim.pending == 1 and s.preempted() == []  # not prefilled again before its token is back
+    count = victim.num_output_tokens
+    execute(s, in_flight, now=now + 0.01)
+    assert victim.num_output_tokens == count + 1 and s.preempted() == [victim]
