@@ -37,6 +37,7 @@ def sim_server(checkpoint: Path, root: Path, drain_s: float, shutdown_timeout_s:
         "INF2SERVE_PORT": str(port),
         "INF2SERVE_DRAIN_S": str(drain_s),
         "INF2SERVE_SHUTDOWN_TIMEOUT_S": str(shutdown_timeout_s),
+        "INF2SERVE_POLICY": "fifo",  # requests wait while the streams hold every slot (slo would preempt one)
     }
     return ServerProcess(argv, env, port, root / "server.log").start()
 
