@@ -42,7 +42,7 @@ def test_a_virtual_time_run_of_the_real_engine_charges_exactly_the_device_model(
         assert outcome.ttft_s == pytest.approx(0.1) and outcome.tpot_s == pytest.approx(0.01)
 
 
-def test_a_run_stops_early_once_the_target_is_out_of_reach(
+def test_a_run_stops_only_once_the_target_is_out_of_reach(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     preset = tiny_preset(monkeypatch)
@@ -50,7 +50,10 @@ def test_a_run_stops_early_once_the_target_is_out_of_reach(
     strict = Slo(150, 100)
     config = goodput.engine_config("fifo", strict, len(trace))
     outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer, (strict,))
-    assert None in outcomes and goodput.attainment(outcomes, strict) < TARGET
+    assert goodput.attainment(outcomes, strict) < TARGET
+    # how soon the output thread's count stops the arrivals varies; it never stops them too early
+    missed = sum(o is not None and not strict.met(o.ttft_s, o.tpot_s) for o in outcomes)
+    assert None not in outcomes or missed > (1 - TARGET) * len(trace)
 
 
 def test_the_search_brackets_the_highest_rate_meeting_the_target() -> None:
