@@ -221,14 +221,19 @@ def run_trace(
     config: EngineConfig,
     tokenizer: Tokenizer,
     slos: Sequence[Slo] = (),
+    scored: int | None = None,
 ) -> list[Outcome | None]:
-    """Every request of `trace` at `rate` (open loop) through the real engine, in virtual time. Given
-    `slos`, no more requests arrive once more requests missed each of them than the target allows (those
-    are None: the attainment is below the target whatever they would have done)."""
+    """The requests of `trace` at `rate` (open loop) through the real engine, in virtual time; the outcomes
+    of the first `scored` (default: all). The requests after those keep arriving, as load, until every
+    scored one has finished: so the scored requests see a steady state's load to the end, rather than a
+    queue that drains once arrivals stop (where a policy that lets requests fall behind within their TPOT
+    would catch up after the last arrival, and a short run would credit it with more than the device can
+    sustain). Given `slos`, no more requests arrive once more scored requests missed each of them than
+    the target allows (those are None: the attainment is below the target whatever they would have done)."""
     clock = VirtualClock()
     spec = BackendSpec("sim", 1, "bf16", preset.grid)
     backend = SimBackend.create(spec, preset.cost, VOCAB, EOS_IDS, clock=clock)
-    run = TraceRun(trace, slos)
+    run = TraceRun(trace, slos, len(trace) if scored is None else scored)
     engine = LLMEngine(backend, tokenizer, config, clock=clock, relay=run.relay)
     clock.feed(trace.arrivals(rate), partial(run.arrive, engine))
     engine.start()
@@ -240,22 +245,25 @@ def run_trace(
 
 class TraceRun:
     """One run's requests: submitted on the engine's thread as the virtual clock reaches each arrival, their
-    final outputs taken from the engine's relay on its output thread; `outcomes` waits for them."""
+    final outputs taken from the engine's relay on its output thread; `outcomes` waits for the first
+    `scored` ones, while the ones after them arrive as load."""
 
-    def __init__(self, trace: Trace, slos: Sequence[Slo]) -> None:
+    def __init__(self, trace: Trace, slos: Sequence[Slo], scored: int) -> None:
         self.trace = trace
         self.slos = slos
-        self.allowed = (1 - TARGET) * len(trace)
+        self.scored = scored
+        self.allowed = (1 - TARGET) * scored
         self.misses = [0] * len(slos)
         self.finals: dict[int, RequestOutput] = {}
-        self.submitted = 0
-        self.arriving = True
+        self.submitted = 0  # scored requests
+        self.arriving = True  # scored requests still to arrive
         self.lock = threading.Lock()  # the engine thread submits, the output thread finishes
         self.done = threading.Event()
 
     def arrive(self, engine: LLMEngine, index: int) -> bool:
-        """Submit request `index`, unless the target is already out of reach (then no more arrive)."""
-        if self.slos and min(self.misses) > self.allowed:
+        """Submit request `index`, unless the target is already out of reach or, for load, every scored
+        request has finished (then no more arrive)."""
+        if (self.slos and min(self.misses) > self.allowed) or self.done.is_set():
             with self.lock:
                 self.arriving = False
                 self._check_done()
@@ -263,17 +271,18 @@ class TraceRun:
         trace = self.trace
         prompt = [3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index])]
         params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
-        with self.lock:
-            self.submitted += 1
-            self.arriving = index + 1 < len(trace)
+        if index < self.scored:
+            with self.lock:
+                self.submitted += 1
+                self.arriving = index + 1 < self.scored
         engine.submit(f"r{index}", prompt, params)
         return True
 
     def relay(self, outputs: list[RequestOutput]) -> None:
         """One step's deltas (the output thread)."""
         for output in outputs:
-            if output.finished:
-                index = int(output.request_id[1:])
+            index = int(output.request_id[1:])
+            if output.finished and index < self.scored:
                 self.finals[index] = output
                 outcome = outcome_of(output)
                 for k, slo in enumerate(self.slos):
@@ -289,7 +298,7 @@ class TraceRun:
         while not self.done.wait(1.0):
             if not engine.is_alive:
                 raise RuntimeError("the engine stopped before the run ended")
-        outcomes: list[Outcome | None] = [None] * len(self.trace)
+        outcomes: list[Outcome | None] = [None] * self.scored
         for index, output in self.finals.items():
             assert output.error is None, output
             outcomes[index] = outcome_of(output)
@@ -306,9 +315,9 @@ def outcome_of(output: RequestOutput) -> Outcome | None:
 
 
 def runner(
-    preset: Preset, trace: Trace, config: EngineConfig, tokenizer: Tokenizer, slos: Sequence[Slo]
+    preset: Preset, trace: Trace, config: EngineConfig, tokenizer: Tokenizer, slos: Sequence[Slo], scored: int
 ) -> Callable[[float], list[Outcome | None]]:
-    return lambda rate: run_trace(preset, trace, rate, config, tokenizer, slos)
+    return lambda rate: run_trace(preset, trace, rate, config, tokenizer, slos, scored)
 
 
 def engine_config(policy: str, slo: Slo, num_requests: int) -> EngineConfig:
@@ -430,11 +439,13 @@ def distribution(outcomes: Sequence[Outcome | None]) -> dict[str, list[float]]:
     }
 
 
-def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Every policy on one preset and trace: goodput per SLO pair, attainment curves, and the TTFT / TPOT
-    distributions of full runs at the best peer's goodput for the relaxed pair."""
-    slos = scaled_slos(preset, trace)
-    start = capacity(preset, trace) / 2
+def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer, scored: int) -> dict[str, Any]:
+    """Every policy on one preset and trace (its first `scored` requests scored, the rest load): goodput per
+    SLO pair, attainment curves, and the TTFT / TPOT distributions of full runs at the best peer's goodput
+    for the relaxed pair."""
+    head = trace.head(scored)
+    slos = scaled_slos(preset, head)
+    start = capacity(preset, head) / 2
     goodput: dict[str, dict[str, float]] = {name: {} for name in slos}
     curves: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in slos}
     runs = 0
@@ -443,7 +454,7 @@ def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer) -> dict[str
         judged_by = [{name: slo} for name, slo in slos.items()] if policy == OURS else [slos]
         for judged in judged_by:
             config = engine_config(policy, next(iter(judged.values())), len(trace))
-            run = runner(preset, trace, config, tokenizer, tuple(judged.values()))
+            run = runner(preset, trace, config, tokenizer, tuple(judged.values()), scored)
             searches, policy_runs = search_goodput(run, judged, start)
             runs += len(policy_runs)
             for name, search in searches.items():
@@ -455,7 +466,14 @@ def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer) -> dict[str
         policy: {
             "rate_rps": rate,
             **distribution(
-                run_trace(preset, trace, rate, engine_config(policy, slos[name], len(trace)), tokenizer)
+                run_trace(
+                    preset,
+                    trace,
+                    rate,
+                    engine_config(policy, slos[name], len(trace)),
+                    tokenizer,
+                    scored=scored,
+                )
             ),
         }
         for policy in POLICIES
@@ -464,7 +482,7 @@ def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer) -> dict[str
         "preset": preset.name,
         "trace": trace.name,
         "slos": {name: asdict(slo) for name, slo in slos.items()},
-        "bound_rps": {name: bound(preset, trace, slo) for name, slo in slos.items()},
+        "bound_rps": {name: bound(preset, head, slo) for name, slo in slos.items()},
         "goodput_rps": goodput,
         "attainment": curves,
         "distributions": distributions,
@@ -522,7 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=[p.name for p in PRESET_LIST])
     parser.add_argument("--traces", nargs="+", default=list(traces.NAMES))
-    parser.add_argument("--requests", type=int, default=200, help="requests per run (the trace's head)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=200,
+        help="scored requests per run (the trace's head; the ones after it arrive as load until they finish)",
+    )
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -534,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for preset in presets:
         for trace_name in args.traces:
             cell_start = time.perf_counter()
-            cells.append(measure_cell(preset, traces.load(trace_name).head(args.requests), tokenizer))
+            cells.append(measure_cell(preset, traces.load(trace_name), tokenizer, args.requests))
             seconds = time.perf_counter() - cell_start
             print(
                 f"  {preset.name} {trace_name}: {cells[-1]['runs']} runs in {seconds:.0f} s", file=sys.stderr

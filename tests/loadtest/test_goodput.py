@@ -42,6 +42,21 @@ def test_a_virtual_time_run_of_the_real_engine_charges_exactly_the_device_model(
         assert outcome.ttft_s == pytest.approx(0.1) and outcome.tpot_s == pytest.approx(0.01)
 
 
+def test_requests_after_the_scored_ones_keep_arriving_as_load_until_the_scored_ones_finish(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scored alone, the last requests decode with nothing arriving; with load after them, each load
+    request's 100 ms prefill stalls them, as in a steady state."""
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20,) * 8, (30,) * 8, (0.2,) * 8)
+    config = goodput.engine_config("fifo", Slo(1000, 100), len(trace))
+    alone = goodput.run_trace(preset, trace.head(4), 1.0, config, tokenizer)
+    loaded = goodput.run_trace(preset, trace, 1.0, config, tokenizer, scored=4)
+    assert len(loaded) == 4 and all(o is not None for o in loaded)
+    assert loaded[:2] == alone[:2]  # the load arrives from 0.8 s, after these two finished
+    assert loaded[3].tpot_s > alone[3].tpot_s  # type: ignore[union-attr]
+
+
 def test_a_run_stops_only_once_the_target_is_out_of_reach(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
