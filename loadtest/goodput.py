@@ -41,6 +41,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.policies import PEER_POLICIES
 from app.engine.types import GenerationParams, RequestOutput
+from app.errors import NotReadyError
 from app.shapes import ShapeGrid, powers_of_two
 from app.tokenizer import Tokenizer
 from compile.pipeline import batch_buckets
@@ -275,7 +276,10 @@ class TraceRun:
             with self.lock:
                 self.submitted += 1
                 self.arriving = index + 1 < self.scored
-        engine.submit(f"r{index}", prompt, params)
+        try:
+            engine.submit(f"r{index}", prompt, params)
+        except NotReadyError:  # load arriving as the last scored request finished: the run is over
+            return False
         return True
 
     def relay(self, outputs: list[RequestOutput]) -> None:
