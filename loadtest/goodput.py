@@ -12,9 +12,10 @@ Device presets (`app/backends/sim.py`) run the shape grid the Neuron backends co
 of every slot (`compile.pipeline.batch_buckets`), one sequence per prefill call. The calibration table
 prints the sim's figure next to each published number its preset was fitted to.
 
-Reports: the table (trace x preset x SLO x policy -> goodput, and ours / the best peer), SLO attainment
-against rate per policy, TTFT and TPOT distributions at one rate: `loadtest/reports/goodput.json` and
-`goodput.html` (inline SVG plots).
+Reports: the table (trace x preset x SLO x policy -> goodput, ours / the best peer, and the bound on any
+policy's goodput from `loadtest/goodput_bound.py`, with whether 1.5x the best peer is above it), SLO
+attainment against rate per policy, TTFT and TPOT distributions at one rate: `loadtest/reports/goodput.json`
+and `goodput.html` (inline SVG plots).
 
     .venv/bin/python -m loadtest.goodput [--presets ...] [--traces ...] [--requests 300] [--out DIR]
 """
@@ -45,7 +46,7 @@ from app.errors import NotReadyError
 from app.shapes import ShapeGrid, powers_of_two
 from app.tokenizer import Tokenizer
 from compile.pipeline import batch_buckets
-from loadtest import traces
+from loadtest import goodput_bound, traces
 from loadtest.goodput_report import write_html
 from loadtest.traces import Trace
 
@@ -385,27 +386,37 @@ def search_goodput(
             search.add(rate, attainment(outcomes, slos[name]))
 
 
-def device_times(preset: Preset, trace: Trace) -> tuple[float, float]:
-    """The trace's mean prefill and the full-batch decode step at its median sequence's token bucket."""
+def capacity(preset: Preset, trace: Trace) -> float:
+    """Requests per second the device could serve at full batch with nothing to wait for, in the steady
+    state (where the rate search starts): each request costs its mean prefill and its share of full-batch
+    decode steps at the median sequence's token bucket."""
     grid, cost = preset.grid, preset.cost
     prefill = statistics.mean(cost.prefill_s(grid.context_bucket(p), 1) for p in trace.prompt_lens)
     median_end = statistics.median(p + o for p, o in zip(trace.prompt_lens, trace.output_lens, strict=True))
-    return prefill, cost.decode_s(preset.slots, grid.token_bucket(min(grid.max_positions, int(median_end))))
-
-
-def capacity(preset: Preset, trace: Trace) -> float:
-    """Requests per second the device could serve at full batch with nothing to wait for: each request
-    costs its prefill and its share of full-batch decode steps."""
-    prefill, step = device_times(preset, trace)
+    step = cost.decode_s(preset.slots, grid.token_bucket(min(grid.max_positions, int(median_end))))
     return 1 / (prefill + statistics.mean(trace.output_lens) * step / preset.slots)
 
 
-def bound(preset: Preset, trace: Trace, slo: Slo) -> float:
-    """An upper bound (approximate) on any policy's goodput on this device: the capacity, and the rate at
-    which prefills, each stalling every decoding request, leave the mean TPOT at the SLO
-    (step / (1 - rate x mean prefill) <= slo_tpot)."""
-    prefill, step = device_times(preset, trace)
-    return min(capacity(preset, trace), max(0.0, 1 - step * 1e3 / slo.tpot_ms) / prefill)
+def bounds(preset: Preset, trace: Trace, slos: dict[str, Slo]) -> dict[str, float]:
+    """Per SLO pair, the rate above which no policy reaches the target on this trace and device
+    (`loadtest/goodput_bound.py`)."""
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    return {
+        name: goodput_bound.goodput_bound(floors, trace, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, TARGET)
+        for name, slo in slos.items()
+    }
+
+
+def bound_violations(preset: Preset, trace: Trace, slo: Slo, goodputs: dict[str, float]) -> list[str]:
+    """The policies whose measured goodput the miss floor forbids (none, unless the bound has a bug)."""
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    allowed = goodput_bound.allowed_misses(len(trace), TARGET)
+    return [
+        policy
+        for policy, rate in goodputs.items()
+        if rate > 0
+        and not goodput_bound.allows(floors, trace, rate, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, allowed)
+    ]
 
 
 def scaled_slos(preset: Preset, trace: Trace) -> dict[str, Slo]:
@@ -486,7 +497,10 @@ def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer, scored: int
         "preset": preset.name,
         "trace": trace.name,
         "slos": {name: asdict(slo) for name, slo in slos.items()},
-        "bound_rps": {name: bound(preset, head, slo) for name, slo in slos.items()},
+        "bound_rps": bounds(preset, head, slos),  # the load after the head binds no policy: it may starve
+        "bound_violations": {
+            name: bound_violations(preset, head, slos[name], goodput[name]) for name in slos
+        },
         "goodput_rps": goodput,
         "attainment": curves,
         "distributions": distributions,
@@ -513,6 +527,9 @@ def table_rows(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "ours_over_best_peer": round(ours / best, 3) if best else None,
                     "bound_rps": round(limit, 3),
                     "best_peer_over_bound": round(best / limit, 3) if limit else None,
+                    # no policy reaches the target at 1.5x the best peer's goodput (on the bound's grid)
+                    "x1.5_impossible": 1.5 * best > limit,
+                    "bound_violated_by": cell["bound_violations"][slo_name],
                 }
             )
     return rows
@@ -529,7 +546,7 @@ def print_table(rows: Sequence[dict[str, Any]], calibration_rows: Sequence[dict[
         )
     print("\ngoodput (requests/s at >= 99 % of requests within both SLOs)")
     header = f"{'trace':11} {'preset':17} {'slo':12} {'ms':>9} " + " ".join(f"{p:>14}" for p in POLICIES)
-    print(header + f" {'bound':>7}  ours/best peer  best peer/bound")
+    print(header + f" {'bound':>7}  ours/best peer  best peer/bound  1.5x best peer")
     for row in rows:
         ratio = row["ours_over_best_peer"]
         ratio_text = "n/a" if ratio is None else f"{ratio:.2f}x"
@@ -537,7 +554,10 @@ def print_table(rows: Sequence[dict[str, Any]], calibration_rows: Sequence[dict[
             f"{row['trace']:11} {row['preset']:17} {row['slo_pair']:12} {row['slo_ms']:>9} "
             + " ".join(f"{row[p]:14.3f}" for p in POLICIES)
             + f" {row['bound_rps']:7.3f}  {ratio_text:>6} ({row['best_peer']})  {row['best_peer_over_bound']}"
+            + ("  impossible" if row["x1.5_impossible"] else "")
         )
+        if row["bound_violated_by"]:  # a measured goodput above the bound: a bug in one of them
+            print(f"  BOUND VIOLATED by {', '.join(row['bound_violated_by'])}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,115 @@
+"""The goodput bound (`loadtest/goodput_bound.py`): its miss floor on hand-made traces, and that no policy's
+measured goodput exceeds it. No timed assertions: virtual time is exact."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from app.backends.sim import CostModel
+from app.tokenizer import Tokenizer
+from loadtest import goodput, goodput_bound, traces
+from loadtest.goodput import TARGET, Preset, Slo
+
+TINY = CostModel(decode_fixed_s=0.01, prefill_points=((128, 0.1),))  # every prefill 0.1 s, every step 10 ms
+
+
+def tiny_preset(monkeypatch: pytest.MonkeyPatch) -> Preset:
+    monkeypatch.setitem(goodput.PRESETS, "tiny", TINY)
+    return Preset("tiny", 4, 256, {}, (), "test")
+
+
+def floor(preset: Preset, trace: traces.Trace, ttft: float, tpot: float) -> int:
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    return goodput_bound.misses_floor(floors, trace.arrivals(1.0), ttft, tpot)
+
+
+def test_floors_are_each_request_s_prefill_and_its_later_tokens_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    preset = tiny_preset(monkeypatch)
+    floors = goodput_bound.floors(preset.cost, preset.grid, traces.Trace("t", (20, 250), (5, 50), (0.0, 1.0)))
+    assert floors.prefill_s == pytest.approx((0.1, 0.1))
+    assert floors.decode_s == pytest.approx((0.04, 0.05))  # the second stops at 256 positions: 6 tokens
+    assert floors.tokens == (5, 6)
+
+
+def test_two_simultaneous_prompts_whose_prefills_exceed_the_ttft_cannot_both_be_on_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20, 20), (2, 2), (0.0, 0.0))
+    assert floor(preset, trace, ttft=0.15, tpot=1.0) == 1
+    assert floor(preset, trace, ttft=0.2, tpot=1.0) == 0  # back to back, the second just in time
+
+
+def test_more_decode_work_than_the_device_has_time_for_before_the_last_tpot_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """n requests at once, each 0.1 s of prefill and 100 decode steps of 10 ms, 4 to a step, all done by
+    T + 100 x S = 2.25 s: 8 need 2.8 s of device time, 0.35 s each, so 2 miss; 6 need 2.1 s."""
+    preset = tiny_preset(monkeypatch)
+    for count, misses in ((8, 2), (6, 0)):
+        trace = traces.Trace("t", (20,) * count, (101,) * count, (0.0,) * count)
+        assert floor(preset, trace, ttft=1.0, tpot=0.0125) == misses
+
+
+def test_prefills_forced_into_a_request_s_decode_beyond_its_stall_budget_break_its_tpot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """r0 decodes 100 steps (1.0 s) with 0.2 s to spare at 12 ms a token; from its latest first token
+    (0.2 s) on, it decodes until at least 1.1 s, and each later arrival's TTFT window lies inside."""
+    preset = tiny_preset(monkeypatch)
+    ttft, tpot = 0.2, 0.012
+    three = traces.Trace("t", (20,) * 4, (101, 1, 1, 1), (0.0, 0.3, 0.3, 0.25))
+    assert floor(preset, three, ttft, tpot) == 1
+    two = traces.Trace("t", (20,) * 3, (101, 1, 1), (0.0, 0.3, 0.3))
+    assert floor(preset, two, ttft, tpot) == 0
+
+
+def test_a_request_that_cannot_meet_its_slo_alone_always_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20, 20), (10, 10), (0.0, 100.0))
+    assert floor(preset, trace, ttft=0.05, tpot=1.0) == 2  # prefill 0.1 s
+    assert floor(preset, trace, ttft=1.0, tpot=0.005) == 2  # decode step 10 ms
+
+
+def test_the_bound_is_zero_when_collisions_at_every_rate_exceed_the_allowed_misses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20,) * 4, (2,) * 4, (0.0, 0.0, 1.0, 0.0))  # two pairs arriving together
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    assert goodput_bound.goodput_bound(floors, trace, 0.15, 1.0, TARGET) == 0.0
+    assert goodput_bound.goodput_bound(floors, trace, 0.25, 1.0, TARGET) > 0.0
+
+
+def test_no_policy_s_measured_goodput_exceeds_the_bound(
+    stories260k: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every policy through the real engine on a small trace: the miss floor allows each one's goodput,
+    and the bound is at least each (a bound below a measured goodput is a bug in the bound)."""
+    preset = tiny_preset(monkeypatch)
+    rng = random.Random(13)
+    count = 12
+    trace = traces.Trace(
+        "small",
+        tuple(rng.randint(10, 100) for _ in range(count)),
+        tuple(rng.randint(3, 40) for _ in range(count)),
+        tuple(rng.expovariate(1.0) for _ in range(count)),
+    )
+    slo = Slo(300, 25)
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    bound = goodput_bound.goodput_bound(floors, trace, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, TARGET)
+    tokenizer = Tokenizer.from_dir(stories260k)
+    measured = {}
+    for policy in goodput.POLICIES:
+        config = goodput.engine_config(policy, slo, len(trace))
+        run = goodput.runner(preset, trace, config, tokenizer, (slo,), len(trace))
+        searches, _ = goodput.search_goodput(run, {"slo": slo}, start=bound / 2)
+        measured[policy] = searches["slo"].lo
+    assert max(measured.values()) > 0, measured
+    assert goodput.bound_violations(preset, trace, slo, measured) == []
+    assert all(rate <= bound * goodput_bound.GRID_STEP for rate in measured.values()), (bound, measured)
