@@ -25,9 +25,9 @@ rate (`misses_floor`), each a set of requests of which at least k miss:
 - Alone: p > T, or B < 0.
 - TTFT windows: the on-time requests arriving in [s, e - T] prefill inside [s, e]; if their prefills add
   up to more than e - s, as many miss as must be dropped, largest first, to fit.
-- Stalls: for i on time, F >= a + p and F <= a + T, so G = [a + T, a + p + D + X] lies inside [F, L],
-  where X is the prefills of the on-time requests whose TTFT window lies inside G (a fixed point: each
-  one stalls i inside G and so lengthens it). If X exceeds B, then i or one of them misses.
+- Stalls: for i on time, a + p <= F <= a + T and [F, F + D + X] lies inside [F, L], where X is the
+  prefills of the on-time requests whose TTFT window lies inside it (a fixed point: each one stalls i
+  and so lengthens it). If X exceeds B for every F the arrivals allow, then i or one of them misses.
 - Capacity: in [s, e], the on-time requests' prefill calls inside their windows, plus 1 / slots of their
   token calls there (a decode step serves at most `slots` sequences; a recompute prefill serves its own):
   D, less what fits in [F, s] (F >= a + p) and in [e, L] (L <= a + T + (n - 1) S). Work beyond e - s:
@@ -132,25 +132,47 @@ def window_conflicts(
 def stall_conflicts(
     arrivals: Sequence[float], floors_: Floors, live: Sequence[bool], ttft: float, tpot: float
 ) -> list[Conflict]:
-    """For each request i: the prefills forced into G = [a + T, a + p + D + stall] against its budget."""
-    n = len(arrivals)
-    prefill = floors_.prefill_s
+    """For each request i: the least stall its first token's time F allows, against its budget."""
     conflicts = []
-    for i in range(n):
+    for i in range(len(arrivals)):
         if not live[i] or floors_.tokens[i] < 2:
             continue
         budget = (floors_.tokens[i] - 1) * tpot - floors_.decode_s[i]
-        start = arrivals[i] + ttft
-        end = arrivals[i] + prefill[i] + floors_.decode_s[i]
-        stall, j = 0.0, bisect.bisect_left(arrivals, start, lo=i + 1)
-        while j < n and arrivals[j] + ttft <= end and stall <= budget + EPS:
-            if live[j]:
-                stall += prefill[j]
-                end += prefill[j]  # it stalls i inside G, so i's last token comes later still
-            j += 1
-        if stall > budget + EPS:
-            conflicts.append((i, j - 1, 1))
+        earliest = arrivals[i] + floors_.prefill_s[i]
+        first = bisect.bisect_left(arrivals, earliest, lo=i + 1)
+        last_first = bisect.bisect_left(arrivals, arrivals[i] + ttft, lo=first)
+        # F lies in [a + p, a + T]; with requests m.. arriving at or after it, F is at least the later of
+        # a + p and the arrival of m - 1
+        reach = 0
+        for m in range(first, last_first + 1):
+            start = earliest if m == first else arrivals[m - 1]
+            stall, j = _stall(arrivals, floors_, live, ttft, budget, start + floors_.decode_s[i], m)
+            reach = max(reach, j - 1)
+            if stall <= budget + EPS:
+                break
+        else:
+            conflicts.append((i, max(i, reach), 1))
     return conflicts
+
+
+def _stall(
+    arrivals: Sequence[float],
+    floors_: Floors,
+    live: Sequence[bool],
+    ttft: float,
+    budget: float,
+    end: float,
+    j: int,
+) -> tuple[float, int]:
+    """The prefills of the requests from j on whose TTFT window ends by `end`, which each push `end` on (a
+    fixed point), until they exceed `budget`; and the index after the last one counted."""
+    stall = 0.0
+    while j < len(arrivals) and arrivals[j] + ttft <= end and stall <= budget + EPS:
+        if live[j]:
+            stall += floors_.prefill_s[j]
+            end += floors_.prefill_s[j]  # it stalls i before its last token, which comes later still
+        j += 1
+    return stall, j
 
 
 def steady_conflicts(
