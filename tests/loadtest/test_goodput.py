@@ -127,7 +127,8 @@ def test_slo_attainment_and_decode_stall_metrics(
     preset = tiny_preset(monkeypatch)
     trace = traces.Trace("t", (20, 30), (5, 3), (0.0, 0.105))
     slo = Slo(1000, 20)
-    outcomes = goodput.run_trace(preset, trace, 1.0, goodput.engine_config("vllm-neuron", slo, 2), tokenizer)
+    config = goodput.engine_config("vllm-neuron", slo, 2)
+    outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer, stats_sink=metrics.record_step_stats)
     assert outcomes[0] is not None and outcomes[0].tpot_s == pytest.approx(0.035)
     assert value("request_slo_total", {"result": "tpot_missed"}) == before["tpot_missed"] + 1
     assert value("request_slo_total", {"result": "met"}) == before["met"] + 1
