@@ -43,7 +43,6 @@ from app.engine.engine import LLMEngine
 from app.engine.policies import PEER_POLICIES
 from app.engine.stats import StatsSink, StepStats
 from app.engine.types import GenerationParams, RequestOutput
-from app.errors import NotReadyError
 from app.shapes import ShapeGrid, powers_of_two
 from app.tokenizer import Tokenizer
 from compile.pipeline import batch_buckets
@@ -60,6 +59,7 @@ TARGET = 0.99  # the share of requests that must meet both SLOs
 PRECISION = 1.05  # the rate search stops when its bracket is this narrow (ratio)
 VOCAB = 512
 EOS_IDS = (1, 2)
+CATCH_UP_S = 60.0  # the output thread is behind the engine by a few steps' work
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,8 @@ def run_trace(
 class TraceRun:
     """One run's requests: submitted on the engine's thread as the virtual clock reaches each arrival, their
     final outputs taken from the engine's relay on its output thread; `outcomes` waits for the first
-    `scored` ones, while the ones after them arrive as load."""
+    `scored` ones, while the ones after them arrive as load. Each arrival first waits for the outputs of
+    the requests the engine has finished by then, so whether it comes is deterministic too."""
 
     def __init__(self, trace: Trace, slos: Sequence[Slo], scored: int) -> None:
         self.trace = trace
@@ -264,58 +265,69 @@ class TraceRun:
         self.scored = scored
         self.allowed = (1 - TARGET) * scored
         self.misses = [0] * len(slos)
-        self.finals: dict[int, RequestOutput] = {}
-        self.submitted = 0  # scored requests
+        self.finals: dict[int, RequestOutput] = {}  # of scored requests
+        self.submitted = 0  # every request
+        self.finished = 0  # every request whose final output is in
         self.arriving = True  # scored requests still to arrive
-        self.lock = threading.Lock()  # the engine thread submits, the output thread finishes
-        self.done = threading.Event()
+        self.changed = threading.Condition()  # the engine thread submits, the output thread finishes
 
     def arrive(self, engine: LLMEngine, index: int) -> bool:
         """Submit request `index`, unless the target is already out of reach or, for load, every scored
         request has finished (then no more arrive)."""
-        if (self.slos and min(self.misses) > self.allowed) or self.done.is_set():
-            with self.lock:
+        if self.over(engine):
+            with self.changed:
                 self.arriving = False
-                self._check_done()
+                self.changed.notify_all()
             return False
         trace = self.trace
         prompt = [3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index])]
         params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
-        if index < self.scored:
-            with self.lock:
-                self.submitted += 1
-                self.arriving = index + 1 < self.scored
-        try:
-            engine.submit(f"r{index}", prompt, params)
-        except NotReadyError:  # load arriving as the last scored request finished: the run is over
-            return False
+        with self.changed:
+            self.submitted += 1
+            self.arriving = index + 1 < self.scored
+        engine.submit(f"r{index}", prompt, params)
         return True
+
+    def over(self, engine: LLMEngine) -> bool:
+        """More scored requests missed each SLO than the target allows, or every scored one has finished
+        (on the engine's thread: its counts hold still while the output thread catches up with the requests
+        it finished)."""
+        finished = self.submitted - engine.num_running - engine.num_waiting
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.finished >= finished, CATCH_UP_S):
+                raise RuntimeError(f"the engine finished {finished} requests, the relay has {self.finished}")
+            out_of_reach = bool(self.slos) and min(self.misses) > self.allowed
+            return out_of_reach or len(self.finals) == self.scored
 
     def relay(self, outputs: list[RequestOutput]) -> None:
         """One step's deltas (the output thread)."""
-        for output in outputs:
-            index = int(output.request_id[1:])
-            if output.finished and index < self.scored:
-                self.finals[index] = output
-                outcome = outcome_of(output)
-                for k, slo in enumerate(self.slos):
-                    self.misses[k] += outcome is None or not slo.met(outcome.ttft_s, outcome.tpot_s)
-                with self.lock:
-                    self._check_done()
-
-    def _check_done(self) -> None:
-        if not self.arriving and len(self.finals) == self.submitted:
-            self.done.set()
+        finals = [output for output in outputs if output.finished]
+        if not finals:
+            return
+        with self.changed:
+            self.finished += len(finals)
+            for output in finals:
+                index = int(output.request_id[1:])
+                if index < self.scored:
+                    self.finals[index] = output
+                    outcome = outcome_of(output)
+                    for k, slo in enumerate(self.slos):
+                        self.misses[k] += outcome is None or not slo.met(outcome.ttft_s, outcome.tpot_s)
+            self.changed.notify_all()
 
     def outcomes(self, engine: LLMEngine) -> list[Outcome | None]:
-        while not self.done.wait(1.0):
-            if not engine.is_alive:
-                raise RuntimeError("the engine stopped before the run ended")
+        with self.changed:
+            while not self.changed.wait_for(self._done, 1.0):
+                if not engine.is_alive:
+                    raise RuntimeError("the engine stopped before the run ended")
         outcomes: list[Outcome | None] = [None] * self.scored
         for index, output in self.finals.items():
             assert output.error is None, output
             outcomes[index] = outcome_of(output)
         return outcomes
+
+    def _done(self) -> bool:
+        return not self.arriving and len(self.finals) == min(self.submitted, self.scored)
 
 
 def outcome_of(output: RequestOutput) -> Outcome | None:
