@@ -15,9 +15,10 @@ prints the sim's figure next to each published number its preset was fitted to.
 Reports: the table (trace x preset x SLO x policy -> goodput, ours / the best peer, and the bound on any
 policy's goodput from `loadtest/goodput_bound.py`, with whether 1.5x the best peer is above it), SLO
 attainment against rate per policy, TTFT and TPOT distributions at one rate: `loadtest/reports/goodput.json`
-and `goodput.html` (inline SVG plots).
+and `goodput.html` (inline SVG plots). Each policy's search (and each distribution run) is a
+task for one of `--jobs` worker processes; the results do not depend on which worker ran what, or when.
 
-    .venv/bin/python -m loadtest.goodput [--presets ...] [--traces ...] [--requests 300] [--out DIR]
+    .venv/bin/python -m loadtest.goodput [--presets ...] [--traces ...] [--requests N] [--jobs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from app.backends.base import BackendSpec, SamplingParams
 from app.backends.sim import PRESETS, CostModel, SimBackend
@@ -474,58 +478,233 @@ def distribution(outcomes: Sequence[Outcome | None]) -> dict[str, list[float]]:
     }
 
 
-def measure_cell(preset: Preset, trace: Trace, tokenizer: Tokenizer, scored: int) -> dict[str, Any]:
+# --- the cells, in worker processes ---
+
+
+@cache
+def load_tokenizer(path: Path) -> Tokenizer:
+    """Once per worker process."""
+    return Tokenizer.from_dir(path)
+
+
+@dataclass(frozen=True)
+class PolicySearch:
+    """One policy's rate search on a cell (ours: against one SLO pair), as a worker sends it back."""
+
+    policy: str
+    goodput: dict[str, float]
+    curves: dict[str, list[tuple[float, float]]]  # rate -> attainment, ascending
+    config: EngineConfig
+    passed: dict[float, list[Outcome | None]]  # its runs that met the target for a pair, by rate
+    runs: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Distribution:
+    policy: str
+    outcomes: list[Outcome | None]
+    runs: int  # 0: a search's run at the same rate and config served
+    seconds: float
+
+
+def search_policy(
+    preset: Preset,
+    trace: Trace,
+    scored: int,
+    config: EngineConfig,
+    judged: dict[str, Slo],
+    start: float,
+    tokenizer_dir: Path,
+) -> PolicySearch:
+    started = time.perf_counter()
+    run = runner(preset, trace, config, load_tokenizer(tokenizer_dir), tuple(judged.values()), scored)
+    searches, runs = search_goodput(run, judged, start)
+    return PolicySearch(
+        config.policy,
+        {name: search.lo for name, search in searches.items()},
+        {name: sorted(search.points.items()) for name, search in searches.items()},
+        config,
+        {rate: outcomes for rate, outcomes in runs.items() if passed(outcomes, judged.values())},
+        len(runs),
+        time.perf_counter() - started,
+    )
+
+
+def passed(outcomes: Sequence[Outcome | None], slos: Iterable[Slo]) -> bool:
+    """Whether a run met the target for some pair: then no early stop cut it short (that takes more misses
+    of every pair than the target allows), and it is the run a distribution would make."""
+    return any(attainment(outcomes, slo) >= TARGET for slo in slos)
+
+
+def distribution_run(
+    preset: Preset, trace: Trace, scored: int, config: EngineConfig, rate: float, tokenizer_dir: Path
+) -> Distribution:
+    started = time.perf_counter()
+    outcomes = run_trace(preset, trace, rate, config, load_tokenizer(tokenizer_dir), scored=scored)
+    return Distribution(config.policy, outcomes, 1, time.perf_counter() - started)
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Task:
+    function: Callable[..., PolicySearch | Distribution]
+    args: tuple[Any, ...]
+    size: int = 0  # what it costs, roughly: the largest start first
+
+
+class CellWork:
     """Every policy on one preset and trace (its first `scored` requests scored, the rest load): goodput per
-    SLO pair, attainment curves, and the TTFT / TPOT distributions of full runs at the best peer's goodput
-    for the relaxed pair."""
-    head = trace.head(scored)
-    slos = scaled_slos(preset, head)
-    start = capacity(preset, head) / 2
-    goodput: dict[str, dict[str, float]] = {name: {} for name in slos}
-    curves: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in slos}
-    runs = 0
-    for policy in POLICIES:
-        # ours is configured with the pair it is judged by; a peer's runs serve every pair
-        judged_by = [{name: slo} for name, slo in slos.items()] if policy == OURS else [slos]
-        for judged in judged_by:
-            config = engine_config(policy, next(iter(judged.values())), len(trace))
-            run = runner(preset, trace, config, tokenizer, tuple(judged.values()), scored)
-            searches, policy_runs = search_goodput(run, judged, start)
-            runs += len(policy_runs)
-            for name, search in searches.items():
-                goodput[name][policy] = search.lo
-                curves[name][policy] = sorted(search.points.items())
-    name = "relaxed" if "relaxed" in slos else next(iter(slos))
-    rate = max(goodput[name][p] for p in PEER_POLICIES) or start / 8
-    distributions = {
-        policy: {
-            "rate_rps": rate,
-            **distribution(
-                run_trace(
-                    preset,
-                    trace,
-                    rate,
-                    engine_config(policy, slos[name], len(trace)),
-                    tokenizer,
-                    scored=scored,
-                )
-            ),
+    SLO pair and attainment curves from one rate search per policy (ours: per pair), then the TTFT / TPOT
+    distributions of full runs at the best peer's goodput for the relaxed pair. Each search and each
+    distribution run is a task for a worker process."""
+
+    def __init__(self, preset: Preset, trace: Trace, scored: int, tokenizer_dir: Path) -> None:
+        self.preset, self.trace, self.scored, self.tokenizer_dir = preset, trace, scored, tokenizer_dir
+        self.head = trace.head(scored)
+        self.slos = scaled_slos(preset, self.head)
+        self.shown = "relaxed" if "relaxed" in self.slos else next(iter(self.slos))
+        self.start = capacity(preset, self.head) / 2
+        self.tokens = sum(self.head.prompt_lens) + sum(self.head.output_lens)
+        self.num_searches = len(self.search_tasks())
+        self.searches: list[PolicySearch] = []
+        self.distributions: dict[str, Distribution] = {}
+        self.rate = 0.0
+
+    def config(self, policy: str, slo: Slo) -> EngineConfig:
+        return engine_config(policy, slo, len(self.trace))
+
+    def search_tasks(self) -> list[Task]:
+        """Ours is configured with the pair it is judged by; a peer's runs serve every pair (its policy
+        reads no SLO: its config carries the shown pair, so that a search run can serve a distribution).
+        A search's size: its trace's tokens, times the pairs that must all fail before a run stops early."""
+        tasks: list[Task] = []
+        for policy in POLICIES:
+            if policy == OURS:
+                judged_by = [(slo, {name: slo}) for name, slo in self.slos.items()]
+            else:
+                judged_by = [(self.slos[self.shown], self.slos)]
+            for slo, judged in judged_by:
+                config = self.config(policy, slo)
+                args = (self.preset, self.trace, self.scored, config, judged, self.start, self.tokenizer_dir)
+                tasks.append(Task(search_policy, args, self.tokens * len(judged)))
+        return tasks
+
+    def take(self, result: PolicySearch | Distribution) -> list[Task]:
+        """A task's result; the tasks it makes due (the distributions, once every search is in)."""
+        if isinstance(result, Distribution):
+            self.distributions[result.policy] = result
+            return []
+        self.searches.append(result)
+        if len(self.searches) < self.num_searches:
+            return []
+        goodput = self.goodput()[self.shown]
+        self.rate = max(goodput[p] for p in PEER_POLICIES) or self.start / 8
+        tasks: list[Task] = []
+        for policy in POLICIES:
+            config = self.config(policy, self.slos[self.shown])
+            reusable = [
+                s.passed[self.rate] for s in self.searches if s.config == config and self.rate in s.passed
+            ]
+            if reusable:
+                self.distributions[policy] = Distribution(policy, reusable[0], 0, 0.0)
+            else:
+                args = (self.preset, self.trace, self.scored, config, self.rate, self.tokenizer_dir)
+                tasks.append(Task(distribution_run, args))
+        return tasks
+
+    @property
+    def done(self) -> bool:
+        return len(self.distributions) == len(POLICIES)
+
+    @property
+    def runs(self) -> int:
+        return sum(s.runs for s in self.searches) + sum(d.runs for d in self.distributions.values())
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.searches) + sum(d.seconds for d in self.distributions.values())
+
+    def goodput(self) -> dict[str, dict[str, float]]:
+        goodput: dict[str, dict[str, float]] = {name: {} for name in self.slos}
+        for search in self.searches:
+            for name, rate in search.goodput.items():
+                goodput[name][search.policy] = rate
+        return {name: {p: by_policy[p] for p in POLICIES} for name, by_policy in goodput.items()}
+
+    def report(self) -> dict[str, Any]:
+        goodput = self.goodput()
+        curves: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in self.slos}
+        for search in self.searches:
+            for name, points in search.curves.items():
+                curves[name][search.policy] = points
+        return {
+            "preset": self.preset.name,
+            "trace": self.trace.name,
+            "slos": {name: asdict(slo) for name, slo in self.slos.items()},
+            "bound_rps": bounds(self.preset, self.head, self.slos),  # the load after the head binds no policy
+            "bound_violations": {
+                name: bound_violations(self.preset, self.head, slo, goodput[name])
+                for name, slo in self.slos.items()
+            },
+            "goodput_rps": goodput,
+            "attainment": {name: {p: by_policy[p] for p in POLICIES} for name, by_policy in curves.items()},
+            "distributions": {
+                policy: {"rate_rps": self.rate, **distribution(self.distributions[policy].outcomes)}
+                for policy in POLICIES
+            },
+            "runs": self.runs,
         }
-        for policy in POLICIES
-    }
-    return {
-        "preset": preset.name,
-        "trace": trace.name,
-        "slos": {name: asdict(slo) for name, slo in slos.items()},
-        "bound_rps": bounds(preset, head, slos),  # the load after the head binds no policy: it may starve
-        "bound_violations": {
-            name: bound_violations(preset, head, slos[name], goodput[name]) for name in slos
-        },
-        "goodput_rps": goodput,
-        "attainment": curves,
-        "distributions": distributions,
-        "runs": runs + len(POLICIES),
-    }
+
+
+def measure_cells(work: Sequence[CellWork], jobs: int) -> list[dict[str, Any]]:
+    """Every cell's tasks on `jobs` worker processes (1: in this process), the longest searches first so
+    that the workers finish together; each cell's line on stderr as it completes."""
+    started = time.perf_counter()
+    pending: dict[Future[PolicySearch | Distribution], CellWork] = {}
+    with executor(jobs) as pool:
+
+        def submit(cell: CellWork, tasks: list[Task]) -> None:
+            for task in tasks:
+                pending[pool.submit(task.function, *task.args)] = cell
+
+        searches = [(cell, task) for cell in work for task in cell.search_tasks()]
+        for cell, task in sorted(searches, key=lambda item: -item[1].size):
+            submit(cell, [task])
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                cell = pending.pop(future)
+                submit(cell, cell.take(future.result()))
+                if cell.done:
+                    print(
+                        f"  {cell.preset.name} {cell.trace.name}: {cell.runs} runs in {cell.seconds:.0f} s "
+                        f"(done at {time.perf_counter() - started:.0f} s)",
+                        file=sys.stderr,
+                    )
+    return [cell.report() for cell in work]
+
+
+def executor(jobs: int) -> Executor:
+    """Worker processes, started afresh (a fork could copy a lock another thread holds); one job runs in
+    this process, where a profiler sees it."""
+    if jobs == 1:
+        return InlineExecutor()
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+class InlineExecutor(Executor):
+    """Runs each task as it is submitted."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
 
 def table_rows(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -592,20 +771,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)"
+    )
     args = parser.parse_args(argv)
-    tokenizer = Tokenizer.from_dir(args.tokenizer)
     presets = [p for p in PRESET_LIST if p.name in args.presets]
     calibration_rows = calibration(presets)
     started = time.perf_counter()
-    cells = []
-    for preset in presets:
-        for trace_name in args.traces:
-            cell_start = time.perf_counter()
-            cells.append(measure_cell(preset, traces.load(trace_name), tokenizer, args.requests))
-            seconds = time.perf_counter() - cell_start
-            print(
-                f"  {preset.name} {trace_name}: {cells[-1]['runs']} runs in {seconds:.0f} s", file=sys.stderr
-            )
+    work = [
+        CellWork(preset, traces.load(name), args.requests, args.tokenizer)
+        for preset in presets
+        for name in args.traces
+    ]
+    cells = measure_cells(work, args.jobs)
     rows = table_rows(cells)
     print_table(rows, calibration_rows)
     report = {
@@ -618,6 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "calibration": calibration_rows,
         "table": rows,
         "cells": cells,
+        "jobs": args.jobs,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,56 @@ def test_slo_attainment_and_decode_stall_metrics(
     assert value("request_slo_total", {"result": "tpot_missed"}) == before["tpot_missed"] + 1
     assert value("request_slo_total", {"result": "met"}) == before["met"] + 1
     assert value("request_decode_stall_seconds_sum") == pytest.approx(stall_before + 0.1)
+
+
+def test_worker_processes_report_what_one_process_does(stories260k: Path, tokenizer: Tokenizer) -> None:
+    """The cells' searches and distribution runs go to worker processes in any order: --jobs 2 reports what
+    --jobs 1 (in this process) does, attainment curves included (where a run stops early is deterministic).
+    A distribution served by a search's run is the run a distribution would make."""
+    preset = next(p for p in goodput.PRESET_LIST if p.name == "llama3-8b-tp24")
+    trace = traces.Trace("t", (2000,) * 28, (4,) * 28, (1.0,) * 28)  # 24 prefills at once miss both pairs
+
+    def measure(jobs: int) -> list[dict[str, Any]]:
+        return goodput.measure_cells([goodput.CellWork(preset, trace, 24, stories260k)], jobs)
+
+    one = measure(1)
+    assert all(row["slo"] > 0 for row in goodput.table_rows(one))
+    assert measure(2) == one
+    cell = one[0]
+    curves = cell["attainment"]
+    searched = sum(len(curve) for curve in curves["interactive"].values()) + len(curves["relaxed"]["slo"])
+    assert cell["runs"] < searched + len(goodput.POLICIES)  # some distribution reused a search's run
+    for policy, shown in cell["distributions"].items():
+        config = goodput.engine_config(policy, Slo(**cell["slos"]["relaxed"]), len(trace))
+        run = goodput.run_trace(preset, trace, shown["rate_rps"], config, tokenizer, scored=24)
+        assert {"rate_rps": shown["rate_rps"], **goodput.distribution(run)} == shown
+
+
+def test_a_run_that_stopped_its_load_early_serves_no_distribution(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every scored request finished, but the load stopped once the target was out of reach: r1 decoded
+    without r2's prefill stalling it, unlike the full run a distribution makes. Only a run that met the
+    target for some pair was never stopped."""
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20, 20, 20), (5, 100, 5), (0.0, 0.01, 0.5))  # r2 (load) arrives at 0.51 s
+    strict = Slo(50, 100)  # r0 misses it (a 100 ms prefill) and has finished by 0.51 s
+    config = goodput.engine_config("fifo", strict, len(trace))
+    stopped = goodput.run_trace(preset, trace, 1.0, config, tokenizer, (strict,), scored=2)
+    full = goodput.run_trace(preset, trace, 1.0, config, tokenizer, scored=2)
+    assert None not in stopped and stopped != full
+    assert not goodput.passed(stopped, [strict]) and goodput.passed(full, [Slo(1000, 100)])
+
+
+@pytest.mark.parametrize("policy", goodput.PEER_POLICIES)
+def test_a_peer_policy_reads_no_slo(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """So a peer's search runs under the pair its distribution is shown for, and serves that distribution."""
+    preset = tiny_preset(monkeypatch)
+    trace = traces.Trace("t", (20, 120, 60, 30), (9, 4, 7, 5), (0.0, 0.05, 0.02, 0.3))
+    outcomes = [
+        goodput.run_trace(preset, trace, 1.0, goodput.engine_config(policy, slo, len(trace)), tokenizer)
+        for slo in (Slo(100, 10), Slo(5000, 500))
+    ]
+    assert outcomes[0] == outcomes[1]
