@@ -61,8 +61,8 @@ EPS = 1e-9  # seconds: every comparison leans towards the policy, so float error
 SPAN = 48  # the most requests a TTFT-window conflict spans (each window starts at an arrival)
 CAPACITY_STRIDE = 16  # capacity windows start at every 16th arrival
 STEADY_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)  # of (n - 1) S: the windows' tails past a_hi + T
-GRID_STEP = 1.02  # the rate grid of the stall floor's scan
-RATE_PRECISION = 1.001  # the bisection of the monotone TTFT-window floor stops at this ratio
+GRID_STEP = 1.02  # the rate grid scanned down from where the monotone floor forbids the target
+RATE_PRECISION = 1.001  # the bisection of the monotone floor (TTFT windows, steady capacity) stops here
 
 
 @dataclass(frozen=True)
