@@ -167,18 +167,32 @@ class OptimumNeuronPolicy(Policy):
 
 class CostEstimate:
     """Device seconds per call, learned from the calls the engine reports: a decode step, and a prefill
-    per sequence per context bucket (an unseen bucket: scaled from the nearest seen one)."""
+    per sequence per context bucket (an unseen bucket: scaled from the nearest seen one); and the share of
+    recent device time that went to prefills (decaying over `SHARE_WINDOW_S` of device time)."""
+
+    SHARE_WINDOW_S: ClassVar[float] = 10.0
 
     def __init__(self) -> None:
         self.decode_s = 0.0
         self._prefill_s: dict[int, float] = {}
+        self._busy = {"prefill": 0.0, "decode": 0.0}  # decayed device seconds
 
     def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:
+        decay = math.exp(-seconds / self.SHARE_WINDOW_S)
+        for phase in self._busy:
+            self._busy[phase] *= decay
         if isinstance(batch, DecodeBatch):
             self.decode_s = _ewma(self.decode_s, seconds)
+            self._busy["decode"] += seconds
         elif batch.slots:
             bucket = batch.context_bucket
             self._prefill_s[bucket] = _ewma(self._prefill_s.get(bucket, 0.0), seconds / len(batch.slots))
+            self._busy["prefill"] += seconds
+
+    @property
+    def prefill_share(self) -> float:
+        total = self._busy["prefill"] + self._busy["decode"]
+        return self._busy["prefill"] / total if total else 0.0
 
     def prefill_s(self, bucket: int) -> float:
         if bucket in self._prefill_s:
@@ -200,19 +214,21 @@ class SloPolicy(Policy):
     prompt can break the TPOT of a request with few tokens to spread it over. So:
     - Stall budgets. A decoding request may still absorb `first_token_time + slo_tpot x (max_tokens - 1)`
       minus its projected end (now + remaining tokens x the learned decode step). A prefill waits only
-      while a request within its SLO that cannot absorb it would finish before the waiting requests
-      must start (their TTFT; a late one's aging): deferring then spares it the stall; otherwise the
-      stall is unavoidable and the prefill goes at once.
+      while a request within its SLO whose budget cannot absorb the queued prefills and the stalls it
+      can expect until its end (at the recent share of prefill time) would finish before the waiting
+      requests must start (their TTFT; a late one's aging): deferring then spares it the stalls;
+      otherwise they are unavoidable and the prefill goes at once.
     - Deadline order. Of the waiting requests, the most that can still meet their TTFT go first, in
       deadline order (`on_time_schedule`); the others go after them in arrival order, so a burst does
       not make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so
       none starves.
     - Slot time-sharing. When every slot is taken and the next request would miss its TTFT waiting for
-      one to free, the running request with the largest stall budget leaves its slot (recompute
-      preemption) if that budget covers `preempt_margin` times the prefills involved; it waits with its
-      budget as the deadline for its own prefill again, so it returns before its TPOT is at risk (a slot
-      it cannot get otherwise is taken from another request in the same way). Devices with few slots
-      and a decode step well under `slo_tpot` serve more requests at once this way.
+      one to free, a running request leaves its slot (recompute preemption) if its budget, after its
+      expected stalls and its own prefill again, covers `preempt_margin` times both prefills: the one
+      cheapest to prefill again (that prefill stalls everyone), at most `max_preemptions` times per
+      request. It waits with half its spare budget as the deadline for its own prefill again, so it
+      returns with room for what comes. Devices with few slots and a decode step well under `slo_tpot`
+      serve more requests at once this way.
     - Prefill-only steps of one request: the engine stamps first tokens when a step ends, so a prefill
       shares its step with nothing (one-sequence prefill calls cost the same alone or together).
     """
@@ -221,6 +237,7 @@ class SloPolicy(Policy):
     preempts = True
     aging_factor: ClassVar[float] = 4.0
     preempt_margin: ClassVar[float] = 2.0
+    max_preemptions: ClassVar[int] = 1  # per request: a long one evicted again and again runs out of TPOT
 
     def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
         super().__init__(grid, config)
@@ -244,7 +261,8 @@ class SloPolicy(Policy):
                 return DECODE_ONLY
             return StepDecision([[job.request]], decode=False, preempt=(victim,))
         for _, budget, finish_s in budgets:
-            if budget < job.cost and finish_s <= job.slack:  # deferring lets it finish before this stall
+            exposed = job.stall + self._expected_stalls(finish_s)  # the queue's and what may come
+            if budget < exposed and finish_s <= job.slack:  # deferring lets it finish before these stalls
                 return DECODE_ONLY
         return StepDecision([[job.request]], decode=False)
 
@@ -259,10 +277,10 @@ class SloPolicy(Policy):
         late: Candidate | None = None
         for request in preempted:
             cost = self._prefill_cost(request)
-            budget = self._budget(request, now)
-            if budget < cost:  # its TPOT is lost: it goes before anything new (no starving)
+            spare = self._spare(request, now)
+            if spare < cost:  # its TPOT is at risk: it goes before anything new (no starving)
                 return Candidate(request, cost, 0.0, on_time=False)
-            on_time.append((now + budget, cost, request))
+            on_time.append((now + spare / 2, cost, request))  # back with half its spare, for what comes
         for request in waiting:  # in arrival order
             cost = self._prefill_cost(request)
             aged_at = request.arrival_time + self.aging_factor * self.ttft_s
@@ -276,7 +294,8 @@ class SloPolicy(Policy):
         kept = on_time_schedule(on_time, now)
         if kept:
             _, _, request, cost = kept[0]
-            return Candidate(request, cost, min(deadline - end for deadline, end, _, _ in kept), on_time=True)
+            slack = min(deadline - end for deadline, end, _, _ in kept)
+            return Candidate(request, cost, slack, on_time=True, queued_cost=kept[-1][1] - now)
         return late
 
     def _finish_s(self, request: Request) -> float:
@@ -288,6 +307,16 @@ class SloPolicy(Policy):
         assert request.first_token_time is not None
         outputs = request.token_limit - request.num_prompt_tokens
         return request.first_token_time + self.tpot_s * max(outputs - 1, 1) - (now + self._finish_s(request))
+
+    def _spare(self, request: Request, now: float) -> float:
+        """Its budget less the stalls it can expect until its end: what a preemption may spend."""
+        return self._budget(request, now) - self._expected_stalls(self._finish_s(request))
+
+    def _expected_stalls(self, finish_s: float) -> float:
+        """Prefill time to expect over `finish_s` of decoding, at the recent share of prefill time (a long
+        request would otherwise look rich, and be evicted until its stalls break its TPOT)."""
+        share = min(self.costs.prefill_share, 0.9)
+        return finish_s * share / (1 - share)
 
     def _stall_budgets(self, decoding: Sequence[Request], now: float) -> list[tuple[Request, float, float]]:
         """For each decoding request still within its TPOT SLO: the stall it can still absorb, and the
@@ -301,29 +330,42 @@ class SloPolicy(Policy):
         return budgets
 
     def _victim(self, budgets: list[tuple[Request, float, float]], job: Candidate) -> Request | None:
-        """The running request to preempt for `job`: the one with the largest budget left after its own
-        prefill again, if that covers `preempt_margin` times both prefills (none otherwise)."""
-        best, spare = None, 0.0
-        for request, budget, _ in budgets:
-            if request.state is not DECODING or not request.params.sampling.survives_recompute:
+        """The running request to preempt for `job`, of those whose budget after their expected stalls and
+        their own prefill again covers `preempt_margin` times both prefills: the cheapest to prefill again
+        (that prefill stalls every other decoding request), then the one with the most budget left."""
+        best: tuple[float, float] | None = None  # (recompute cost, -budget left)
+        victim = None
+        for request, budget, finish_s in budgets:
+            if request.state is not DECODING or request.num_preemptions >= self.max_preemptions:
+                continue
+            if not request.params.sampling.survives_recompute:
                 continue
             if request.num_tokens > self.grid.max_prompt_tokens:
                 continue
             recompute = self._prefill_cost(request)
-            left = budget - recompute
-            if left > spare and left >= self.preempt_margin * (job.cost + recompute):
-                best, spare = request, left
-        return best
+            left = budget - self._expected_stalls(finish_s) - recompute
+            if left >= self.preempt_margin * (job.cost + recompute) and (
+                best is None or (recompute, -left) < best
+            ):
+                best, victim = (recompute, -left), request
+        return victim
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """The request `SloPolicy` would prefill next, its prefill's cost, and how long it can wait."""
+    """The request `SloPolicy` would prefill next, its prefill's cost, how long it can wait, and the cost
+    of the on-time prefills queued from it (its own, for a late one)."""
 
     request: Request
     cost: float
     slack: float
     on_time: bool
+    queued_cost: float = 0.0
+
+    @property
+    def stall(self) -> float:
+        """What the decoding requests will wait through if the queue is prefilled back to back now."""
+        return max(self.cost, self.queued_cost)
 
 
 def on_time_schedule(

@@ -59,6 +59,7 @@ class Request:
         "finish_time",
         "first_token_time",
         "last_token_id",
+        "num_preemptions",
         "num_tokens",
         "output",
         "output_token_ids",
@@ -96,6 +97,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.samples: list[SampledToken] = []
         self.num_tokens = len(prompt_token_ids)  # prompt + generated
+        self.num_preemptions = 0
         self.pending = 0  # tokens of launched calls not applied yet (1 while the engine runs ahead)
         self.token_limit = len(prompt_token_ids) + params.max_tokens  # num_tokens that ends it (LENGTH)
         self.last_token_id = prompt_token_ids[-1] if prompt_token_ids else -1
@@ -136,6 +138,7 @@ class Request:
     def preempt(self) -> None:
         self._move(PREEMPTED)
         self.slot = -1
+        self.num_preemptions += 1
 
     def append_token(self, sample: SampledToken, now: float) -> None:
         if self.state is not DECODING:
