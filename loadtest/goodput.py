@@ -766,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--requests",
         type=int,
-        default=200,
+        default=500,
         help="scored requests per run (the trace's head; the ones after it arrive as load until they finish)",
     )
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)

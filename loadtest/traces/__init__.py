@@ -23,7 +23,7 @@ from pathlib import Path
 
 DIR = Path(__file__).resolve().parent
 SEED = 13
-NUM_REQUESTS = 1200  # the table scores 200 a run; the rest arrive as load, or are scored in longer runs
+NUM_REQUESTS = 1200  # the table scores 500 a run; the rest arrive as load, or are scored in longer runs
 BURST_SHAPE = 0.25  # gamma shape k: coefficient of variation 1/sqrt(k) = 2
 MAX_PROMPT = 2048
 MAX_OUTPUT = 1024
