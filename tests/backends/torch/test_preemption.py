@@ -16,55 +16,52 @@ from app.tokenizer import Tokenizer
 
 from .helpers import generate
 
-COUNT, TOKENS = 12, 100  # prompt + output stay within the largest context bucket (128): all preemptible
+SLOTS, COUNT, TOKENS = (
+    4,
+    12,
+    100,
+)  # prompt + output stay within the largest context bucket (128): all preemptible
 
 
 def test_preempted_requests_continue_as_they_would_have(
     stories_backend: TorchBackend, stories260k: Path
 ) -> None:
-    """12 requests of 100 tokens on 4 slots; with a 50 ms TTFT target the later ones cannot wait for a slot
-    to free (100 steps), and a 10 s TPOT target leaves every running request budget to be evicted."""
+    """4 requests of 100 tokens fill the 4 slots; once they decode, 8 more arrive with a 20 ms TTFT target.
+    No slot frees for about 100 steps (about 1 ms each here: a machine 5x faster still preempts), and a
+    10 s TPOT target leaves every running request budget to be evicted."""
     tokenizer = Tokenizer.from_dir(stories260k)
-    prompts = [
-        tuple(tokenizer.encode(f"Once upon a time there was a {word}"))
-        for word in (
-            "dog",
-            "cat",
-            "bird",
-            "girl",
-            "boy",
-            "tree",
-            "car",
-            "fish",
-            "frog",
-            "king",
-            "ship",
-            "moon",
-        )
-    ]
+    words = ("dog", "cat", "bird", "girl", "boy", "tree", "car", "fish", "frog", "king", "ship", "moon")
+    prompts = [tuple(tokenizer.encode(f"Once upon a time there was a {word}")) for word in words]
     alone = [generate(stories_backend, 0, prompt, TOKENS) for prompt in prompts]
     preempted: list[int] = []
     outputs: dict[str, list[int]] = defaultdict(list)
     finals: dict[str, RequestOutput] = {}
-    done = threading.Event()
+    slots_full, done = threading.Event(), threading.Event()
 
     def relay(step: list[RequestOutput]) -> None:
         for output in step:
             outputs[output.request_id] += output.token_ids
             if output.finished:
                 finals[output.request_id] = output
+        if len(outputs) >= SLOTS and all(len(outputs[f"r{i}"]) > 1 for i in range(SLOTS)):
+            slots_full.set()  # the first requests decode
         if len(finals) == COUNT:
             done.set()
 
     def sink(stats: StepStats) -> None:
         preempted.append(stats.preempted)
 
-    config = EngineConfig(policy="slo", slo_ttft_ms=50, slo_tpot_ms=10_000)
+    def submit(indices: range) -> None:
+        for index in indices:
+            engine.submit(f"r{index}", prompts[index], GenerationParams(GREEDY, TOKENS, ignore_eos=True))
+
+    config = EngineConfig(policy="slo", slo_ttft_ms=20, slo_tpot_ms=10_000)
     engine = LLMEngine(stories_backend, tokenizer, config, stats_sink=sink, relay=relay)
     engine.start()
     try:
-        for index, prompt in enumerate(prompts):
-            engine.submit(f"r{index}", prompt, GenerationParams(GREEDY, TOKENS, ignore_eos=True))
+        submit(range(SLOTS))
+        assert slots_full.wait(60)
+        submit(range(SLOTS, COUNT))
         assert done.wait(120)
     finally:
         engine.stop()
