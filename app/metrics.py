@@ -157,6 +157,12 @@ HTTP_RESPONSES = Counter(
     ["route", "status"],
     registry=REGISTRY,
 )
+CLIENT_DISCONNECTS = Counter(
+    _name("client_disconnects"),
+    "Requests whose client disconnected before their response started (answered 499, as nginx logs it).",
+    ["route"],
+    registry=REGISTRY,
+)
 
 # Device level (neuron-monitor on inf2, the engine's own busy fraction elsewhere: see `source`).
 CORE_UTILIZATION = Gauge(
@@ -208,6 +214,10 @@ def render() -> bytes:
 # Helpers for the HTTP layer and startup (app/api/).
 def record_http_response(route: str, status: int) -> None:
     HTTP_RESPONSES.labels(route, str(status)).inc()
+
+
+def record_client_disconnect(route: str) -> None:
+    CLIENT_DISCONNECTS.labels(route).inc()
 
 
 def record_request_failure(error_type: str) -> None:

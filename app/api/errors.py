@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from app import metrics
 from app.errors import (
@@ -101,6 +102,9 @@ async def _on_http_error(request: Request, error: Exception) -> Response:
 
 
 async def _on_client_gone(request: Request, error: Exception) -> Response:
+    """The client left (mid-body: Starlette's ClientDisconnect; before the first token: ClientGone):
+    not the server's failure, so no 5xx and no traceback, only its own counter."""
+    metrics.record_client_disconnect(getattr(request.scope.get("route"), "path", "unmatched"))
     return Response(status_code=CLIENT_CLOSED)
 
 
@@ -108,3 +112,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Inf2ServeError, _on_error)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(ClientGone, _on_client_gone)
+    app.add_exception_handler(ClientDisconnect, _on_client_gone)
