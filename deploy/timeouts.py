@@ -14,7 +14,11 @@ default's values. Why each line is what it is, in order of a request's end of li
 - EKS: endpoint removal and SIGTERM run in parallel; the preStop sleep holds SIGTERM back while the
   removal reaches the ALB, and `terminationGracePeriodSeconds` counts preStop + drain + in-flight.
 - SageMaker: a non-streamed InvokeEndpoint is cut at 60 s, whatever the client's timeout, and SIGKILL
-  follows SIGTERM by 30 s: the server's deadline stays under the first, drain + in-flight under the second.
+  follows SIGTERM by 30 s: the server's deadline stays under the first, drain + in-flight + the server's
+  cut grace + margin under the second.
+- Everywhere: when in-flight time runs out the server cuts what is left and needs up to `CUT_GRACE_S`
+  more to write the 503s and error events and exit with code 3 (app/api/server.py); the kill comes only
+  after that plus the margin, so the exit code and the "responses cut short" line are seen, not SIGKILL.
 - Everywhere a balancer keeps idle connections open: a non-streamed generation sends no byte until it is
   done, so the idle timeout must exceed the longest generation, and the server's keep-alive must exceed
   the idle timeout (or the balancer reuses a connection the server closed: 502).
@@ -37,6 +41,9 @@ K8S_PRESTOP_S = 15  # endpoint removal reaching the AWS Load Balancer Controller
 SAGEMAKER_INVOCATION_LIMIT_S = 60
 SAGEMAKER_SIGKILL_AFTER_S = 30
 SAGEMAKER_DRAIN_S = 10
+# app/api/server.py CUT_GRACE_S: after the in-flight time, the server's own cut and exit (a test keeps
+# the two equal; not imported, so the canary CLI does not load the web server).
+SERVER_CUT_GRACE_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +86,7 @@ def alb(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAU
     """EC2: deregistered first, SIGTERM after the delay; the drain covers health-check detection."""
     drain = ALB_HEALTH_INTERVAL_S * ALB_UNHEALTHY_THRESHOLD + MARGIN_S
     deregistration = max_generation_s + MARGIN_S
-    stop = drain + max_generation_s + MARGIN_S
+    stop = drain + max_generation_s + SERVER_CUT_GRACE_S + MARGIN_S
     return _behind_alb(max_generation_s, startup_s, drain, 0, deregistration, stop)
 
 
@@ -87,7 +94,7 @@ def eks(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAU
     """EKS: preStop, then the drain (readiness noticing), then in-flight, all inside the grace period,
     which the ALB's deregistration delay equals."""
     drain = K8S_READINESS_PERIOD_S * K8S_READINESS_FAILURES
-    grace = K8S_PRESTOP_S + drain + max_generation_s + MARGIN_S
+    grace = K8S_PRESTOP_S + drain + max_generation_s + SERVER_CUT_GRACE_S + MARGIN_S
     return _behind_alb(max_generation_s, startup_s, drain, K8S_PRESTOP_S, grace, grace)
 
 
@@ -98,7 +105,7 @@ def sagemaker(startup_s: int = DEFAULT_STARTUP_S) -> Budget:
     return Budget(
         request_timeout_s=request,
         drain_s=SAGEMAKER_DRAIN_S,
-        shutdown_timeout_s=SAGEMAKER_SIGKILL_AFTER_S - SAGEMAKER_DRAIN_S - MARGIN_S,
+        shutdown_timeout_s=SAGEMAKER_SIGKILL_AFTER_S - SAGEMAKER_DRAIN_S - SERVER_CUT_GRACE_S - MARGIN_S,
         keep_alive_s=SAGEMAKER_INVOCATION_LIMIT_S + MARGIN_S,
         idle_timeout_s=0,
         deregistration_delay_s=0,
@@ -116,13 +123,16 @@ def budget() -> dict[str, Budget]:
 ROWS = {
     "request_timeout_s": ("request deadline `INF2SERVE_REQUEST_TIMEOUT_S`", "G (SageMaker: 60 - m)"),
     "drain_s": ("drain `INF2SERVE_DRAIN_S`", "health-check detection + m (EKS: readiness 5 s x 2)"),
-    "shutdown_timeout_s": ("in-flight `INF2SERVE_SHUTDOWN_TIMEOUT_S`", "G (SageMaker: 30 - drain - m)"),
+    "shutdown_timeout_s": (
+        "in-flight `INF2SERVE_SHUTDOWN_TIMEOUT_S`",
+        "G (SageMaker: 30 - drain - cut grace c - m)",
+    ),
     "keep_alive_s": ("keep-alive `INF2SERVE_KEEP_ALIVE_S`", "idle timeout + m"),
     "idle_timeout_s": ("ALB idle timeout", "G + m"),
     "deregistration_delay_s": ("deregistration delay", "EC2: G + m; EKS: grace period"),
     "stop_timeout_s": (
         "kill after SIGTERM",
-        "EC2 `--stop-timeout`: drain + G + m; EKS grace: preStop + drain + G + m",
+        "EC2 `--stop-timeout`: drain + G + c + m; EKS grace: preStop + drain + G + c + m",
     ),
     "prestop_s": ("preStop sleep", "EKS endpoint propagation"),
     "startup_s": ("startup window", "S: HEALTHCHECK start period, ASG grace, startupProbe"),
@@ -131,7 +141,7 @@ ROWS = {
 
 
 def markdown_table() -> str:
-    """The budget as deploy/README.md shows it (G = 300 s, S = 1800 s, m = 5 s)."""
+    """The budget as deploy/README.md shows it (G = 300 s, S = 1800 s, m = 5 s, c = 5 s)."""
     columns = budget()
     lines = [
         "| Timeout | Rule | " + " | ".join(columns) + " |",

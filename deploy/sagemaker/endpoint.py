@@ -24,7 +24,8 @@ from deploy import timeouts
 
 VARIANT = "AllTraffic"
 INFERENCE_AMI = "al2-ami-sagemaker-inference-neuron-2"
-SIGKILL_AFTER_S = 30  # SageMaker's SIGTERM-to-SIGKILL window
+SIGKILL_AFTER_S = timeouts.SAGEMAKER_SIGKILL_AFTER_S
+SERVER_CUT_GRACE_S, MARGIN_S = timeouts.SERVER_CUT_GRACE_S, timeouts.MARGIN_S
 SAGEMAKER_BUDGET = timeouts.sagemaker()
 
 
@@ -55,9 +56,10 @@ class Release:
         if self.canary_instances * 2 > self.instance_count:
             count, canary = self.instance_count, self.canary_instances
             raise ConfigError(f"the canary ({canary} instances) may be at most half of the {count} instances")
-        if self.drain_s + self.shutdown_timeout_s >= SIGKILL_AFTER_S:
+        if self.drain_s + self.shutdown_timeout_s + SERVER_CUT_GRACE_S + MARGIN_S > SIGKILL_AFTER_S:
             raise ConfigError(
-                f"drain + shutdown timeout must stay under SageMaker's {SIGKILL_AFTER_S} s SIGKILL"
+                f"drain + shutdown timeout + the server's {SERVER_CUT_GRACE_S} s cut + {MARGIN_S} s margin "
+                f"must fit SageMaker's {SIGKILL_AFTER_S} s before SIGKILL"
             )
         if (
             not 600 <= self.max_execution_s <= 28800

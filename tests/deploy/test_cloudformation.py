@@ -319,4 +319,4 @@ def test_user_data_renders_to_valid_bash(template: dict, tmp_path: Path) -> None
     path.write_text(_render_sub(_user_data(template, "Stable"), values))
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=10)
     rendered = path.read_text()
-    assert '"${devices[@]}"' in rendered and "--stop-timeout '330'" in rendered
+    assert '"${devices[@]}"' in rendered and "--stop-timeout '335'" in rendered

@@ -74,7 +74,7 @@ def _expect_model_and_config(stubber: Stubber) -> None:
                 "INF2SERVE_REQUEST_TIMEOUT_S": "55",
                 "INF2SERVE_KEEP_ALIVE_S": "65",
                 "INF2SERVE_DRAIN_S": "10",
-                "INF2SERVE_SHUTDOWN_TIMEOUT_S": "15",
+                "INF2SERVE_SHUTDOWN_TIMEOUT_S": "10",
             },
         },
     }

@@ -25,17 +25,29 @@ def test_budget_orders_every_timeout(generation: int) -> None:
         assert budget.deregistration_delay_s > generation
     ec2 = timeouts.alb(generation)
     assert ec2.drain_s > timeouts.ALB_HEALTH_INTERVAL_S * timeouts.ALB_UNHEALTHY_THRESHOLD
-    assert ec2.stop_timeout_s > ec2.drain_s + ec2.shutdown_timeout_s
+    cut = timeouts.SERVER_CUT_GRACE_S + timeouts.MARGIN_S
+    # Audit W5 (shared/research/audit-deploy-2026-11-25.md): the server's own cut takes CUT_GRACE_S after
+    # the in-flight time; the kill must come after it and a margin, or exit code 3 is replaced by 137.
+    assert ec2.stop_timeout_s >= ec2.drain_s + ec2.shutdown_timeout_s + cut
     eks = timeouts.eks(generation)
-    assert eks.stop_timeout_s > eks.prestop_s + eks.drain_s + eks.shutdown_timeout_s
+    assert eks.stop_timeout_s >= eks.prestop_s + eks.drain_s + eks.shutdown_timeout_s + cut
     assert eks.deregistration_delay_s >= eks.stop_timeout_s  # the ALB never cuts what the pod finishes
 
 
 def test_sagemaker_fits_its_hard_limits() -> None:
     budget = timeouts.sagemaker()
     assert budget.request_timeout_s < timeouts.SAGEMAKER_INVOCATION_LIMIT_S
-    assert budget.drain_s + budget.shutdown_timeout_s < timeouts.SAGEMAKER_SIGKILL_AFTER_S
+    # SIGKILL 30 s after SIGTERM (SageMaker "Custom Inference Code with Hosting Services"), after the
+    # drain, the in-flight time, the server's cut grace and a margin (audit W5).
+    spent = budget.drain_s + budget.shutdown_timeout_s + timeouts.SERVER_CUT_GRACE_S + timeouts.MARGIN_S
+    assert spent <= timeouts.SAGEMAKER_SIGKILL_AFTER_S == 30
     assert budget.client_timeout_s > timeouts.SAGEMAKER_INVOCATION_LIMIT_S
+
+
+def test_the_cut_grace_is_the_servers() -> None:
+    from app.api.server import CUT_GRACE_S
+
+    assert timeouts.SERVER_CUT_GRACE_S == CUT_GRACE_S
 
 
 @pytest.mark.parametrize("document", ["README.md", "RUNBOOK.md"])
