@@ -3,6 +3,7 @@ guardrails, weighted tracks, drain and keep-alive timings, env names the server 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from deploy.canary.targets import TRACK_HEADER
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SAGEMAKER = DEPLOY / "sagemaker" / "template.yaml"
 ALB = DEPLOY / "alb" / "template.yaml"
+IRSA = DEPLOY / "eks" / "irsa.yaml"
 CFN_LINT = Path(sys.executable).parent / "cfn-lint"
 
 
@@ -31,7 +33,7 @@ def _cfn_lint(*paths: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_templates_pass_cfn_lint() -> None:
-    result = _cfn_lint(SAGEMAKER, ALB)
+    result = _cfn_lint(SAGEMAKER, ALB, IRSA)
     # rc is a bitmask (2 error, 4 warning, 8 informational): all clear is 0.
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -320,3 +322,35 @@ def test_user_data_renders_to_valid_bash(template: dict, tmp_path: Path) -> None
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=10)
     rendered = path.read_text()
     assert '"${devices[@]}"' in rendered and "--stop-timeout '335'" in rendered
+
+
+def test_irsa_role_trusts_one_service_account_and_reads_one_prefix() -> None:
+    # Audit D3: no IRSA policy was shipped. IRSA trust: sts:AssumeRoleWithWebIdentity from the cluster's
+    # OIDC provider, conditioned on `<issuer>:sub` = system:serviceaccount:<namespace>:<name> and
+    # `<issuer>:aud` = sts.amazonaws.com (EKS user guide, "Assign IAM roles to Kubernetes service accounts").
+    role = _load(IRSA)["Resources"]["Role"]
+    trust = json.loads(
+        _render_sub(
+            role["Properties"]["AssumeRolePolicyDocument"]["Fn::Sub"],
+            {
+                "AWS::Partition": "aws",
+                "AWS::AccountId": "1",
+                "ClusterOidcIssuer": "oidc.x/id/A",
+                "Namespace": "n",
+            },
+        )
+    )
+    (statement,) = trust["Statement"]
+    assert statement["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert statement["Principal"] == {"Federated": "arn:aws:iam::1:oidc-provider/oidc.x/id/A"}
+    assert statement["Condition"] == {
+        "StringEquals": {
+            "oidc.x/id/A:sub": "system:serviceaccount:n:inf2serve",
+            "oidc.x/id/A:aud": "sts.amazonaws.com",
+        }
+    }
+    statements = _statements(role)
+    assert _granting(statements, "s3:ListBucket")["Condition"] == {
+        "StringLike": {"s3:prefix": {"Fn::Sub": "${ArtifactPrefix}*"}}
+    }
+    _assert_kms_when_given(statements)

