@@ -340,7 +340,7 @@ class SloPolicy(Policy):
                 continue
             if not request.params.sampling.survives_recompute:
                 continue
-            if request.num_tokens > self.grid.max_prompt_tokens:
+            if request.num_tokens + request.pending > self.grid.max_prompt_tokens:  # tokens in flight land
                 continue
             recompute = self._prefill_cost(request)
             left = budget - self._expected_stalls(finish_s) - recompute

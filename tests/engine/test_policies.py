@@ -251,3 +251,33 @@ def test_slo_preempts_a_request_once_at_most() -> None:
         request.num_preemptions = 1  # every one of them has been preempted once
     s.add(make_request(11, max_tokens=60, arrival=now))
     assert s.schedule(now).preempted == ()
+
+
+def test_slo_never_preempts_a_request_whose_token_in_flight_outgrows_the_largest_context_bucket() -> None:
+    """Issue 28 item 1: three slots held by requests that cannot be preempted and, in the last, a prompt
+    one token short of the largest context bucket; running ahead, its second token is in flight when a
+    newcomer would miss its TTFT. Evicted then, it would need a context bucket past the largest once that
+    token landed, and planning its prefill again raised inside `schedule()`, which ended the engine loop."""
+    s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=1000)
+    largest, now = TINY_GRID.max_prompt_tokens, 0.0
+    for index in range(TINY_GRID.num_slots):
+        long = index == TINY_GRID.num_slots - 1
+        request = make_request(index, prompt_len=largest - 1 if long else 10, max_tokens=60)
+        if not long:
+            request.params = replace(request.params, sampling=SamplingParams(repetition_penalty=1.2))
+        s.add(request)
+        execute(s, s.schedule(now), now=now + 0.1, decode_s=0.01)
+        now += 0.1
+        if index == 0:  # the policy learns the decode step
+            execute(s, s.schedule(now), now=now + 0.01, decode_s=0.01)
+            now += 0.01
+    in_flight = s.schedule(now)  # running ahead: its second token is launched, not back yet
+    long = in_flight.decode.requests[-1]
+    assert long.num_tokens == largest and long.pending == 1
+    s.add(make_request(9, max_tokens=60, arrival=now))
+    assert s.schedule(now).preempted == ()
+    execute(s, in_flight, now=now + 0.01, decode_s=0.01)
+    for step in range(3):  # plans on: the newcomer waits for a slot
+        execute(s, s.schedule(now + 0.01 * step), now=now + 0.01 * (step + 1), decode_s=0.01)
+    assert long.state is RequestState.DECODING
+
