@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -37,8 +38,10 @@ from app.engine.policies import POLICIES, StepDecision
 from app.engine.request import DECODING, FINISHED, PREEMPTED, WAITING, Request
 from app.engine.stops import token_stop_reason
 from app.engine.types import FinishReason
-from app.errors import DeadlineExceededError, Inf2ServeError
+from app.errors import DeadlineExceededError, GenerationError, Inf2ServeError
 from app.shapes import ShapeGrid
+
+logger = logging.getLogger(__name__)
 
 
 # Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
@@ -127,8 +130,21 @@ class Scheduler:
             heapq.heappush(self._deadlines, (request.deadline, next(self._sequence), request))
 
     def schedule(self, now: float) -> BatchPlan:
-        """The next step's calls; each request in them has one more pending token until `apply`."""
+        """The next step's calls; each request in them has one more pending token until `apply`. Planning
+        is a boundary: if the policy or the books raise, the requests involved fail and the engine goes
+        on (`_fail_unplannable`), so no single request or decision can end the step loop."""
         expired = self._expire(now)
+        try:
+            plan = self._plan(now, expired)
+        except Exception as exc:
+            logger.exception("planning a step failed")
+            return BatchPlan((), None, (*expired, *self._fail_unplannable(exc, now)))
+        for group in plan.groups:
+            for request in group.requests:
+                request.pending += 1
+        return plan
+
+    def _plan(self, now: float, expired: tuple[Request, ...]) -> BatchPlan:
         decision = StepDecision()
         if self.num_waiting and (self._free_slots or self.policy.preempts):
             decision = self.policy.decide(self, now)
@@ -136,11 +152,21 @@ class Scheduler:
             self._preempt(request)
         decode = self._decode_group() if decision.decode else None
         prefills = self._admit(decision.prefills, now)
-        plan = BatchPlan(prefills, decode, expired, decision.decode_first, decision.preempt)
-        for group in plan.groups:
-            for request in group.requests:
-                request.pending += 1
-        return plan
+        return BatchPlan(prefills, decode, expired, decision.decode_first, decision.preempt)
+
+    def _fail_unplannable(self, error: Exception, now: float) -> list[Request]:
+        """After planning raised: fail the requests no prefill can hold (their context outgrew the largest
+        context bucket), else the waiting ones (the policy's input), else the running ones, so each failed
+        plan ends at least one request and the next can go on. Returns them."""
+        unfinished = [r for r in (*self._waiting, *self._preempted) if not r.is_finished]
+        limit = self.grid.max_prompt_tokens
+        culprits = [r for r in unfinished if r.num_tokens + r.pending > limit] or unfinished
+        if not culprits:
+            culprits = [r for r in self._running if not r.is_finished]
+        failure = GenerationError(f"the scheduler could not plan this request: {error}")
+        for request in culprits:
+            self.finish(request, FinishReason.ERROR, now, failure)
+        return culprits
 
     def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
         """Hand each request the token a backend call produced for it, and apply token-level stops."""
@@ -285,6 +311,8 @@ class Scheduler:
             raise RuntimeError(
                 f"policy {self.policy.name} admitted {chosen} into {len(self._free_slots)} slots"
             )
+        calls = [call for call in calls if call]
+        buckets = [self.grid.context_bucket(max(r.num_tokens for r in call)) for call in calls]  # may raise
         resumed = [r for r in chosen if r.state is PREEMPTED]
         for request in resumed:
             if request.pending:
@@ -293,7 +321,7 @@ class Scheduler:
         self._take_waiting([r for r in chosen if r.state is WAITING])
         for request in chosen:
             self._assign_slot(request, now)
-        return tuple(self._prefill_group(call) for call in calls if call)
+        return tuple(self._prefill_group(call, bucket) for call, bucket in zip(calls, buckets, strict=True))
 
     def _take_waiting(self, chosen: list[Request]) -> None:
         """Remove the chosen requests from the queue: popped from its head when they lead it (FIFO)."""
@@ -327,8 +355,7 @@ class Scheduler:
         request.preempt()
         self._preempted.append(request)
 
-    def _prefill_group(self, requests: list[Request]) -> PrefillGroup:
-        bucket = self.grid.context_bucket(max(r.num_tokens for r in requests))
+    def _prefill_group(self, requests: list[Request], bucket: int) -> PrefillGroup:
         batch = PrefillBatch(
             slots=tuple(r.slot for r in requests),
             prompts=tuple(r.prefill_token_ids for r in requests),

@@ -7,10 +7,11 @@ from typing import get_args
 
 from app.backends.base import DecodeBatch, PrefillBatch, SamplingParams
 from app.engine.config import EngineConfig
-from app.engine.policies import POLICIES, TgiNeuronPolicy, on_time_schedule
+from app.engine.policies import POLICIES, FifoPolicy, StepDecision, TgiNeuronPolicy, on_time_schedule
 from app.engine.request import Request, RequestState
 from app.engine.scheduler import BatchPlan, Scheduler
 from app.engine.types import FinishReason
+from app.errors import GenerationError
 from app.settings import ServerSettings
 from app.shapes import ShapeGrid
 from tests.engine.helpers import TINY_GRID, make_request, sample
@@ -281,3 +282,39 @@ def test_slo_never_preempts_a_request_whose_token_in_flight_outgrows_the_largest
         execute(s, s.schedule(now + 0.01 * step), now=now + 0.01 * (step + 1), decode_s=0.01)
     assert long.state is RequestState.DECODING
 
+
+class RaisingPolicy(FifoPolicy):
+    """A policy with a bug: it raises whenever request `r1` waits."""
+
+    def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
+        if any(r.request_id == "r1" for r in scheduler.waiting()):
+            raise ValueError("a planning bug")
+        return super().decide(scheduler, now)
+
+
+def test_a_planning_failure_fails_the_requests_involved_and_the_running_ones_go_on() -> None:
+    s = scheduler("fifo")
+    s.policy = RaisingPolicy(TINY_GRID, s.config)
+    running = make_request(0, max_tokens=8)
+    s.add(running)
+    execute(s, s.schedule(0.0))
+    s.add(make_request(1))
+    plan = s.schedule(0.0)
+    (failed,) = plan.expired
+    assert failed.request_id == "r1" and failed.finish_reason is FinishReason.ERROR
+    assert isinstance(failed.error, GenerationError) and "a planning bug" in failed.error.message
+    assert running.state is RequestState.DECODING
+    assert decoded(s.schedule(0.0)) == ["r0"]  # the next step plans on
+
+
+def test_a_request_whose_context_outgrew_every_bucket_fails_alone_when_planning_its_prefill() -> None:
+    s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=1000)
+    running, now = full_slots(s)
+    s.add(make_request(9, max_tokens=60, arrival=now))
+    (victim,) = s.schedule(now).preempted
+    victim.num_tokens = TINY_GRID.max_prompt_tokens + 1  # as an eviction with a token in flight once left it
+    s.finish(running[0], FinishReason.ABORT, now)
+    plan = s.schedule(now)
+    assert plan.expired == (victim,) and victim.finish_reason is FinishReason.ERROR
+    assert "exceeds the largest bucket" in victim.error.message
+    assert all(r.state is RequestState.DECODING for r in running[1:] if r is not victim)
