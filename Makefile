@@ -36,7 +36,9 @@ run: install
 	artifact="$$($(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1)" && \
 	  exec $(VENV)/bin/inf2serve serve --artifact "$$artifact" --host 127.0.0.1 --port $(PORT) $(ALLOW_RANDOM_WEIGHTS)
 
+# lint-imports: the import contracts in pyproject.toml ([tool.importlinter]); seconds, so it runs first.
 test: install system-deps
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 lint: install

@@ -11,11 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.backends.base import ModelInfo
 from app.errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

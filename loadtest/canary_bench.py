@@ -33,9 +33,8 @@ from deploy.canary.cli import DEFAULT_SAMPLES
 from deploy.canary.replay import side_by_side, workload
 from deploy.canary.targets import HttpTarget, Prompt, Sample
 from deploy.canary.verdict import Thresholds, error_check, latency_checks
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"

@@ -45,7 +45,7 @@ from app.engine.clock import VirtualClock
 from app.engine.config import EngineConfig
 from app.engine.engine import LLMEngine
 from app.engine.policies import PEER_POLICIES
-from app.engine.stats import StatsSink, StepStats
+from app.engine.stats import StatsSink, discard_stats
 from app.engine.types import GenerationParams, RequestOutput
 from app.shapes import ShapeGrid, powers_of_two
 from app.tokenizer import Tokenizer
@@ -219,10 +219,6 @@ class Outcome:
     ttft_s: float
     tpot_s: float
     tokens: int
-
-
-def discard_stats(stats: StepStats) -> None:
-    """A stats sink that records nothing."""
 
 
 def run_trace(

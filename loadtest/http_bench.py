@@ -33,9 +33,8 @@ from app.backends.base import SamplingParams
 from app.engine.types import GenerationParams
 from app.settings import ServerSettings
 from loadtest.client import completion_body, percentiles, run_load, summarize
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"

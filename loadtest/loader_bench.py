@@ -71,8 +71,8 @@ from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from compile.pipeline import CompileOptions, compile_artifact
 from compile.random_checkpoint import write_random_llama
 from loadtest.capped_s3 import start_capped_s3
-from tests.artifacts.synthetic import write_artifact
-from tests.s3_server import S3Server, s3_env, start_s3_server, upload_tree
+from loadtest.harness.s3 import S3Server, s3_env, start_s3_server, upload_tree
+from loadtest.harness.synthetic import write_artifact
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "reports" / "loader_bench.json"

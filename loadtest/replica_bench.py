@@ -42,10 +42,9 @@ from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
 from app.settings import ServerSettings
 from loadtest.client import percentiles, run_load
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.http_bench import cpu_seconds
 from loadtest.sim_artifact import build_sim_artifact, sim_grid
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"

@@ -18,8 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import metrics
 from app.api.connections import receive_with_deadline
 from app.api.errors import error_headers, error_json, internal_error
-from app.api.logs import REQUEST_ID
 from app.api.state import ServerState
+from app.logs import REQUEST_ID
 
 log = logging.getLogger("inf2serve.access")
 

@@ -20,7 +20,6 @@ from pydantic.json_schema import models_json_schema
 from app import metrics
 from app.api import openai, tgi
 from app.api.auth import require_api_key
-from app.api.logs import REQUEST_ID
 from app.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -37,6 +36,7 @@ from app.api.serving import Serving
 from app.api.state import ServerState
 from app.api.validation import Api
 from app.errors import NotReadyError, PayloadTooLargeError
+from app.logs import REQUEST_ID
 from app.settings import ServerSettings
 
 

@@ -28,8 +28,8 @@ from starlette.types import ASGIApp
 from app import metrics
 from app.api.app import create_app
 from app.api.connections import ConnectionLimits, LimitedHttpToolsProtocol
-from app.api.logs import configure_logging
 from app.api.state import ServerState
+from app.logs import configure_logging
 from app.settings import ServerSettings
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from app.artifacts.storage import (
     progress_bar,
 )
 from app.errors import ArtifactError
-from app.settings import ProcessSettings
+from app.process_settings import ProcessSettings
 
 ALIASES_DIR = "aliases"
 VERIFIED_RECORD = ".verified.json"

@@ -51,7 +51,7 @@ from typing import Any
 from app.artifacts.digest import Digests, PipelinedSink, check_entry, reserve, verified_digests
 from app.artifacts.manifest import RECORDED_DIGESTS, FileEntry
 from app.errors import ArtifactError, ConfigError, StorageError
-from app.settings import ProcessSettings
+from app.process_settings import ProcessSettings
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from app.errors import InvalidRequestError
+from app.llama import ModelInfo
 from app.shapes import ShapeGrid
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -163,14 +164,6 @@ class BackendSpec:
             grid=ShapeGrid.from_dict(data),
             async_mode=bool(data.get("async_mode", False)),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """What the engine needs to know about the loaded model."""
-
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 Tokens = Callable[[], list["SampledToken"]]  # waits for a launched call's tokens

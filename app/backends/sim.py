@@ -51,7 +51,7 @@ from app.backends.base import (
 from app.backends.batches import check_decode, check_prefill
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
-from app.settings import ProcessSettings
+from app.process_settings import ProcessSettings
 
 COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"  # ProcessSettings.sim_cost_model
 DEFAULT_VOCAB_SIZE = 32000

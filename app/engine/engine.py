@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from app import metrics
 from app.backends.base import Backend, PrefillBatch, SampledToken, Tokens
 from app.engine.admission import ServiceRate
 from app.engine.clock import SYSTEM_CLOCK, Clock
@@ -48,7 +47,7 @@ from app.engine.output import (
 )
 from app.engine.request import FINISHED, Request
 from app.engine.scheduler import BatchPlan, DecodeGroup, PrefillGroup, Scheduler
-from app.engine.stats import StatsSink
+from app.engine.stats import StatsSink, discard_stats
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
 from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
@@ -95,8 +94,8 @@ class LLMEngine:
         clock: Clock = SYSTEM_CLOCK,
         relay: Relay | None = None,
     ) -> None:
-        """`stats_sink` receives each step's `StepStats` on the output thread (default: this process's
-        Prometheus metrics); `clock` is virtual in benchmarks (`app/engine/clock.py`)."""
+        """`stats_sink` receives each step's `StepStats` on the output thread (default: nowhere; a server
+        passes `app.metrics.record_step_stats`); `clock` is virtual in benchmarks (`app/engine/clock.py`)."""
         self.clock = clock
         self.backend = backend
         self.tokenizer = tokenizer
@@ -109,7 +108,7 @@ class LLMEngine:
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
         self._last_done = 0.0  # when the last call's tokens were back (clock.perf_counter())
         slo = SloTargets(self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3)
-        self._output = OutputProcessor(stats_sink or metrics.record_step_stats, slo, relay)
+        self._output = OutputProcessor(stats_sink or discard_stats, slo, relay)
         self._lock = threading.Lock()  # guards admission: _inbox, the waiting count
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()

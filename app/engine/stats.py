@@ -58,3 +58,7 @@ class StepStats:
 
 
 StatsSink = Callable[[StepStats], None]
+
+
+def discard_stats(stats: StepStats) -> None:
+    """A sink that keeps nothing (an engine with no metrics to feed: benchmarks, tests)."""

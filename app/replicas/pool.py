@@ -36,7 +36,7 @@ from app.engine.engine import check_limits
 from app.engine.output import RequestStream
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
 from app.errors import ConfigError, Inf2ServeError, InvalidRequestError, NotReadyError, ReplicaLostError
-from app.replicas import worker  # the module: the worker imports startup, which imports this
+from app.replicas import worker
 from app.replicas.router import Router, RoutingPolicy, request_work
 from app.settings import ServerSettings
 

@@ -19,13 +19,13 @@ import signal
 import threading
 from multiprocessing.connection import Connection
 
-from app.api import startup  # a module, not its names: startup imports the pool, which imports this
-from app.api.logs import configure_logging
 from app.artifacts.loader import LocalArtifact
 from app.engine.engine import LLMEngine
 from app.engine.stats import StepStats
 from app.engine.types import FinishReason, RequestOutput
 from app.errors import Inf2ServeError
+from app.logs import configure_logging
+from app.runtime import start_engine, stop_engine
 from app.settings import ServerSettings
 from app.tokenizer import Tokenizer
 
@@ -62,21 +62,16 @@ def run_replica(conn: Connection, index: int, artifact: LocalArtifact, settings:
     sender = Sender(conn)
     try:
         tokenizer = Tokenizer.from_dir(artifact.root / "model")
-        backend = startup.load_backend(artifact, settings)
+        engine = start_engine(artifact, tokenizer, settings, sender.stats, relay=sender.outputs)
     except Exception as error:
         log.exception("replica startup failed", extra={"replica": index})
         message = error.message if isinstance(error, Inf2ServeError) else repr(error)
         sender.send(("failed", message))
         return
-    engine = LLMEngine(
-        backend, tokenizer, settings.engine_config(), stats_sink=sender.stats, relay=sender.outputs
-    )
     try:
-        engine.start()
         _serve(conn, engine, sender)
     finally:
-        engine.stop(timeout=STOP_TIMEOUT_S)  # unfinished requests get their final delta first
-        backend.close()
+        stop_engine(engine, STOP_TIMEOUT_S)  # unfinished requests get their final delta first
 
 
 def _serve(conn: Connection, engine: LLMEngine, sender: Sender) -> None:

@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import build_sim_artifact, sim_grid
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 API_KEY = "adversarial-key"
 MAX_WAITING = 16

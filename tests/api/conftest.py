@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from app.api.app import create_app
 from app.settings import ServerSettings
-from tests.s3_server import free_port
+from loadtest.harness.server import free_port
 
 from .fakes import FakeEngine, fake_runtime
 

@@ -11,7 +11,7 @@ import pytest
 
 from app import cli as inf2serve_cli
 from app.api import cli
-from app.api.logs import REQUEST_ID, JsonFormatter
+from app.logs import REQUEST_ID, JsonFormatter
 from app.settings import ServerSettings
 
 PROMPT = {"prompt": "x", "max_tokens": 1}

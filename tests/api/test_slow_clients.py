@@ -18,8 +18,8 @@ import uvicorn
 from app.api.app import create_app
 from app.api.server import uvicorn_config
 from app.settings import ServerSettings
+from loadtest.harness.server import free_port
 from tests.raw_http import read_until_closed, send_until_answered
-from tests.s3_server import free_port
 
 from .conftest import wait_ready
 from .fakes import fake_runtime

@@ -31,7 +31,7 @@ from app.artifacts.digest import (
 from app.artifacts.manifest import FileEntry
 from app.artifacts.storage import LocalStore, download_file
 from app.errors import ArtifactError, StorageError
-from tests.artifacts.synthetic import file_entry
+from loadtest.harness.synthetic import file_entry
 
 
 def sink_threads() -> set[threading.Thread]:

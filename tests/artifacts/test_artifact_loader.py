@@ -19,8 +19,8 @@ from app.artifacts.manifest import SCHEMA_VERSION, Manifest, stack_versions
 from app.artifacts.storage import LocalStore, open_store
 from app.cli import main
 from app.errors import ArtifactError, StorageError
-from tests.artifacts.synthetic import write_artifact
-from tests.s3_server import fault_proxy, s3_env, upload_tree, use_endpoint
+from loadtest.harness.s3 import fault_proxy, s3_env, upload_tree, use_endpoint
+from loadtest.harness.synthetic import write_artifact
 
 WEIGHTS = "weights/rank-0.safetensors"
 

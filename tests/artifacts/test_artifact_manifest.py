@@ -23,7 +23,7 @@ from app.backends.base import BackendSpec
 from app.backends.sim import SimBackend
 from app.errors import ArtifactError
 from app.shapes import ShapeGrid
-from tests.artifacts.synthetic import SPEC, synthetic_manifest
+from loadtest.harness.synthetic import SPEC, synthetic_manifest
 
 
 def test_round_trip_keeps_every_field_and_the_id() -> None:

@@ -16,9 +16,9 @@ from app.artifacts.manifest import Manifest
 from app.artifacts.paths import check_file_path
 from app.errors import ArtifactError
 from app.settings import ServerSettings
+from loadtest.harness.s3 import upload_tree
+from loadtest.harness.synthetic import file_entry, write_artifact
 from loadtest.sim_artifact import build_sim_artifact, sim_grid
-from tests.artifacts.synthetic import file_entry, write_artifact
-from tests.s3_server import upload_tree
 
 WEIGHTS = "weights/rank-0.safetensors"
 

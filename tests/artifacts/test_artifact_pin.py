@@ -16,8 +16,8 @@ from app.artifacts.manifest import MANIFEST_NAME
 from app.artifacts.pin import check_pin, split_pin
 from app.artifacts.storage import LocalStore
 from app.errors import ArtifactError
-from tests.artifacts.synthetic import synthetic_manifest, write_artifact
-from tests.s3_server import upload_tree
+from loadtest.harness.s3 import upload_tree
+from loadtest.harness.synthetic import synthetic_manifest, write_artifact
 
 WEIGHTS = "weights.bin"
 

@@ -20,8 +20,9 @@ from app.artifacts.storage import (
     split_pays,
 )
 from app.errors import ArtifactError, ConfigError, StorageError
-from tests.artifacts.synthetic import file_entry
-from tests.s3_server import fault_proxy, free_port, start_s3_server, use_endpoint
+from loadtest.harness.s3 import fault_proxy, start_s3_server, use_endpoint
+from loadtest.harness.server import free_port
+from loadtest.harness.synthetic import file_entry
 
 MIB = 1024 * 1024
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 
 def serve(artifact: Path, log_path: Path) -> Iterator[ServerProcess]:

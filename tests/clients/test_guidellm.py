@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.integration.server import BIN
+from loadtest.harness.server import BIN
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from app.cli import main
 from app.errors import ArtifactError
 from compile import pipeline
 from compile.publish import publish
+from loadtest.harness.s3 import upload_tree
 from tests.compile.conftest import SMALL_GRID, TINY
-from tests.s3_server import upload_tree
 
 
 def run(capsys, *argv: str) -> tuple[int, list[str], str]:
@@ -203,7 +203,7 @@ def test_an_interrupted_publish_leaves_no_manifest_and_a_rerun_completes(
 
 def test_publish_never_overwrites_a_different_artifact(tmp_path) -> None:
     from app.artifacts.storage import LocalStore
-    from tests.artifacts.synthetic import write_artifact
+    from loadtest.harness.synthetic import write_artifact
 
     staging, dest = tmp_path / "staging", LocalStore(tmp_path / "dest")
     manifest = write_artifact(staging, {"a.bin": b"one"})

@@ -19,7 +19,7 @@ from app.errors import ConfigError
 from deploy.canary.replay import GoldenSet, file_prompts, workload
 from deploy.canary.targets import TRACK_HEADER, HttpTarget, Prompt, SageMakerTarget, Sample, open_target
 from deploy.canary.verdict import Thresholds, agreement, agreement_check, decide, error_check, latency_checks
-from tests.s3_server import free_port
+from loadtest.harness.server import free_port
 
 LIMITS = Thresholds()
 

@@ -27,9 +27,8 @@ import httpx
 import pytest
 
 from app.cli import main
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from tests.deploy.sagemaker_runtime import sagemaker_runtime
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 if TYPE_CHECKING:
     from compile.pipeline import CompileResult

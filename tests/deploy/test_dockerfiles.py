@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.harness.server import free_port
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
-from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -30,7 +30,7 @@ from deploy.sagemaker.endpoint import (
     outcome,
     start,
 )
-from tests.s3_server import upload_tree
+from loadtest.harness.s3 import upload_tree
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "sagemaker" / "template.yaml"
 NOW = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)

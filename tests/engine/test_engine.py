@@ -347,14 +347,18 @@ def test_stop_cancels_what_is_unfinished(tokenizer: Tokenizer) -> None:
 
 
 def test_metrics_are_recorded(tokenizer: Tokenizer) -> None:
-    """The default stats sink records each step's `StepStats` into this process's metrics, replica "0"."""
+    """The server's stats sink records each step's `StepStats` into this process's metrics, replica "0"."""
 
     def value(name: str, **labels: str) -> float:
         return metrics.REGISTRY.get_sample_value(metrics.PREFIX + name, {"replica": "0", **labels}) or 0.0
 
     before = (value("request_success_total", finished_reason="length"), value("generation_tokens_total"))
-    with running_engine(tokenizer) as engine:
+    engine = LLMEngine(make_backend(), tokenizer, stats_sink=metrics.record_step_stats)
+    engine.start()
+    try:
         run(collect(engine, "m", [5, 6, 7], params(9)))
+    finally:
+        engine.stop(timeout=TIMEOUT_S)
     # stopped: the output thread has recorded everything
     assert value("request_success_total", finished_reason="length") == before[0] + 1
     assert value("generation_tokens_total") == before[1] + 9

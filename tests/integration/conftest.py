@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3_server import free_port
-
-from .server import BIN, ServerProcess
+from loadtest.harness.server import BIN, ServerProcess, free_port
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import ConnectionPool, RequestResult, completion_body, stream_completion
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
-from tests.s3_server import free_port
-
-from .server import BIN, ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loadtest.client import server_timing
-
-from .server import ServerProcess
+from loadtest.harness.server import ServerProcess
 
 pytestmark = pytest.mark.slow
 

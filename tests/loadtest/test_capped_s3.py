@@ -13,8 +13,8 @@ from botocore.exceptions import ClientError
 from app.artifacts import storage
 from app.artifacts.loader import load_artifact, pinned_reference
 from loadtest.capped_s3 import CappedS3
-from tests.artifacts.synthetic import write_artifact
-from tests.s3_server import upload_tree, use_endpoint
+from loadtest.harness.s3 import upload_tree, use_endpoint
+from loadtest.harness.synthetic import write_artifact
 
 KIB = 1024
 

@@ -14,9 +14,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import ConnectionPool, RequestResult, completion_body, stream_completion
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.replica_bench import replica_pids
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 IN_FLIGHT = 6
 STREAM_TOKENS = 120

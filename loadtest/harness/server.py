@@ -1,4 +1,4 @@
-"""A real server process on loopback for integration tests: started from the console scripts with a
+"""A real server process on loopback for tests and benchmarks: started from the console scripts with a
 given environment, its JSON log captured to a file, stopped with SIGTERM, every wait bounded."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,12 @@ import httpx
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class ServerProcess:
