@@ -144,8 +144,58 @@ class TestAlb:
                 "Weight": {"Fn::If": ["CanaryHasCapacity", {"Ref": "CanaryWeight"}, 0]},
             },
         ]
-        # Traffic only once both groups signalled ready.
-        assert set(listener["DependsOn"]) == {"StableGroup", "CanaryGroup"}
+        # Audit W4: a DependsOn on the groups made a weight change wait for both rolling updates.
+        assert "DependsOn" not in listener
+
+    def test_the_ami_is_pinned_not_reread_on_every_update(self, template: dict) -> None:
+        # Audit W4. CloudFormation user guide, "Parameters", SSM parameter types: CloudFormation always
+        # fetches the latest value of an SSM parameter on every update, so an emergency weight change could
+        # replace every instance with a new DLAMI. An explicit AMI id changes only when the operator does.
+        image = template["Parameters"]["ImageId"]
+        assert image["Type"] == "AWS::EC2::Image::Id" and "Default" not in image
+
+    def test_large_instances_run_a_replica_per_core_group(self, template: dict) -> None:
+        # Audit W10: INF2SERVE_REPLICAS defaults to 1 (app/settings.py), so a TP2 artifact on an
+        # inf2.48xlarge used 2 of its 24 NeuronCores; `auto` fills the instance.
+        assert "-e INF2SERVE_REPLICAS=auto" in _user_data(template, "Stable")
+
+    def test_container_logs_go_to_cloudwatch(self, template: dict) -> None:
+        # Audit W12: with the json-file driver the logs died with the instance a failed update terminated.
+        # Docker's awslogs driver needs logs:CreateLogStream and logs:PutLogEvents (Docker docs, awslogs).
+        script = _user_data(template, "Stable")
+        assert "--log-driver awslogs" in script and "awslogs-group='${LogGroup}'" in script
+        logs = _granting(_statements(template["Resources"]["InstanceRole"]), "logs:PutLogEvents")
+        assert set(logs["Action"]) == {"logs:CreateLogStream", "logs:PutLogEvents"}
+        assert logs["Resource"] == {"Fn::GetAtt": ["LogGroup", "Arn"]}
+
+    def test_exit_code_3_is_counted_and_alarmed(self, template: dict) -> None:
+        # Issue 26, exit code 3: app/api/server.py logs "stopped with responses cut short" with the count
+        # in `cut` before it exits 3; the metric filter turns the line into a ResponsesCut count.
+        from app.api import server
+
+        assert "stopped with responses cut short" in Path(server.__file__).read_text()
+        resources = template["Resources"]
+        metric_filter = resources["ResponsesCutFilter"]["Properties"]
+        assert metric_filter["FilterPattern"] == '{ $.msg = "stopped with responses cut short" }'
+        (transformation,) = metric_filter["MetricTransformations"]
+        assert transformation["MetricValue"] == "$.cut"
+        alarm = resources["ResponsesCutAlarm"]["Properties"]
+        assert alarm["MetricName"] == transformation["MetricName"]
+        assert alarm["Namespace"] == transformation["MetricNamespace"]
+        assert alarm["Threshold"] == 0 and alarm["ComparisonOperator"] == "GreaterThanThreshold"
+
+    @pytest.mark.parametrize("track", ["Stable", "Canary"])
+    def test_rolling_updates_suspend_what_would_fail_them(self, template: dict, track: str) -> None:
+        # Audit H5; CFN UpdatePolicy doc: HealthCheck, ReplaceUnhealthy, AZRebalance, AlarmNotification
+        # and ScheduledActions "might cause the rolling update to fail".
+        rolling = template["Resources"][f"{track}Group"]["UpdatePolicy"]["AutoScalingRollingUpdate"]
+        assert set(rolling["SuspendProcesses"]) == {
+            "HealthCheck",
+            "ReplaceUnhealthy",
+            "AZRebalance",
+            "AlarmNotification",
+            "ScheduledActions",
+        }
 
     def test_a_header_reaches_one_track_through_the_balancer(self, template: dict) -> None:
         for priority, track in enumerate(("Stable", "Canary"), start=1):
@@ -315,6 +365,7 @@ def _render_sub(script: str, values: dict[str, str]) -> str:
 def test_user_data_renders_to_valid_bash(template: dict, tmp_path: Path) -> None:
     values = {"Image": "1.dkr.ecr.us-east-1.amazonaws.com/inf2serve:1", "Artifact": "s3://b/llm/3f2a/"}
     values |= {"AWS::Region": "us-east-1", "AWS::StackName": "inf2serve", "Group": "StableGroup"}
+    values |= {"LogGroup": "/inf2serve/inf2serve"}
     budget = template["Mappings"]["TimeoutBudget"]["300"]
     values |= {key: str(value) for key, value in budget.items()}
     path = tmp_path / "user-data.sh"
