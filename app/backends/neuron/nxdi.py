@@ -12,6 +12,14 @@ sequence per call, unpadded (the library pads to its own context bucket); decode
 `steps.py`). Outputs: `.tokens` int32 [n] and `.logits` fp32 [n, 1, V >= vocab], whose tensor-parallel
 padding columns are cut.
 
+Async mode (`RunAhead`): once running ahead, each decode call ignores the caller's `input_ids`, returns
+the step the previous call launched and launches the next from the device's own tokens at the caller's
+positions + 1 (0.8 `modules/async_execution.py:238-306`). That is right only for the call that continues
+the previous one. Any other call (a failed call's rows re-run one by one, a teacher-forced replay whose
+token differs from the device's, a token the host chose) first drops the run-ahead state as the library
+does after a prefill (`prior_outputs`, `prior_seq_ids`, async_execution.py:216-218), so the library runs
+the caller's rows in sync and starts running ahead again from them.
+
 Artifact layout: `compiled/` holds `neuron_config.json` and `model.pt`, `weights/` the library's
 `tp{rank}_sharded_checkpoint.safetensors`. The library reads all three from one directory, so loading
 goes through a private directory of symlinks; nothing is compiled at load.
@@ -171,6 +179,26 @@ def link_compiled_view(artifact_dir: Path, view: Path) -> None:
     os.symlink((artifact_dir / "weights").resolve(), view / "weights", target_is_directory=True)
 
 
+class RunAhead:
+    """The rows that continue the step NxD Inference's async mode launched in the last decode call: each
+    live slot's returned token at its position + 1 (the library feeds back the device's tokens at
+    `position_ids + 1`, `models/model_base.py:3282-3294`). Empty after a failed call."""
+
+    def __init__(self) -> None:
+        self._next: dict[int, tuple[int, int]] = {}
+
+    def continued_by(self, batch: DecodeBatch) -> bool:
+        rows = zip(batch.slots, batch.last_tokens, batch.positions, strict=True)
+        return all(self._next.get(slot) == (token, position) for slot, token, position in rows)
+
+    def launched(self, batch: DecodeBatch, tokens: Sequence[SampledToken]) -> None:
+        rows = zip(batch.slots, tokens, batch.positions, strict=True)
+        self._next = {slot: (token.token_id, position + 1) for slot, token, position in rows}
+
+    def clear(self) -> None:
+        self._next = {}
+
+
 class NxdiBackend(NeuronBackend):
     """On-device sampling draws from the device's generator: a seed is honoured on greedy rows only, and
     top_k at most `max_top_k` (the sampler's global top-k); `check_sampling` refuses larger ones at
@@ -190,6 +218,7 @@ class NxdiBackend(NeuronBackend):
         rule = BucketRule.NXDI_ASYNC if spec.async_mode else BucketRule.NXDI
         super().__init__(neuron_model, replace(spec, grid=replace(spec.grid, rule=rule)), info)
         self.runs_ahead_in_call = spec.async_mode
+        self._run_ahead = RunAhead()
         self._prepare_sampling_params = prepare_sampling_params
         self.max_top_k = global_topk(info.vocab_size)
         self._view = view
@@ -228,8 +257,20 @@ class NxdiBackend(NeuronBackend):
         return self._tokens(output, [0], [params])[0]
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
+        if self.runs_ahead_in_call:
+            self._unless_continued_drop_run_ahead(batch)
         output = self._step(rows.input_ids, range(len(rows.tokens)), rows.position_ids, rows.sampling)
-        return self._tokens(output, list(batch.slots), batch.sampling)
+        tokens = self._tokens(output, list(batch.slots), batch.sampling)
+        if self.runs_ahead_in_call:
+            self._run_ahead.launched(batch, tokens)
+        return tokens
+
+    def _unless_continued_drop_run_ahead(self, batch: DecodeBatch) -> None:
+        """See the module docstring (async mode); the state is forgotten until this call succeeds."""
+        if not self._run_ahead.continued_by(batch):
+            self._neuron.prior_outputs = None
+            self._neuron.prior_seq_ids = None
+        self._run_ahead.clear()
 
     def _step(
         self,

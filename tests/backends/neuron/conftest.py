@@ -15,7 +15,7 @@ from app.backends.base import Backend
 from app.backends.neuron.nxdi import NxdiBackend
 from app.backends.neuron.tnx import TnxBackend
 
-from .helpers import CARD, build_artifact, load_backend, spec_for
+from .helpers import ASYNC_SPEC, CARD, build_artifact, load_backend, spec_for
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,6 +35,11 @@ def card() -> dict:
 @pytest.fixture(scope="session")
 def nxdi_artifact(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_artifact(stories260k, tmp_path_factory.mktemp("nxdi") / "artifact", spec_for("neuron-nxdi"))
+
+
+@pytest.fixture(scope="session")
+def async_artifact(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_artifact(stories260k, tmp_path_factory.mktemp("nxdi-async") / "artifact", ASYNC_SPEC)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -43,6 +44,9 @@ def spec_for(backend: str, dtype: str = "fp32", tp_degree: int = 2, grid: ShapeG
     return BackendSpec(backend, tp_degree, dtype, grid)
 
 
+ASYNC_SPEC = replace(spec_for("neuron-nxdi"), async_mode=True)
+
+
 def build_artifact(checkpoint: Path, root: Path, spec: BackendSpec) -> Path:
     """What the compile step stages: model/ files, then the builder's weights/ and compiled/."""
     stage_model_files(checkpoint, root / "model")
@@ -63,6 +67,13 @@ def load_backend(artifact: Path, spec: BackendSpec, device: str = "neuron") -> B
     cls = NxdiBackend if spec.backend == "neuron-nxdi" else TnxBackend
     with installed(standin_modules(spec.backend)), mock.patch.dict(os.environ):
         return cls.load(artifact, spec, device)
+
+
+def fresh(artifact: Path, spec: BackendSpec | None = None) -> Iterator[Backend]:
+    """A backend of its own, closed after use (`for backend in fresh(...)` or `yield from`)."""
+    backend = load_backend(artifact, spec or spec_for("neuron-nxdi"))
+    yield backend
+    backend.close()
 
 
 def library_calls(backend: Backend) -> list[dict]:
@@ -162,3 +173,23 @@ def assert_same_outputs(got: list[SampledToken], expected: list[SampledToken], t
         assert [i for i, _ in mine.top_logprobs] == [i for i, _ in theirs.top_logprobs]
         pairs = zip(mine.top_logprobs, theirs.top_logprobs, strict=True)
         assert max(abs(a - b) for (_, a), (_, b) in pairs) <= tolerance
+
+
+def decode_isolating(backend: Backend, batch: DecodeBatch) -> list[SampledToken]:
+    """A decode call as `LLMEngine._isolate` handles its failure: the call again one row at a time, in the
+    batch's order, each in the decode batch bucket of its own slot."""
+    try:
+        return backend.decode(batch)
+    except RuntimeError:
+        return [backend.decode(one_row(backend, batch, i))[0] for i in range(len(batch.slots))]
+
+
+def one_row(backend: Backend, batch: DecodeBatch, i: int) -> DecodeBatch:
+    return replace(
+        batch,
+        slots=batch.slots[i : i + 1],
+        last_tokens=batch.last_tokens[i : i + 1],
+        positions=batch.positions[i : i + 1],
+        sampling=batch.sampling[i : i + 1],
+        batch_bucket=backend.spec.grid.decode_batch_bucket(batch.slots[i : i + 1]),
+    )

@@ -357,6 +357,11 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if self.async_mode:
             os.environ["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = "2"
             os.environ["NEURON_RT_IO_RING_CACHE_SIZE"] = "2"
+        # Faults the tests inject (a real device gives no such knobs): the next `failing_executions`
+        # device executions raise inside the call; at a (KV line, position) in `near_ties` the runner-up
+        # token comes out just ahead of the best, as a bf16 rounding can tip a near tie.
+        self.failing_executions = 0
+        self.near_ties: set[tuple[int, int]] = set()
         self.calls: list[dict[str, Any]] = []  # what reached the library, for the tests
         self.executions: list[dict[str, Any]] = []  # what the device ran (graph, bucket, rows), in order
         self.async_modes: list[str] = []  # per async decode call: sync, start, continue (+ stop)
@@ -460,6 +465,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         sampling: torch.Tensor,
         pad_type: str = "first_fit",
     ) -> CausalLMOutputWithPast:
+        if self.failing_executions:
+            self.failing_executions -= 1
+            raise RuntimeError("STAND-IN: injected device execution failure")
         if _is_prefill(position_ids):
             logits = self._context_encoding(input_ids, seq_ids, position_ids)
             self.kv_cache_populated = True
@@ -519,6 +527,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         span = _seq_bucket(config.token_buckets(), max(positions), pad_type, config)
         self.executions.append({"graph": "token", "bucket": span, "rows": batch, "masked": sorted(masked)})
         logits = self.device.generate(tokens, positions, list(range(batch)), span, skip=masked)
+        for line, position in enumerate(positions):
+            if (line, position) in self.near_ties:
+                logits[line] = _tip_near_tie(logits[line])
         return logits[torch.tensor(back)]
 
     def _output(
@@ -547,6 +558,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
 def _is_prefill(position_ids: torch.Tensor) -> bool:
     return int(position_ids.min()) == 0
+
+
+def _tip_near_tie(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with the runner-up raised just above the best (by about one bf16 rounding step)."""
+    (best, runner_up) = logits.topk(2).indices.tolist()
+    tipped = logits.clone()
+    tipped[runner_up] = logits[best] + 1e-2
+    return tipped
 
 
 def _will_hit_bucket_boundary(known_length: int, buckets: list[int]) -> bool:
