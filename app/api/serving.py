@@ -23,7 +23,6 @@ from app.api.validation import Api, EngineRequest, Limits, Validated, Validator
 from app.backends.base import SampledToken
 from app.engine.detokenizer import DecodeRules
 from app.engine.types import EngineClient, FinishReason, RequestOutput, RequestTimings
-from app.errors import InvalidRequestError
 from app.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -171,7 +170,6 @@ class Serving:
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
-        self.max_waiting = settings.max_waiting
         self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
@@ -182,13 +180,6 @@ class Serving:
         return await anyio.to_thread.run_sync(self.validator.validate, api, raw, limiter=self._threads)
 
     def start(self, request_id: str, requests: list[EngineRequest]) -> Job:
-        """Admit every sequence of the request, or none. More sequences than the queue holds can never be
-        admitted, whatever the load: that is the request's fault (400), not the server's (429)."""
-        if len(requests) > self.max_waiting:
-            raise InvalidRequestError(
-                f"the request asks for {len(requests)} sequences (prompts x n), more than the "
-                f"{self.max_waiting} the queue can ever hold (max_waiting)",
-                param="n",
-            )
+        """Admit every sequence of the request, or none (validation refused more than the queue holds)."""
         check_finishes_in_time(self.engine, requests, self.stop_at())
         return Job(self.engine, request_id, requests).start()

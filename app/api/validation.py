@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, TypeVar
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 
+from app.api.body_scan import array_lengths
 from app.api.errors import from_validation_error
 from app.api.protocol import (
     ChatCompletionRequest,
@@ -147,6 +148,7 @@ class Limits:
     max_stop_strings: int
     max_stop_string_chars: int
     max_logprobs: int
+    max_sequences: int  # prompts x n: more than the queue can ever hold is never admitted
 
     @classmethod
     def resolve(cls, settings: ServerSettings, grid: ShapeGrid) -> Limits:
@@ -161,6 +163,7 @@ class Limits:
             max_stop_strings=settings.max_stop_strings,
             max_stop_string_chars=settings.max_stop_string_chars,
             max_logprobs=settings.max_logprobs,
+            max_sequences=settings.max_waiting,
         )
 
     def check_prompt(self, token_ids: Sequence[int]) -> None:
@@ -182,16 +185,58 @@ class Limits:
                 param=param,
             )
 
+    def refuse_long_arrays(self, raw: bytes) -> None:
+        """Before the body is parsed: an array longer than any limit allows (100,000 prompts) is refused
+        after reading one element past the limit (`body_scan.array_lengths`)."""
+        caps = {
+            "prompt": max(self.max_sequences, self.max_prompt_tokens),
+            "messages": self.max_prompt_tokens,
+            "stop": self.max_stop_strings,
+        }
+        limits = {
+            "prompt": f"max_waiting ({self.max_sequences} sequences) and max_prompt_tokens "
+            f"({self.max_prompt_tokens})",
+            "messages": f"max_prompt_tokens ({self.max_prompt_tokens}; each message takes a token at least)",
+            "stop": f"max_stop_strings ({self.max_stop_strings})",
+        }
+        for key, length in array_lengths(raw, caps).items():
+            if length > caps[key]:
+                raise InvalidRequestError(
+                    f"{key} has more than {caps[key]} elements: over {limits[key]}", param=key
+                )
+
+    def check_sequences(self, count: int) -> None:
+        """More sequences than the queue can ever hold can never be admitted, whatever the load: that is
+        the request's fault (400), not the server's (429)."""
+        if count > self.max_sequences:
+            raise InvalidRequestError(
+                f"the request asks for {count} sequences (prompts x n), more than the "
+                f"{self.max_sequences} the queue can ever hold (max_waiting)",
+                param="n",
+            )
+
     def check_n(self, n: int) -> None:
         if n > self.max_n:
             raise InvalidRequestError(f"n is {n}; the limit is {self.max_n} (max_n)", param="n")
 
-    def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
-        if len(stop) > self.max_stop_strings:
+    def check_stop_count(self, count: int, param: str = "stop") -> None:
+        if count > self.max_stop_strings:
             raise InvalidRequestError(
-                f"{len(stop)} stop strings; the limit is {self.max_stop_strings} (max_stop_strings)",
+                f"{count} stop strings; the limit is {self.max_stop_strings} (max_stop_strings)",
                 param=param,
             )
+
+    def check_messages(self, count: int) -> None:
+        """Every message takes at least one token of the template's markup."""
+        if count > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"{count} messages; each takes at least one token and max_prompt_tokens is "
+                f"{self.max_prompt_tokens}",
+                param="messages",
+            )
+
+    def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
+        self.check_stop_count(len(stop), param)
         if any(not s for s in stop):
             raise InvalidRequestError("stop strings must not be empty", param=param)
         if any(len(s) > self.max_stop_string_chars for s in stop):
@@ -267,6 +312,41 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequestError("the body must be a JSON object")
     return body
+
+
+def check_counts(api: Api, body: dict[str, Any], limits: Limits, max_token_chars: int) -> None:
+    """The counts that bound a body's work, read from the parsed JSON before any model is built or any
+    text tokenized: sequences (prompts x n), token ids, messages and their characters, stop strings.
+    Each is a length, or one pass over a list already known to be within a limit, so a body over a
+    limit (100,000 one-line prompts) costs what a small request costs. Wrong types are left to the
+    protocol model, which names them."""
+    n = body.get("n", 1)
+    prompts = 1
+    if api is Api.COMPLETION:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+            limits.check_prompt(prompt)  # one prompt of token ids: its length
+        elif isinstance(prompt, list):
+            prompts = len(prompt)
+    if api is Api.CHAT:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            limits.check_messages(len(messages))
+            limits.check_chars(sum(map(_content_chars, messages)), max_token_chars, "messages")
+    limits.check_sequences(prompts * (n if type(n) is int and n > 0 else 1))
+    holder, param = (body.get("parameters"), "parameters.stop") if api is Api.GENERATE else (body, "stop")
+    stop = holder.get("stop") if isinstance(holder, dict) else None
+    if isinstance(stop, list):
+        limits.check_stop_count(len(stop), param)
+
+
+def _content_chars(message: object) -> int:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def parse(model: type[M], body: dict[str, Any]) -> M:
@@ -345,8 +425,10 @@ class Validator:
     def validate(self, api: Api | None, raw: bytes) -> Validated:
         """The whole step, on a worker thread. `api` None: SageMaker's `/invocations`, which takes an
         OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's (`inputs`)."""
+        self.limits.refuse_long_arrays(raw)
         body = parse_json(raw)
         api = api or _invocation_api(body)
+        check_counts(api, body, self.limits, self.tokenizer.max_token_chars)
         if api is Api.COMPLETION:
             return self.completion(parse(CompletionRequest, body))
         if api is Api.CHAT:

@@ -52,3 +52,10 @@ def test_a_client_gone_mid_body_is_a_499_not_a_500(adversarial_server) -> None:
     assert not any("exc" in line or line["level"] == "error" for line in lines), lines
     assert _metric(url, "inf2serve_client_disconnects_total", route) == before + 1
     assert _metric(url, "inf2serve_http_responses_total", 'status="500"') == 0
+
+
+def test_a_hundred_thousand_prompts_are_refused_by_their_count(api) -> None:
+    body = {"prompt": [f"line {i}\n" for i in range(100_000)], "max_tokens": 1}
+    refused = api.post(COMPLETIONS, json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    assert "max_waiting" in refused.json()["error"]["message"]
