@@ -229,11 +229,17 @@ def record_startup_phase(phase: str, seconds: float) -> None:
 
 
 def record_artifact(
-    artifact_id: str, model_name: str, backend: str, bytes_loaded: int, caveats: tuple[str, ...] = ()
+    artifact_id: str,
+    model_name: str,
+    backend: str,
+    bytes_loaded: int,
+    caveats: tuple[str, ...] = (),
+    quantization: str | None = None,
 ) -> None:
-    """`caveats`: what an operator allowed to serve anyway (`random_weights`, `validation_failed`)."""
+    """`caveats`: what an operator allowed to serve anyway (`random_weights`, `validation_failed`);
+    `quantization`: the weights' scheme (`int8-per_channel`), None for full precision."""
     labels = {"artifact_id": artifact_id, "model_name": model_name, "backend": backend}
-    ARTIFACT.info({**labels, "caveats": ",".join(caveats) or "none"})
+    ARTIFACT.info({**labels, "caveats": ",".join(caveats) or "none", "quantization": quantization or "none"})
     BYTES_LOADED.set(bytes_loaded)
 
 

@@ -17,6 +17,13 @@ from typing import Any
 from app.artifacts.loader import ALIASES_DIR, load_artifact, open_artifact, pinned_reference, verify_files
 from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from app.artifacts.storage import open_store
+from app.backends.quantization import (
+    DEFAULT_MODULES_TO_NOT_CONVERT,
+    GRANULARITIES,
+    KV_CACHE_DTYPES,
+    QUANT_DTYPES,
+    QuantScheme,
+)
 from app.errors import Inf2ServeError
 from compile.publish import promote
 
@@ -73,7 +80,40 @@ def register_compile(subparsers: Any) -> None:
         "--async-mode", action="store_true", help="neuron-nxdi: run each decode step ahead (one decode batch)"
     )
     parser.add_argument("--name", help="model name in the artifact key (default: the source's name)")
+    parser.add_argument(
+        "--quantize", choices=QUANT_DTYPES, help="store the linear layers' weights in 8 bits (weight-only)"
+    )
+    parser.add_argument(
+        "--quantization-type",
+        choices=GRANULARITIES,
+        default="per_channel",
+        help="one scale per output channel (default) or per tensor",
+    )
+    parser.add_argument(
+        "--modules-to-not-convert",
+        type=name_list,
+        default=DEFAULT_MODULES_TO_NOT_CONVERT,
+        help="linear modules kept in full precision, comma-separated (default: lm_head; '' for none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="neuron-nxdi: quantize the KV cache"
+    )
+    parser.add_argument(
+        "--allow-failed-validation",
+        action="store_true",
+        help="publish even if the validation gate fails, recording it (the server then needs the same flag)",
+    )
     parser.set_defaults(handler=run_compile)
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def quantization_scheme(args: argparse.Namespace) -> QuantScheme | None:
+    if args.quantize is None:
+        return None
+    return QuantScheme(args.quantize, args.quantization_type, args.modules_to_not_convert)
 
 
 @reports_errors("compile")
@@ -97,6 +137,9 @@ def run_compile(args: argparse.Namespace) -> None:
         name=args.name,
         decode_batches=args.decode_batches,
         async_mode=args.async_mode,
+        quantization=quantization_scheme(args),
+        kv_cache_dtype=args.kv_cache_dtype,
+        allow_failed_validation=args.allow_failed_validation,
     )
     print(compile_artifact(options).uri, flush=True)
 
@@ -144,8 +187,9 @@ def describe(uri: str, manifest: Manifest) -> str:
     spec, grid = manifest.spec, manifest.spec.grid
     verdict = "validated" if manifest.validation.passed else "NOT validated"
     random = "  RANDOM WEIGHTS" if manifest.random_weights else ""
+    quantized = f" {spec.quantization.label}" if spec.quantization is not None else ""
     return (
-        f"{uri}  {manifest.artifact_id}  {spec.backend} tp{spec.tp_degree} {spec.dtype} "
+        f"{uri}  {manifest.artifact_id}  {spec.backend} tp{spec.tp_degree} {spec.dtype}{quantized} "
         f"slots={grid.num_slots} positions={grid.max_positions}  {manifest.created_at}  {verdict}{random}"
     )
 

@@ -325,6 +325,7 @@ class ModelCard(ResponseModel):
     max_model_len: int
     artifact_id: str
     caveats: list[str] = []  # what the operator allowed to serve anyway: random_weights, validation_failed
+    quantization: str | None = None  # the weights' scheme, e.g. int8-per_channel; null: full precision
 
 
 class ModelList(ResponseModel):

@@ -157,6 +157,7 @@ async def models(serving: ServingDep) -> ModelList:
         max_model_len=serving.limits.max_positions,
         artifact_id=serving.artifact_id,
         caveats=serving.caveats,
+        quantization=serving.quantization,
     )
     return ModelList(data=[card])
 

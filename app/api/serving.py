@@ -170,6 +170,7 @@ class Serving:
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
+        self.quantization = runtime.quantization
         self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.

@@ -34,7 +34,12 @@ STOP_TIMEOUT_S = 10.0
 def record_artifact(artifact: LocalArtifact, caveats: tuple[str, ...]) -> None:
     manifest = artifact.manifest
     metrics.record_artifact(
-        manifest.artifact_id, manifest.model_name, manifest.spec.backend, artifact.bytes_loaded, caveats
+        manifest.artifact_id,
+        manifest.model_name,
+        manifest.spec.backend,
+        artifact.bytes_loaded,
+        caveats,
+        quantization_label(manifest),
     )
 
 
@@ -85,7 +90,13 @@ def _runtime(
         grid=manifest.spec.grid,
         close=close,
         caveats=caveats,
+        quantization=quantization_label(manifest),
     )
+
+
+def quantization_label(manifest: Manifest) -> str | None:
+    scheme = manifest.spec.quantization
+    return scheme.label if scheme is not None else None
 
 
 async def build_runtime(settings: ServerSettings) -> Runtime:

@@ -32,6 +32,8 @@ class Runtime:
     close: Callable[[], None]
     caveats: tuple[str, ...] = ()
     """What the operator allowed to serve anyway: `random_weights`, `validation_failed`."""
+    quantization: str | None = None
+    """The weights' quantization scheme (`int8-per_channel`); None: full precision."""
 
 
 class ServerState:

@@ -9,12 +9,16 @@ generated token]}], "num_top_logprobs": 5}`, greedy, generated without stopping 
 Replay is teacher-forced: each decode step is fed the reference's previous token, so one near-tie does
 not derail the rest of a sequence. A greedy token may differ from the reference only where the
 reference's own margin between the two tokens is within the dtype's tolerance (a near tie).
+
+A quantized artifact (`BackendSpec.quantization`) is held to its scheme's gate instead
+(`QUANTIZED_GATE`): the top-1 agreement rate (positions whose greedy token is the reference's) at least
+the scheme's minimum, and the top-k logprob error on the positions that agree at most its tolerance.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,9 @@ NUM_TOP_LOGPROBS = 5
 MAX_REPORTED_FAILURES = 5
 # Largest allowed top-k logprob difference (and greedy near-tie margin) against the fp32 reference.
 LOGPROB_TOLERANCE: dict[str, float] = {"fp32": 2e-3, "fp16": 0.1, "bf16": 0.5}
+# Weight-only quantization, per storage dtype: (minimum top-1 agreement, largest top-k logprob error on
+# agreeing positions), against the fp32 reference; the dtype's own tolerance applies when larger.
+QUANTIZED_GATE: dict[str, tuple[float, float]] = {"int8": (0.9, 0.75), "fp8": (0.85, 1.25)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,8 @@ class _Tally:
     mismatches: int = 0
     near_ties: int = 0
     max_error: float = 0.0
+    agreed: int = 0
+    max_agreed_error: float = 0.0
     failures: list[str] = field(default_factory=list)
 
     def fail(self, message: str) -> None:
@@ -102,6 +111,8 @@ class _Tally:
             self.fail(f"{where}: top-{len(expected)} logprobs differ by {error:.3g} > {self.tolerance:g}")
         wanted = record.token_ids[step]
         if got.token_id == wanted:
+            self.agreed += 1
+            self.max_agreed_error = max(self.max_agreed_error, error)
             return
         margin = max(expected.values()) - expected.get(got.token_id, float("-inf"))
         if margin <= self.tolerance:
@@ -123,7 +134,9 @@ def replay(backend: Backend, golden: Golden, reference: str = "golden.json") -> 
     """Teacher-forced replay of every golden prompt through `backend`, a slot per prompt, decoding the
     prompts of a group together (different positions in one batch)."""
     grid, dtype = backend.spec.grid, backend.spec.dtype
-    tally = _Tally(LOGPROB_TOLERANCE[dtype])
+    scheme = backend.spec.quantization
+    gate = QUANTIZED_GATE[scheme.dtype] if scheme is not None else None
+    tally = _Tally(LOGPROB_TOLERANCE[dtype] if gate is None else max(gate[1], LOGPROB_TOLERANCE[dtype]))
     sampling = SamplingParams(num_top_logprobs=golden.num_top_logprobs)
     indexed = list(enumerate(golden.prompts))
     for start in range(0, len(indexed), grid.num_slots):
@@ -145,7 +158,7 @@ def replay(backend: Backend, golden: Golden, reference: str = "golden.json") -> 
             )
             for (_, index, record), token in zip(live, backend.decode(batch), strict=True):
                 tally.compare(index, record, step, token)
-    return ValidationReport(
+    report = ValidationReport(
         passed=tally.mismatches == 0 and tally.max_error <= tally.tolerance,
         reference=reference,
         dtype=dtype,
@@ -156,4 +169,31 @@ def replay(backend: Backend, golden: Golden, reference: str = "golden.json") -> 
         near_ties=tally.near_ties,
         max_logprob_error=tally.max_error,
         failures=tuple(tally.failures),
+    )
+    return report if gate is None else quantized_verdict(report, tally, backend.spec.scheme, gate[0])
+
+
+def quantized_verdict(
+    report: ValidationReport, tally: _Tally, scheme: str, min_agreement: float
+) -> ValidationReport:
+    """The quantized gate: agreement rate and the logprob error where the tokens agree; the per-token
+    failures (disagreements are expected of quantized weights) are replaced by the gate's own."""
+    agreement = tally.agreed / max(1, tally.tokens)
+    failures = []
+    if agreement < min_agreement:
+        failures.append(
+            f"top-1 agreement {agreement:.3f} < {min_agreement:g} ({tally.agreed}/{tally.tokens})"
+        )
+    if tally.max_agreed_error > tally.tolerance:
+        failures.append(
+            f"logprob error on agreeing tokens {tally.max_agreed_error:.3g} > {tally.tolerance:g}"
+        )
+    return replace(
+        report,
+        passed=not failures,
+        failures=tuple(failures),
+        scheme=scheme,
+        top1_agreement=round(agreement, 4),
+        min_top1_agreement=min_agreement,
+        agreed_max_logprob_error=tally.max_agreed_error,
     )

@@ -49,8 +49,8 @@ class ValidationReport:
     """The validation gate's verdict: the compiled model replayed against the reference's golden tokens.
 
     `tokens_compared` teacher-forced positions; `greedy_mismatches` positions whose greedy token differs
-    where the reference's top-2 margin exceeds `tolerance` (any one fails); `near_ties` differences
-    within the margin (allowed); `max_logprob_error` the largest top-k logprob difference.
+    where the reference's top-2 margin exceeds `tolerance` (any one fails, unquantized); `near_ties`
+    differences within the margin (allowed); `max_logprob_error` the largest top-k logprob difference.
     """
 
     passed: bool
@@ -63,6 +63,13 @@ class ValidationReport:
     near_ties: int
     max_logprob_error: float
     failures: tuple[str, ...] = ()
+    scheme: str | None = None
+    """Quantized artifacts only (None otherwise, and in manifests written before): the weights' scheme
+    (`int8-per_channel`), the share of positions whose greedy token is the reference's, the gate's
+    minimum for it, and the largest top-k logprob error where they agree (held to `tolerance`)."""
+    top1_agreement: float | None = None
+    min_top1_agreement: float | None = None
+    agreed_max_logprob_error: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ValidationReport:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from app.backends.quantization import QuantScheme
 from app.errors import InvalidRequestError
 from app.llama import ModelInfo
 from app.shapes import ShapeGrid
@@ -145,6 +146,17 @@ class BackendSpec:
     """neuron-nxdi: compiled for NxD Inference's `async_mode` (the library runs each decode step ahead);
     it needs one decode batch size (`batch_buckets == [num_slots]`). Recorded only when set, so the
     artifacts compiled before it keep their keys."""
+    quantization: QuantScheme | None = None
+    """Weight-only quantization of the linear layers (`app/backends/quantization.py`); None: the weights
+    are in `dtype`. Recorded only when set, as `async_mode`."""
+    kv_cache_dtype: str | None = None
+    """The KV cache's storage dtype where it differs from `dtype` (neuron-nxdi: fp8); recorded only when
+    set."""
+
+    @property
+    def scheme(self) -> str:
+        """The weights' storage as shown to users: `int8-per_channel`, or the dtype when unquantized."""
+        return self.quantization.label if self.quantization is not None else self.dtype
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -153,6 +165,8 @@ class BackendSpec:
             "dtype": self.dtype,
             **self.grid.to_dict(),
             **({"async_mode": True} if self.async_mode else {}),
+            **({"quantization": self.quantization.to_dict()} if self.quantization is not None else {}),
+            **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype is not None else {}),
         }
 
     @classmethod
@@ -163,6 +177,8 @@ class BackendSpec:
             dtype=str(data["dtype"]),
             grid=ShapeGrid.from_dict(data),
             async_mode=bool(data.get("async_mode", False)),
+            quantization=QuantScheme.from_dict(data["quantization"]) if "quantization" in data else None,  # type: ignore[arg-type]
+            kv_cache_dtype=str(data["kv_cache_dtype"]) if "kv_cache_dtype" in data else None,
         )
 
 

@@ -9,7 +9,7 @@ a live sequence. Every function here is shape-stable, so CUDA graphs can capture
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
@@ -18,12 +18,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from app.backends.base import BackendSpec
+from app.backends.quantization import QuantScheme
 from app.backends.torch.checkpoint import (
     RANK_FILE_FORMAT,
+    SCALE_SUFFIX,
     TORCH_DTYPES,
     rank_file_metadata,
     rank_file_name,
 )
+from app.backends.torch.linear import QuantizedWeight, Weight, linear
 from app.errors import ArtifactError
 from app.llama import LlamaSpec, RopeScaling
 
@@ -70,11 +73,11 @@ class DecodeStep:
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    o: torch.Tensor
+    qkv: Weight
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,36 +87,59 @@ class RankWeights:
     embed: torch.Tensor
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: Weight  # the embedding itself when tied
 
     @classmethod
     def load(
-        cls, path: Path, spec: LlamaSpec, rank: int, tp_degree: int, dtype: str, device: torch.device
+        cls,
+        path: Path,
+        spec: LlamaSpec,
+        rank: int,
+        tp_degree: int,
+        dtype: str,
+        device: torch.device,
+        scheme: QuantScheme | None = None,
     ) -> RankWeights:
-        tensors = _read_rank_file(path, spec, rank, tp_degree, dtype, device)
+        expected = rank_file_metadata(rank, tp_degree, dtype, scheme)
+        tensors = _read_rank_file(path, spec, tp_degree, device, expected)
+
+        def weight(name: str) -> Weight:
+            scale = tensors.get(name + SCALE_SUFFIX)
+            if scale is None:
+                return tensors[name]
+            return QuantizedWeight.build(tensors[name], scale, TORCH_DTYPES[dtype])
+
         layers = tuple(
             LayerWeights(
                 input_norm=tensors[f"layers.{i}.input_layernorm"],
-                qkv=tensors[f"layers.{i}.qkv_proj"],
-                o=tensors[f"layers.{i}.o_proj"],
+                qkv=weight(f"layers.{i}.qkv_proj"),
+                o=weight(f"layers.{i}.o_proj"),
                 post_norm=tensors[f"layers.{i}.post_attention_layernorm"],
-                gate_up=tensors[f"layers.{i}.gate_up_proj"],
-                down=tensors[f"layers.{i}.down_proj"],
+                gate_up=weight(f"layers.{i}.gate_up_proj"),
+                down=weight(f"layers.{i}.down_proj"),
             )
             for i in range(spec.num_layers)
         )
         embed = tensors["embed_tokens"]
-        return cls(embed, layers, tensors["norm"], tensors.get("lm_head", embed))
+        lm_head = weight("lm_head") if "lm_head" in tensors else embed
+        return cls(embed, layers, tensors["norm"], lm_head)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights hold in memory (8-bit weights as stored, with their scales)."""
+        tensors = [getattr(layer, f.name) for layer in self.layers for f in fields(layer)]
+        tied = self.lm_head is self.embed
+        return sum(w.nbytes for w in [self.embed, self.norm, *tensors, *([] if tied else [self.lm_head])])
 
 
 def _read_rank_file(
-    path: Path, spec: LlamaSpec, rank: int, tp_degree: int, dtype: str, device: torch.device
+    path: Path, spec: LlamaSpec, tp_degree: int, device: torch.device, expected: dict[str, str]
 ) -> dict[str, torch.Tensor]:
+    """The rank file's tensors, once its metadata is `expected` and its tensors have their shapes."""
     if not path.exists():
         raise ArtifactError(f"rank weights file {path} does not exist")
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
-        expected = rank_file_metadata(rank, tp_degree, dtype)
         if metadata != expected:
             raise ArtifactError(
                 f"{path} was written for {metadata or 'an unknown layout'}, expected {expected}"
@@ -215,7 +241,7 @@ class LlamaRunner:
         """Rank `rank` of an artifact whose `model/config.json` reads as `llama`: its own
         `weights/rank-<rank>.safetensors`."""
         path = artifact_dir / "weights" / rank_file_name(rank)
-        weights = RankWeights.load(path, llama, rank, spec.tp_degree, spec.dtype, device)
+        weights = RankWeights.load(path, llama, rank, spec.tp_degree, spec.dtype, device, spec.quantization)
         return cls(
             llama,
             weights,
@@ -356,23 +382,23 @@ class LlamaRunner:
         self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """The fused q/k/v projection [..., heads + 2 * kv_heads, head_dim], RoPE applied to q and k."""
-        qkv = F.linear(self._norm(x, layer.input_norm), layer.qkv).unflatten(-1, (-1, self.spec.head_dim))
+        qkv = linear(self._norm(x, layer.input_norm), layer.qkv).unflatten(-1, (-1, self.spec.head_dim))
         qk = qkv[..., : self.num_heads + self.num_kv_heads, :]
         qk.copy_(apply_rope(qk, cos, sin))
         return qkv
 
     def _finish_layer(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Attention output projection and the SwiGLU MLP, each followed by its residual add."""
-        out = F.linear(attn, layer.o)
+        out = linear(attn, layer.o)
         self.collectives.all_reduce(out)
         x = x + out
-        gate, up = F.linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, layer.down)
+        gate, up = linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        out = linear(F.silu(gate) * up, layer.down)
         self.collectives.all_reduce(out)
         return x + out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self._norm(x, self.weights.norm), self.weights.lm_head)
+        logits = linear(self._norm(x, self.weights.norm), self.weights.lm_head)
         return self.collectives.all_gather(logits).float()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
