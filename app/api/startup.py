@@ -19,6 +19,7 @@ from dataclasses import replace
 from app import metrics
 from app.api.state import Runtime
 from app.artifacts.loader import LocalArtifact, load_artifact
+from app.artifacts.manifest import Manifest
 from app.artifacts.paths import manifest_view, remove_view
 from app.engine.types import EngineClient
 from app.placement import replica_devices
