@@ -139,7 +139,7 @@ def test_a_bad_tokenizer_fails_startup_before_the_device_is_touched(monkeypatch)
 
     monkeypatch.setattr(startup, "fetch_artifact", lambda settings: SimpleNamespace(root=Path("/artifact")))
     monkeypatch.setattr(startup.Tokenizer, "from_dir", broken_tokenizer)
-    monkeypatch.setattr(startup, "load_backend", device_work)
+    monkeypatch.setattr(startup, "start_engine", device_work)
     with pytest.raises(ConfigError, match="cannot load a tokenizer"):
         asyncio.run(startup.build_runtime(ServerSettings()))
 
