@@ -20,10 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.shapes import ShapeGrid
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import build_sim_artifact
-from tests.s3_server import free_port
-
-from .server import BIN, ServerProcess
 
 pytestmark = pytest.mark.slow
 
