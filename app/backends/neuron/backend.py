@@ -28,7 +28,7 @@ from app.backends.base import (
 )
 from app.backends.batches import check_decode, check_prefill
 from app.backends.neuron.runtime import RUNTIME_PACKAGE, apply_placement, runtime_version, visible_cores
-from app.backends.neuron.steps import DecodeRows, FreshSlots, check_grid, decode_rows
+from app.backends.neuron.steps import DecodeRows, LeftOutRows, check_grid
 from app.llama import read_llama_config, read_model_info
 
 
@@ -41,8 +41,7 @@ class NeuronBackend(Backend):
         self.spec = spec
         self.model = info
         self._neuron = neuron_model
-        self._fresh = FreshSlots()
-        self._failed: dict[int, tuple[int, int]] = {}  # slot -> (token, position) in a failed decode
+        self._left_out = LeftOutRows()
 
     @classmethod
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> Self:
@@ -59,23 +58,20 @@ class NeuronBackend(Backend):
         for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
             with torch.inference_mode():  # as the libraries' own guides run their steps
                 tokens.append(self._prefill_one(slot, prompt, params, batch.context_bucket))
-            self._fresh.add(slot, len(prompt))
-            self._failed.pop(slot, None)
+            self._left_out.prefilled(slot, len(prompt))
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
         check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
-        rows = decode_rows(batch, batch.batch_bucket, grid.max_positions, self._fresh.take(), self._failed)
+        rows = self._left_out.lay_out(batch, batch.batch_bucket, grid.max_positions)
         try:
             with torch.inference_mode():
                 tokens = self._decode(rows, batch)
         except Exception:
-            rows_run = zip(batch.last_tokens, batch.positions, strict=True)
-            self._failed |= dict(zip(batch.slots, rows_run, strict=True))
+            self._left_out.failed(batch)
             raise
-        for slot in batch.slots:  # its row ran: its own next call carries it again, or it has ended
-            self._failed.pop(slot, None)
+        self._left_out.ran(batch)
         return tokens
 
     def close(self) -> None:

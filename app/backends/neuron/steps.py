@@ -8,12 +8,12 @@ the missing slots; the batch bucket lies above the highest live slot, `BucketRul
 slot has its row). Live slots carry their token and
 position; every other row is padding, token 0, and the device writes its junk KV entry into that row's
 slot, so where it is parked matters:
-- a slot prefilled since the last decode call but left out of this one (the engine decodes a new sequence
-  from the step after its prefill) is parked at its prompt's length: the first position the sequence
-  itself writes, before it ever reads it, so the junk is overwritten unseen;
-- a slot whose row was in a decode call that failed, and which the engine now runs without it (it
-  re-runs a failed step's rows one by one to find the bad one), replays that row: its own token at its own
-  position, which rewrites the very KV entry its next real step writes;
+- a slot prefilled since the last decode call that ran, but left out of this one (the engine decodes a new
+  sequence from the step after its prefill) is parked at its prompt's length: the first position the
+  sequence itself writes, before it ever reads it, so the junk is overwritten unseen;
+- while the engine re-runs a failed call's rows one by one (to find the bad one), every other row of that
+  call replays: its own token at its own position, which rewrites the very KV entry it wrote or is about
+  to write (a row already re-run included: parked, its junk would land on its own last entry);
 - any other slot is free (every live sequence is in every decode call) and is parked at the smallest live
   position, which is never 0 (NxDI routes a batch holding a position-0 row to context encoding) and never
   raises the token bucket the library picks from the largest position.
@@ -92,20 +92,39 @@ class DecodeRows:
         return [[position] for position in self.positions]
 
 
-class FreshSlots:
-    """Slots prefilled since the last decode call, with their prompt lengths (where their padded rows
-    are parked if that decode call leaves them out)."""
+class LeftOutRows:
+    """What decode rows left out of a call must hold (module docstring): the slots prefilled since the
+    last decode call that ran, with their prompt lengths, and the rows of a failed call while the engine
+    re-runs them one by one (a call of one of its rows, unchanged)."""
 
     def __init__(self) -> None:
-        self._lengths: dict[int, int] = {}
+        self._fresh: dict[int, int] = {}  # slot -> prompt length
+        self._replayed: dict[int, tuple[int, int]] = {}  # slot -> (token, position) in the failed call
 
-    def add(self, slot: int, prompt_length: int) -> None:
-        self._lengths[slot] = prompt_length
+    def prefilled(self, slot: int, prompt_length: int) -> None:
+        self._fresh[slot] = prompt_length
+        self._replayed.pop(slot, None)
 
-    def take(self) -> dict[int, int]:
-        """The slots to park in this decode call; afterwards they are live or free."""
-        lengths, self._lengths = self._lengths, {}
-        return lengths
+    def lay_out(self, batch: DecodeBatch, num_slots: int, max_positions: int) -> DecodeRows:
+        """`batch` on `num_slots` rows; a call that re-runs no failed row ends the re-runs: each row of
+        the failed call is in it, or has ended (its slot is free)."""
+        if not self._reruns(batch):
+            self._replayed = {}
+        return decode_rows(batch, num_slots, max_positions, self._fresh, self._replayed)
+
+    def ran(self, batch: DecodeBatch) -> None:
+        """After a call that ran: unless it re-ran a failed row, the fresh slots are now live or free."""
+        if not self._reruns(batch):
+            self._fresh = {}
+
+    def failed(self, batch: DecodeBatch) -> None:
+        if not self._reruns(batch):
+            rows = zip(batch.last_tokens, batch.positions, strict=True)
+            self._replayed = dict(zip(batch.slots, rows, strict=True))
+
+    def _reruns(self, batch: DecodeBatch) -> bool:
+        (slot, *others), row = batch.slots, (batch.last_tokens[0], batch.positions[0])
+        return not others and self._replayed.get(slot) == row
 
 
 def decode_rows(

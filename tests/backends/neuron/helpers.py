@@ -83,7 +83,7 @@ def library_calls(backend: Backend) -> list[dict]:
 
 def settled(backend: Backend) -> Backend:
     """The session's backend as right after a decode call: earlier tests' prefills are not fresh."""
-    backend._fresh.take()
+    backend._left_out = type(backend._left_out)()
     return backend
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.backends.base import GREEDY, PrefillBatch, SamplingParams
+from app.backends.base import GREEDY, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.neuron.nxdi import MODELING, NxdiBackend
 from app.errors import ArtifactError, ConfigError, GenerationError, InvalidRequestError
 
@@ -144,21 +144,28 @@ def test_load_pins_the_configured_cores(nxdi_artifact: Path, monkeypatch: pytest
         NxdiBackend.load(nxdi_artifact, spec_for("neuron-nxdi"), "neuron:0-3")
 
 
-def test_rows_of_a_failed_decode_replay_while_the_engine_reruns_them_one_by_one(
-    nxdi: NxdiBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rows_of_a_failed_decode_replay_while_the_engine_reruns_them_one_by_one(nxdi: NxdiBackend) -> None:
     """After a failed step the engine re-runs its rows one per call; the rows left out of such a call are
-    live, so they replay their own token at their own position instead of being parked over their KV."""
+    live (a row re-run before included), so they replay their own token at their own position instead of
+    being parked over their KV; from the next call on, a slot whose re-run failed too is free."""
     settled(nxdi)
     first = {slot: prefill(nxdi, slot, (1, 403, 407, 261, 378, 432, 383)) for slot in (0, 2)}
-    batch = decode_batch([0, 2], [first[0], first[2]], [7, 7])
-    decode = nxdi._decode
-    monkeypatch.setattr(nxdi, "_decode", lambda rows, batch: (_ for _ in ()).throw(RuntimeError("device")))
-    with pytest.raises(RuntimeError):
-        nxdi.decode(batch)
-    monkeypatch.setattr(nxdi, "_decode", decode)
-    nxdi.decode(decode_batch([0], [first[0]], [7]))
-    call = library_calls(nxdi)[-1]
-    assert call["input_ids"][:, 0].tolist()[2] == first[2] and call["position_ids"][:, 0].tolist()[2] == 7
-    nxdi.decode(decode_batch([2], [first[2]], [7]))
-    assert nxdi._failed == {}
+
+    def call_failing(batch: DecodeBatch) -> None:
+        nxdi._neuron.failing_executions = 1
+        with pytest.raises(RuntimeError, match="injected"):
+            nxdi.decode(batch)
+
+    def last_rows() -> list[tuple[int, int]]:
+        call = library_calls(nxdi)[-1]
+        return list(zip(call["input_ids"][:, 0].tolist(), call["position_ids"][:, 0].tolist(), strict=True))
+
+    second = dict(zip((0, 2), nxdi.decode(decode_batch([0, 2], [first[0], first[2]], [7, 7])), strict=True))
+    rows = {slot: (second[slot].token_id, 8) for slot in (0, 2)}
+    call_failing(decode_batch([0, 2], *zip(rows[0], rows[2], strict=True)))
+    nxdi.decode(decode_batch([0], *zip(rows[0], strict=True)))
+    assert last_rows()[2] == rows[2]
+    call_failing(decode_batch([2], *zip(rows[2], strict=True)))
+    assert last_rows()[0] == rows[0]
+    nxdi.decode(decode_batch([0], [5], [9]))
+    assert last_rows()[2] == (0, 9)
