@@ -21,6 +21,7 @@ from app.backends.neuron.nxdi import (
     COMPILED_FILES,
     MODELING,
     check_inf2_release,
+    check_quantization,
     installed_library_version,
     neuron_config_kwargs,
 )
@@ -43,17 +44,28 @@ def check(llama: LlamaSpec, spec: BackendSpec) -> None:
         raise ConfigError(
             f"tp_degree {spec.tp_degree} is not one Inf2 supports: choose one of {list(INF2_TP_DEGREES)}"
         )
+    check_quantization(spec)
 
 
 def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:
+    """A quantized spec first has the library write its quantized checkpoint
+    (`save_quantized_state_dict`); compiling then shards that checkpoint into `weights/`, so the artifact
+    ships the 8-bit weights presharded."""
     config_module, modeling = import_library(CONFIG, BACKEND), import_library(MODELING, BACKEND)
     hf_adapter = import_library(HF_ADAPTER, BACKEND)
-    neuron_config = config_module.NeuronConfig(**neuron_config_kwargs(spec, llama.vocab_size))
-    config = modeling.LlamaInferenceConfig(
-        neuron_config, load_config=hf_adapter.load_pretrained_config(str(checkpoint_dir))
-    )
-    model = modeling.NeuronLlamaForCausalLM(str(checkpoint_dir), config)
-    with tempfile.TemporaryDirectory(prefix="inf2serve-nxdi-") as scratch, compiler_workdir(Path(scratch)):
+    with (
+        tempfile.TemporaryDirectory(prefix="inf2serve-nxdi-") as scratch,
+        compiler_environment(spec, Path(scratch)),
+    ):
+        quantized = Path(scratch) / "quantized" if spec.quantization is not None else None
+        neuron_config = config_module.NeuronConfig(**neuron_config_kwargs(spec, llama.vocab_size, quantized))
+        config = modeling.LlamaInferenceConfig(
+            neuron_config, load_config=hf_adapter.load_pretrained_config(str(checkpoint_dir))
+        )
+        if quantized is not None:
+            quantized.mkdir()  # a directory: the library writes safetensors there
+            modeling.NeuronLlamaForCausalLM.save_quantized_state_dict(str(checkpoint_dir), config)
+        model = modeling.NeuronLlamaForCausalLM(str(checkpoint_dir), config)
         output = Path(scratch) / "compiled"
         model.compile(str(output))
         (staging_dir / "compiled").mkdir(parents=True, exist_ok=True)
@@ -63,15 +75,20 @@ def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: Lla
 
 
 @contextmanager
-def compiler_workdir(scratch: Path) -> Iterator[None]:
+def compiler_environment(spec: BackendSpec, scratch: Path) -> Iterator[None]:
     """Keep the compiler's per-bucket work files (`BASE_COMPILE_WORK_DIR`) out of the artifact and out
-    of the shared default `/tmp/nxd_model/`."""
-    previous = os.environ.get("BASE_COMPILE_WORK_DIR")
-    os.environ["BASE_COMPILE_WORK_DIR"] = str(scratch / "work") + "/"
+    of the shared default `/tmp/nxd_model/`; fp8 weights need `XLA_HANDLE_SPECIAL_SCALAR=1` (NxD
+    Inference's feature guide)."""
+    values = {"BASE_COMPILE_WORK_DIR": str(scratch / "work") + "/"}
+    if spec.quantization is not None and spec.quantization.dtype == "fp8":
+        values["XLA_HANDLE_SPECIAL_SCALAR"] = "1"
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if previous is None:
-            del os.environ["BASE_COMPILE_WORK_DIR"]
-        else:
-            os.environ["BASE_COMPILE_WORK_DIR"] = previous
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

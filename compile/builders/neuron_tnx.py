@@ -17,7 +17,7 @@ from pathlib import Path
 from app.backends.base import BackendSpec
 from app.backends.neuron.runtime import import_library
 from app.backends.neuron.steps import check_grid
-from app.backends.neuron.tnx import LIBRARY, check_context_buckets, model_kwargs
+from app.backends.neuron.tnx import LIBRARY, check_context_buckets, check_quantization, model_kwargs
 from app.llama import LlamaSpec
 
 BACKEND = "neuron-tnx"
@@ -26,6 +26,7 @@ BACKEND = "neuron-tnx"
 def check(llama: LlamaSpec, spec: BackendSpec) -> None:
     check_grid(spec)
     check_context_buckets(spec)
+    check_quantization(spec)
 
 
 def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:

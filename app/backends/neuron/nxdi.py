@@ -53,6 +53,9 @@ LAST_INF2_RELEASE = (0, 8)  # NxD Inference of Neuron 2.28
 CONFIG_FILE = "neuron_config.json"
 COMPILED_FILES = (CONFIG_FILE, "model.pt")
 TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# `quantization_dtype` and `quantization_type` of NxD Inference 0.8 for inf2serve's schemes.
+QUANTIZATION_DTYPES = {"int8": "int8", "fp8": "f8e4m3"}
+QUANTIZATION_TYPES = {"per_channel": "per_channel_symmetric", "per_tensor": "per_tensor_symmetric"}
 # Every NKI-kernel switch of NeuronConfig (Neuron 2.29 source): off on Inf2.
 KERNEL_FLAGS = (
     "attn_kernel_enabled",
@@ -76,11 +79,15 @@ KERNEL_FLAGS = (
 )
 
 
-def neuron_config_kwargs(spec: BackendSpec, vocab_size: int) -> dict[str, Any]:
+def neuron_config_kwargs(
+    spec: BackendSpec, vocab_size: int, quantized_checkpoints: Path | None = None
+) -> dict[str, Any]:
     """NxD Inference `NeuronConfig` keys for `spec` (used by the compile step; the compiled directory's
-    `neuron_config.json` is what loading reads)."""
+    `neuron_config.json` is what loading reads). A quantized spec also needs where the compile step has
+    `save_quantized_state_dict` write the quantized checkpoint."""
     grid = spec.grid
     return {
+        **quantization_kwargs(spec, quantized_checkpoints),
         "tp_degree": spec.tp_degree,
         "batch_size": grid.num_slots,
         "ctx_batch_size": 1,
@@ -109,6 +116,41 @@ def neuron_config_kwargs(spec: BackendSpec, vocab_size: int) -> dict[str, Any]:
         "async_mode": spec.async_mode,
         "token_generation_batches": decode_batches(spec),
     }
+
+
+def quantization_kwargs(spec: BackendSpec, quantized_checkpoints: Path | None) -> dict[str, Any]:
+    """Weight-only quantization (`models/config.py` 0.8: `quantized`, `quantized_checkpoints_path`,
+    `quantization_dtype`, `quantization_type`, `modules_to_not_convert`); nothing when unquantized."""
+    scheme = spec.quantization
+    if scheme is None:
+        return {}
+    if quantized_checkpoints is None:
+        raise ConfigError("a quantized NxD Inference compile needs a path for the quantized checkpoint")
+    return {
+        "quantized": True,
+        "quantized_checkpoints_path": str(quantized_checkpoints),
+        "quantization_dtype": QUANTIZATION_DTYPES[scheme.dtype],
+        "quantization_type": QUANTIZATION_TYPES[scheme.granularity],
+        "modules_to_not_convert": list(scheme.modules_to_not_convert) or None,
+    }
+
+
+def check_quantization(spec: BackendSpec) -> None:
+    """What NxD Inference 0.8 cannot run as asked: its per-tensor path (`generate_quantized_state_dict`,
+    `quantize_pytorch_model_per_tensor_symmetric`) ignores `modules_to_not_convert`, and the KV cache's
+    fp8 needs `kv_quant_config`, a neuronx-distributed object not known to survive the compiled
+    `neuron_config.json` on load (research: features-2026-11 §1(d), §7 item 2)."""
+    scheme = spec.quantization
+    if scheme is not None and scheme.granularity == "per_tensor" and scheme.modules_to_not_convert:
+        raise ConfigError(
+            f"{spec.backend}: NxD Inference's per-tensor quantization ignores modules_to_not_convert "
+            f"{list(scheme.modules_to_not_convert)}; use per_channel, or --modules-to-not-convert ''"
+        )
+    if spec.kv_cache_dtype is not None:
+        raise ConfigError(
+            f"{spec.backend}: kv_cache_dtype {spec.kv_cache_dtype!r} is not offered yet: NxD Inference 0.8 "
+            "quantizes the KV cache only through kv_quant_config, unverified across an artifact's load"
+        )
 
 
 def check_inf2_release(library_version: str | None) -> None:
@@ -161,6 +203,7 @@ def check_compiled(config: dict[str, Any], spec: BackendSpec) -> None:
         "output_logits": True,
         "async_mode": spec.async_mode,
         "token_generation_batches": decode_batches(spec),
+        "quantized": spec.quantization is not None,
     }
     wrong = {key: config.get(key) for key, value in expected.items() if config.get(key) != value}
     if config.get("on_device_sampling_config") is None:

@@ -51,16 +51,48 @@ def check_context_buckets(spec: BackendSpec) -> None:
         )
 
 
+def check_quantization(spec: BackendSpec) -> None:
+    """transformers-neuronx 0.13 stores int8 weights with one scale per output channel
+    (`QuantizationConfig(quant_dtype='s8', quantize_method='vector_dynamic')`), and keeps its LM head in
+    full precision; it has no per-tensor scale (`direct_cast` has none), no module list finer than whole
+    layers, and no KV-cache scheme of ours. fp8 (`f8e4m3fn`) is refused: nothing published runs it on
+    Inf2 (AWS's Inf2 figures and the maintainers' advice use s8), and the library's support ended in
+    Neuron 2.26, so it will not be fixed there; compile fp8 for neuron-nxdi instead."""
+    scheme = spec.quantization
+    if scheme is not None:
+        if scheme.dtype != "int8":
+            raise ConfigError(
+                f"{spec.backend}: {scheme.dtype} weights are not supported on transformers-neuronx for "
+                "Inf2; use --quantize int8, or --backend neuron-nxdi for fp8"
+            )
+        if scheme.granularity != "per_channel":
+            raise ConfigError(f"{spec.backend}: transformers-neuronx quantizes int8 per channel only")
+        if set(scheme.modules_to_not_convert) - {"lm_head"}:
+            raise ConfigError(
+                f"{spec.backend}: transformers-neuronx cannot keep {list(scheme.modules_to_not_convert)} in "
+                "full precision (only its LM head, which it never quantizes)"
+            )
+    if spec.kv_cache_dtype is not None:
+        raise ConfigError(f"{spec.backend}: kv_cache_dtype is not offered on transformers-neuronx")
+
+
 def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
     """`LlamaForSampling.from_pretrained` keyword arguments for `spec`: the compile step and loading use
-    the same ones, which is what makes the saved NEFFs match."""
+    the same ones, which is what makes the saved NEFFs match. int8 weights are the library's
+    `QuantizationConfig`, dequantized to the model's dtype."""
     grid = spec.grid
+    quant = None
+    if spec.quantization is not None:
+        quant = library.QuantizationConfig(
+            quant_dtype="s8", dequant_dtype=AMP[spec.dtype], quantize_method="vector_dynamic"
+        )
     neuron_config = library.NeuronConfig(
         continuous_batching=library.ContinuousBatchingConfig(batch_size_for_shared_caches=grid.num_slots),
         attention_layout="BSH",
         collectives_layout="BSH",
         fuse_qkv=True,
         on_device_embedding=True,
+        quant=quant,
     )
     return {
         "batch_size": grid.num_slots,

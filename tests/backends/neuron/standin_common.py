@@ -24,7 +24,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.backends.torch.checkpoint import check_checkpoint, rank_file_metadata, write_rank_shards
+from app.backends.quantization import QuantScheme, dequantize
+from app.backends.torch.checkpoint import (
+    SCALE_SUFFIX,
+    TORCH_DTYPES,
+    check_checkpoint,
+    rank_file_metadata,
+    write_rank_shards,
+)
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, RankWeights, SingleRank
 from app.llama import LlamaSpec, read_llama_config
 
@@ -64,11 +71,14 @@ def installed(modules: Mapping[str, types.ModuleType]) -> Iterator[None]:
                 sys.modules[name] = module
 
 
-def rank_tensors(checkpoint_dir: Path, tp_degree: int, dtype: str) -> list[dict[str, torch.Tensor]]:
-    """Real per-rank slices of a Hugging Face checkpoint (the portable backend's sharding)."""
+def rank_tensors(
+    checkpoint_dir: Path, tp_degree: int, dtype: str, scheme: QuantScheme | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Real per-rank slices of a Hugging Face checkpoint (the portable backend's sharding), 8-bit with
+    row scales where `scheme` quantizes (the rounding of NxD Inference's quantizer)."""
     with tempfile.TemporaryDirectory() as scratch:
         llama = check_checkpoint(checkpoint_dir)
-        paths = write_rank_shards(checkpoint_dir, Path(scratch), tp_degree, dtype, llama)
+        paths = write_rank_shards(checkpoint_dir, Path(scratch), tp_degree, dtype, llama, scheme)
         return [load_file(str(path)) for path in paths]
 
 
@@ -80,19 +90,33 @@ def merge_ranks(spec: LlamaSpec, ranks: Sequence[Mapping[str, torch.Tensor]]) ->
     merged = {}
     for name in ranks[0]:
         parts = [rank[name] for rank in ranks]
-        if name.endswith("qkv_proj"):
+        base = name.removesuffix(SCALE_SUFFIX)  # a row scale is split as its weight's rows are
+        if base.endswith(("o_proj", "down_proj")) and name != base:
+            merged[name] = parts[0]  # row parallel: every rank holds the whole rows' scales
+        elif base.endswith("qkv_proj"):
             pieces = [part.split([q, kv, kv]) for part in parts]
             merged[name] = torch.cat([piece[i] for i in range(3) for piece in pieces])
-        elif name.endswith("gate_up_proj"):
+        elif base.endswith("gate_up_proj"):
             pieces = [part.split([inter, inter]) for part in parts]
             merged[name] = torch.cat([piece[i] for i in range(2) for piece in pieces])
         elif name.endswith(("o_proj", "down_proj")):
             merged[name] = torch.cat(parts, dim=1)
-        elif name in ("embed_tokens", "lm_head"):
+        elif base in ("embed_tokens", "lm_head"):
             merged[name] = torch.cat(parts)
         else:
             merged[name] = parts[0]
     return merged
+
+
+def dequantized(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """8-bit weights dequantized as the Neuron linears do before every matmul (fp32 product, then the
+    model's dtype): what the device computes with."""
+    scales = {name.removesuffix(SCALE_SUFFIX) for name in tensors if name.endswith(SCALE_SUFFIX)}
+    return {
+        name: dequantize(tensor, tensors[name + SCALE_SUFFIX], dtype) if name in scales else tensor
+        for name, tensor in tensors.items()
+        if not name.endswith(SCALE_SUFFIX)
+    }
 
 
 def spec_from_hf_fields(fields: Mapping[str, Any]) -> LlamaSpec:
@@ -113,7 +137,7 @@ class StandInDevice:
         num_slots: int,
         max_positions: int,
     ) -> None:
-        merged = merge_ranks(spec, ranks)
+        merged = dequantized(merge_ranks(spec, ranks), TORCH_DTYPES[dtype])
         with tempfile.TemporaryDirectory() as scratch:
             path = Path(scratch) / "merged.safetensors"
             tensors = {name: tensor.contiguous() for name, tensor in merged.items()}

@@ -27,6 +27,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from app.backends.quantization import LINEAR_MODULES, QuantScheme, quantize
+
 from .standin_common import (
     DTYPE_NAMES,
     StandInDevice,
@@ -108,6 +110,7 @@ class NeuronConfig(_KwargsConfig):
         "skip_warmup": False,
         "tp_degree": 1,
         "allow_input_truncation": False,
+        "quantized": False,
     }
 
     def __init__(self, **kwargs: Any) -> None:
@@ -122,7 +125,20 @@ class NeuronConfig(_KwargsConfig):
         self.torch_dtype = TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
         if isinstance(self.on_device_sampling_config, dict):
             self.on_device_sampling_config = OnDeviceSamplingConfig(**self.on_device_sampling_config)
+        if self.quantized and self.quantized_checkpoints_path is None:
+            raise AssertionError("quantized_checkpoints_path is required when quantized is set")
         self._check_buckets()
+
+    def quant_scheme(self) -> QuantScheme | None:
+        """The scheme the library quantizes with (its per-tensor path ignores modules_to_not_convert)."""
+        if not self.quantized:
+            return None
+        per_channel = self.quantization_type == "per_channel_symmetric"
+        return QuantScheme(
+            "int8" if self.quantization_dtype == "int8" else "fp8",
+            "per_channel" if per_channel else "per_tensor",
+            tuple(self.modules_to_not_convert or ()) if per_channel else (),
+        )
 
     def _check_buckets(self) -> None:
         for key, limit in (
@@ -269,6 +285,30 @@ class NeuronApplicationBase(torch.nn.Module):
         self.is_compiled = os.path.isfile(self.model_path + COMPILED_MODEL_FILE_NAME)
         self.device: StandInDevice | None = None
 
+    @classmethod
+    def save_quantized_state_dict(cls, model_path: str, config: InferenceConfig) -> None:
+        """The library's signature (`application_base.py`, 0.8): quantize the Hugging Face checkpoint and
+        write its `model` state dict (no lm_head; `<linear>.weight` 8-bit, `<linear>.scale` [out, 1])
+        to `quantized_checkpoints_path`, as safetensors when that is a directory, else a torch file."""
+        scheme = config.neuron_config.quant_scheme()
+        if scheme is None:
+            raise AssertionError("STAND-IN: save_quantized_state_dict of an unquantized config")
+        state = {}
+        for name, tensor in load_file(str(Path(model_path, "model.safetensors"))).items():
+            if not name.startswith("model."):
+                continue
+            key, module = name.removeprefix("model."), name.removesuffix(".weight")
+            if module.rsplit(".", 1)[-1] in LINEAR_MODULES and scheme.converts(module):
+                state[key], scale = quantize(tensor, scheme)
+                state[key.removesuffix(".weight") + ".scale"] = scale[:, None]
+            else:
+                state[key] = tensor
+        target = Path(config.neuron_config.quantized_checkpoints_path)
+        if target.is_dir():
+            save_file(state, str(target / "model.safetensors"))
+        else:
+            torch.save(state, str(target))
+
     def compile(
         self,
         compiled_model_path: str,
@@ -337,9 +377,13 @@ class NeuronApplicationBase(torch.nn.Module):
         )
 
     def _hf_rank_tensors(self, checkpoint: str) -> list[dict[str, torch.Tensor]]:
-        return rank_tensors(
-            Path(checkpoint), self.neuron_config.tp_degree, DTYPE_NAMES[self.neuron_config.torch_dtype]
-        )
+        """Quantized: the shards come from the quantized checkpoint, which must have been written (the
+        stand-in cuts them from the original with the same quantizer, in the portable layout)."""
+        config = self.neuron_config
+        scheme = config.quant_scheme()
+        if scheme is not None and not any(Path(config.quantized_checkpoints_path).glob("*.safetensors")):
+            raise FileNotFoundError(f"no quantized checkpoint in {config.quantized_checkpoints_path}")
+        return rank_tensors(Path(checkpoint), config.tp_degree, DTYPE_NAMES[config.torch_dtype], scheme)
 
 
 class NeuronBaseForCausalLM(NeuronApplicationBase):

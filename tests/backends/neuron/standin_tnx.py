@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from app.backends.quantization import QuantScheme
+
 from .standin_common import (
     StandInDevice,
     graph_file_name,
@@ -184,6 +186,16 @@ class NeuronConfig:
         self.output_all_logits = output_all_logits
         self.padding_side = "right" if continuous_batching else padding_side
         self.lhs_aligned = bool(continuous_batching) or bool(deprecated.get("lhs_aligned"))
+        self.quant = quant
+
+    def quant_scheme(self) -> QuantScheme | None:
+        """s8 `vector_dynamic`: one absmax scale per output channel, the LM head left alone (the
+        stand-in rounds as inf2serve's quantizer does; the library's own rounding is unverified)."""
+        if self.quant is None:
+            return None
+        if (self.quant.quant_dtype, self.quant.quantize_method) != ("s8", "vector_dynamic"):
+            raise NotImplementedError(f"STAND-IN: {self.quant.quant_dtype} / {self.quant.quantize_method}")
+        return QuantScheme("int8", "per_channel", ("lm_head",))
 
 
 def _describe(value: Any) -> Any:
@@ -419,7 +431,8 @@ class LlamaForSampling(NeuronModelBase):
         if self._presharded is not None:
             self.load_presharded_weights()
         else:
-            self._ranks = rank_tensors(Path(self._checkpoint), self.tp_degree, AMP_DTYPES[self.amp])
+            scheme = self.neuron_config.quant_scheme()
+            self._ranks = rank_tensors(Path(self._checkpoint), self.tp_degree, AMP_DTYPES[self.amp], scheme)
         fields = {k: v for k, v in self.config.to_dict().items() if k != "is_presharded_checkpoint"}
         self._spec = spec_from_hf_fields(fields)
 
