@@ -31,10 +31,9 @@ from typing import Any
 import httpx
 
 from loadtest.client import ConnectionPool, completion_body, percentiles, stream_completion
+from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.http_bench import cpu_seconds
 from loadtest.sim_artifact import build_sim_artifact, sim_grid
-from tests.integration.server import BIN, ServerProcess
-from tests.s3_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STORIES = REPO.parent / "shared" / "models" / "stories260K"

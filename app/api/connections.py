@@ -12,29 +12,40 @@ front of it, because the server runs bare too (SageMaker, EKS, `make run`):
   line included) larger than `max_header_bytes`. Both are answered before the app sees the request.
 - `receive_with_deadline` (used by the request middleware) fails a request whose body is not complete
   `body_timeout_s` after its headers with 408 (`RequestTimeoutError`), closing the connection.
-- The number of connections is uvicorn's `limit_concurrency` (`max_connections`): beyond it a request is
-  answered 503 at once.
+- `max_connections` bounds open connections and requests in progress, for clients: beyond it a client's
+  request is answered 503 at once (uvicorn's `limit_concurrency` rule), but a probe's (`PROBE_PATHS`)
+  is served, so no number of client connections fails the orchestrator's health check. Past
+  `max_connections + PROBE_RESERVE` open connections, each new one closes the oldest connection with no
+  request in progress (a half-open one is answered 503 first), so the connections, and the descriptors
+  they hold, stay bounded and a new connection, a probe's included, is always accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from asyncio import TimerHandle
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import httptools
 from starlette.types import Message, Receive
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import RequestTimeoutError
 
-REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+PROBE_PATHS = frozenset({"/ping", "/health", "/ready", "/metrics"})
+PROBE_RESERVE = 64  # connections past max_connections before the oldest idle one is closed
+_OPENED = itertools.count()  # the order connections were opened in (oldest first)
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     header_timeout_s: float
     max_header_bytes: int
+    max_connections: int
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -49,10 +60,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: TimerHandle | None = None
         self._header_bytes = 0
         self._refused = False
+        self._opened = next(_OPENED)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._start_header_timer()
+        if len(self.connections) > self.limits.max_connections + PROBE_RESERVE:
+            self._close_oldest_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
@@ -82,7 +96,38 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._stop_header_timer()
-        super().on_headers_complete()
+        if self._over_client_limit():
+            app, self.app = self.app, service_unavailable
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
+
+    def _over_client_limit(self) -> bool:
+        """uvicorn's `limit_concurrency` rule, for every path but a probe's."""
+        limit = self.limits.max_connections
+        if len(self.connections) < limit and len(self.tasks) < limit:
+            return False
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        if path in PROBE_PATHS:
+            return False
+        self.logger.warning("refused a request: %d open connections (max_connections)", len(self.connections))
+        return True
+
+    def _idle(self) -> bool:
+        return not self._refused and (self.cycle is None or self.cycle.response_complete)
+
+    def _close_oldest_idle(self) -> None:
+        idle = [c for c in self.connections if isinstance(c, LimitedHttpToolsProtocol) and c._idle()]
+        if not idle:
+            return
+        oldest = min(idle, key=lambda connection: connection._opened)
+        if oldest._header_timer is not None:  # waiting for a request: say why it is closed
+            oldest._refuse(503, "the server is at its connection limit (max_connections)")
+        else:
+            oldest.transport.close()
 
     def _count_header_bytes(self, size: int) -> None:
         self._header_bytes += size

@@ -16,7 +16,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import metrics
-from app.api.connections import receive_with_deadline
+from app.api.connections import PROBE_PATHS, receive_with_deadline
 from app.api.errors import error_headers, error_json, internal_error
 from app.api.state import ServerState
 from app.logs import REQUEST_ID
@@ -26,7 +26,6 @@ log = logging.getLogger("inf2serve.access")
 REQUEST_ID_HEADER = "x-request-id"
 ARTIFACT_ID_HEADER = "x-artifact-id"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_QUIET_ROUTES = frozenset({"/ping", "/health", "/ready", "/metrics"})
 
 
 def request_id_from(scope: Scope) -> str:
@@ -87,7 +86,7 @@ class RequestContextMiddleware:
     def _log(scope: Scope, status: int, seconds: float) -> None:
         route = getattr(scope.get("route"), "path", "unmatched")
         metrics.record_http_response(route, status)
-        level = logging.DEBUG if route in _QUIET_ROUTES else logging.INFO
+        level = logging.DEBUG if route in PROBE_PATHS else logging.INFO
         if log.isEnabledFor(level):
             fields = {"method": scope["method"], "path": scope["path"], "status": status}
             log.log(level, "request", extra={**fields, "ms": round(seconds * 1000, 3)})

@@ -109,13 +109,13 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
-    limits = ConnectionLimits(settings.header_timeout_s, settings.max_header_bytes)
+    limits = ConnectionLimits(settings.header_timeout_s, settings.max_header_bytes, settings.max_connections)
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         http=LimitedHttpToolsProtocol.with_limits(limits),
-        limit_concurrency=settings.max_connections,
+        limit_concurrency=None,  # LimitedHttpToolsProtocol applies max_connections, probes exempt
         timeout_keep_alive=math.ceil(settings.keep_alive_s),
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + CUT_GRACE_S),
         log_config=None,

@@ -24,15 +24,21 @@ LIMITS = {
 }
 
 
+def serve_sim(root: Path, stories260k: Path, env: dict[str, str]) -> ServerProcess:
+    """A started (not yet ready) server on a sim artifact under `root`, with `env` on top of LIMITS."""
+    artifact = build_sim_artifact(root / "artifacts", stories260k, sim_grid(8, 256), {})
+    port = free_port()
+    argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
+    return ServerProcess(
+        argv, {"INF2SERVE_PORT": str(port), **LIMITS, **env}, port, root / "server.log"
+    ).start()
+
+
 @pytest.fixture(scope="session")
 def adversarial_server(
     stories260k: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("adversarial")
-    artifact = build_sim_artifact(root / "artifacts", stories260k, sim_grid(8, 256), {})
-    port = free_port()
-    argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
-    server = ServerProcess(argv, {"INF2SERVE_PORT": str(port), **LIMITS}, port, root / "server.log").start()
+    server = serve_sim(tmp_path_factory.mktemp("adversarial"), stories260k, {})
     try:
         yield server.wait_ready()
     finally:

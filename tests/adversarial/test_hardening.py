@@ -8,13 +8,20 @@ from __future__ import annotations
 import re
 import socket
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from .conftest import API_KEY
+from app.api.connections import PROBE_PATHS, PROBE_RESERVE
+from loadtest.harness.server import ServerProcess
+from tests.raw_http import read_until_closed
+
+from .conftest import API_KEY, serve_sim
 
 COMPLETIONS = "/v1/completions"
+MAX_CONNECTIONS = 1024  # the default: the issue's attacker held 1,030 connections
+PROBES = sorted(PROBE_PATHS)
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +66,43 @@ def test_a_hundred_thousand_prompts_are_refused_by_their_count(api) -> None:
     refused = api.post(COMPLETIONS, json=body)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
     assert "max_waiting" in refused.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def patient_server(stories260k, tmp_path_factory) -> Iterator[ServerProcess]:
+    """Waits a minute for request headers, so half-open connections stay open for the whole test."""
+    env = {"INF2SERVE_HEADER_TIMEOUT_S": "60", "INF2SERVE_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
+    server = serve_sim(tmp_path_factory.mktemp("patient"), stories260k, env)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def _half_open(url: str, count: int) -> list[socket.socket]:
+    """`count` connections, each with the first line of a request and no more."""
+    sockets = []
+    for _ in range(count):
+        sock = _connect(url)
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        sockets.append(sock)
+    return sockets
+
+
+def _probes(url: str) -> dict[str, int]:
+    return {path: httpx.get(url + path, timeout=30).status_code for path in PROBES}
+
+
+def test_clients_at_the_connection_cap_cannot_fail_the_probes(patient_server) -> None:
+    url, key = patient_server.url, {"authorization": f"Bearer {API_KEY}"}
+    held = _half_open(url, MAX_CONNECTIONS + 6)
+    try:
+        # Accepted in order: once this request is refused, every half-open connection is open.
+        assert httpx.get(url + "/v1/models", headers=key, timeout=30).status_code == 503
+        assert _probes(url) == dict.fromkeys(PROBES, 200)
+        held += _half_open(url, PROBE_RESERVE)  # past the reserve: the oldest idle ones are closed
+        assert read_until_closed(held[0]).startswith(b"HTTP/1.1 503 ")
+        assert _probes(url) == dict.fromkeys(PROBES, 200)
+    finally:
+        for sock in held:
+            sock.close()
