@@ -64,7 +64,7 @@ class NeuronBackend(Backend):
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
         check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
-        rows = self._left_out.lay_out(batch, batch.batch_bucket, grid.max_positions)
+        rows = self._left_out.lay_out(batch, grid)
         try:
             with torch.inference_mode():
                 tokens = self._decode(rows, batch)

@@ -4,10 +4,12 @@ the decode batch laid out on every compiled slot, and library outputs turned int
 Decode always runs on all rows of its batch bucket in slot order (row i is slot i, so `seq_ids`/`start_ids`
 is `arange(batch_bucket)`: a full batch is the one layout the libraries take without reordering, and with
 no missing `seq_ids` the library adds no filler rows, which would copy row 0 and write its KV entry into
-the missing slots; the batch bucket lies above the highest live slot, `BucketRule.NXDI`, so every live
-slot has its row). Live slots carry their token and
-position; every other row is padding, token 0, and the device writes its junk KV entry into that row's
-slot, so where it is parked matters:
+the missing slots). The batch bucket lies above the highest slot whose line must keep what it holds (a
+live, fresh or replayed one, below): NxD Inference writes zeros at its token bucket - 1 into every KV
+line above a smaller decode batch. That is the engine's bucket (`BucketRule.NXDI`: above the highest
+live slot) except for a slot prefilled in the same step and for a failed call's re-runs. Live slots carry
+their token and position; every other row is padding, token 0, and the device writes its junk KV entry
+into that row's slot, so where it is parked matters:
 - a slot prefilled since the last decode call that ran, but left out of this one (the engine decodes a new
   sequence from the step after its prefill) is parked at its prompt's length: the first position the
   sequence itself writes, before it ever reads it, so the junk is overwritten unseen;
@@ -35,6 +37,7 @@ import torch
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, SampledToken, SamplingParams
 from app.backends.sampling import SampleOutput, sampled_tokens
 from app.errors import BatchError, ConfigError, InvalidRequestError
+from app.shapes import ShapeGrid
 
 # The device sampler first keeps the `global_topk` most likely tokens; top-k beyond it cannot be honoured.
 DEFAULT_GLOBAL_TOPK = 256
@@ -105,12 +108,16 @@ class LeftOutRows:
         self._fresh[slot] = prompt_length
         self._replayed.pop(slot, None)
 
-    def lay_out(self, batch: DecodeBatch, num_slots: int, max_positions: int) -> DecodeRows:
-        """`batch` on `num_slots` rows; a call that re-runs no failed row ends the re-runs: each row of
-        the failed call is in it, or has ended (its slot is free)."""
+    def lay_out(self, batch: DecodeBatch, grid: ShapeGrid) -> DecodeRows:
+        """`batch` on the rows of the decode batch bucket above every slot that must hold its row (a live,
+        fresh or replayed one: NxD Inference zeroes one KV entry of each line above the bucket). A call
+        that re-runs no failed row ends the re-runs: each row of the failed call is in it, or has ended
+        (its slot is free)."""
         if not self._reruns(batch):
             self._replayed = {}
-        return decode_rows(batch, num_slots, max_positions, self._fresh, self._replayed)
+        held = sorted({*batch.slots, *self._fresh, *self._replayed})
+        num_rows = grid.decode_batch_bucket(held)
+        return decode_rows(batch, num_rows, grid.max_positions, self._fresh, self._replayed)
 
     def ran(self, batch: DecodeBatch) -> None:
         """After a call that ran: unless it re-ran a failed row, the fresh slots are now live or free."""
@@ -137,16 +144,16 @@ def decode_rows(
     """Lay `batch` out on the `num_slots` rows of its batch bucket; `fresh` maps a slot prefilled since
     the last decode call to its prompt length, `replayed` a slot of a failed call to its (token,
     position) there. See the module docstring for the padding rule."""
-    if max(batch.slots) >= num_slots:
-        raise BatchError(f"decode slots {list(batch.slots)} do not fit the batch bucket of {num_slots} rows")
+    held = [*batch.slots, *fresh, *(replayed or {})]
+    if max(held) >= num_slots:
+        raise BatchError(f"decode slots {sorted(held)} do not fit the batch bucket of {num_slots} rows")
     pad_position = min(batch.positions)
     parked = {slot: length for slot, length in fresh.items() if length < max_positions}
     tokens = [0] * num_slots
     positions = [parked.get(slot, pad_position) for slot in range(num_slots)]
     sampling = [GREEDY] * num_slots
     for slot, (token, position) in (replayed or {}).items():
-        if slot < num_slots:
-            tokens[slot], positions[slot] = token, position
+        tokens[slot], positions[slot] = token, position
     for slot, token, position, params in zip(
         batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True
     ):

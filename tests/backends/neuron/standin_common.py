@@ -16,7 +16,7 @@ import json
 import sys
 import tempfile
 import types
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,12 @@ class StandInDevice:
         write their KV into a scratch line instead of their slot's (the library's padding zone)."""
         lines = tuple(self.num_slots if row in skip else slot for row, slot in enumerate(slots))
         return self.runner.run(DecodeStep(tuple(tokens), tuple(positions), lines, span))
+
+    def zero(self, lines: Iterable[int], position: int) -> None:
+        """Zero K and V at `position` of KV `lines` in every layer."""
+        index = torch.tensor(list(lines), dtype=torch.int64)
+        for cache in self.runner.kv_cache:
+            cache[index, :, position] = 0
 
 
 def graph_file_name(graph: Mapping[str, Any]) -> str:

@@ -547,7 +547,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         sorted by `seq_ids`, and read back in the caller's order."""
         config = self.neuron_config
         batch, rows = config.tkg_batch_size, input_ids.shape[0]
-        if config.token_generation_batches is not None:  # first fit only (model_wrapper.py:843-896)
+        batch_bucketing = config.token_generation_batches is not None
+        if batch_bucketing:  # first fit only (model_wrapper.py:843-896)
             if pad_type != "first_fit":
                 raise ValueError(f"strategy='{pad_type}' is currently not supported for batch bucketing")
             batch = next((b for b in config.token_generation_batches if rows <= b), batch)
@@ -568,9 +569,21 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             if config.apply_seq_ids_mask:
                 masked = {line for line, i in enumerate(order) if i >= rows}
             back = [order.index(i) for i in range(rows)]
-        span = _seq_bucket(config.token_buckets(), max(positions), pad_type, config)
+        if batch_bucketing:
+            span = _batch_bucketing_seq_bucket(config.token_buckets(), max(positions), config)
+        else:
+            span = _seq_bucket(config.token_buckets(), max(positions), pad_type, config)
         self.executions.append({"graph": "token", "bucket": span, "rows": batch, "masked": sorted(masked)})
-        logits = self.device.generate(tokens, positions, list(range(batch)), span, skip=masked)
+        # A row attends the cache below its position and its own new entry (the graph's span may equal
+        # the position under batch bucketing).
+        attended = max(span, max(positions) + 1)
+        logits = self.device.generate(tokens, positions, list(range(batch)), attended, skip=masked)
+        if batch_bucketing and batch < config.kv_cache_batch_size:
+            # kv_cache_manager.py:543-575: a graph traced for fewer rows than the cache has lines writes
+            # zero K and V at garbage_pos = seq_len - 1 into every line it has no row for; seq_len is the
+            # graph's n_positions, its token bucket (model_base.py:1345-1349, 1435-1441; the bucket's
+            # seq_len, model_wrapper.py:1676-1686).
+            self.device.zero(range(batch, config.kv_cache_batch_size), span - 1)
         for line, position in enumerate(positions):
             if (line, position) in self.near_ties:
                 logits[line] = _tip_near_tie(logits[line])
@@ -616,6 +629,18 @@ def _will_hit_bucket_boundary(known_length: int, buckets: list[int]) -> bool:
     """async_execution.py:172-187: step n+1 runs before step n is known, so a call within two tokens
     below a bucket boundary stays synchronous and runs in the bucket after the first fitting one."""
     return any(known_length < bucket <= known_length + 2 for bucket in buckets)
+
+
+def _batch_bucketing_seq_bucket(buckets: list[int], length: int, config: Any) -> int:
+    """`_get_batch_and_seq_bucket` (model_wrapper.py:843-896, line 876): under batch bucketing the token
+    bucket is the smallest >= `length` (the inferred mask length: the largest position), not strictly
+    larger."""
+    fitting = [bucket for bucket in buckets if length <= bucket]
+    if fitting:
+        return fitting[0]
+    if config.allow_input_truncation:
+        return buckets[-1]
+    raise ValueError(f"Input seq_len={length} exceeds largest bucket seq_len={buckets[-1]}")
 
 
 def _seq_bucket(buckets: list[int], length: int, strategy: str, config: Any) -> int:
