@@ -295,8 +295,16 @@ class NxdiBackend(NeuronBackend):
     def _prefill_one(
         self, slot: int, prompt: Sequence[int], params: SamplingParams, context_bucket: int
     ) -> SampledToken:
-        """Unpadded: the library pads to its own context bucket."""
-        output = self._step([prompt], [slot], [list(range(len(prompt)))], [params])
+        """Unpadded: the library pads to its own context bucket; but a one-token prompt it would pad with
+        position ids 1 and read the row of the first largest (model_wrapper.py:764, model_base.py:1012-1016),
+        a pad's. That one goes in padded to the largest context bucket with position ids 0, which the
+        library runs as given (a prompt equal to the largest bucket runs in it, model_wrapper.py:911; the
+        attention mask inferred from those positions covers the one token, model_base.py:3530-3549)."""
+        ids, positions = list(prompt), list(range(len(prompt)))
+        if len(prompt) == 1:
+            padding = [0] * (self.spec.grid.context_buckets[-1] - 1)
+            ids, positions = ids + padding, positions + padding
+        output = self._step([ids], [slot], [positions], [params])
         return self._tokens(output, [0], [params])[0]
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:

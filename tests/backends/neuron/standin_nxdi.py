@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -526,13 +527,20 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self, input_ids: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         """One execution per sequence (context batch 1), each into KV row `seq_ids[i]`, in the first
-        context bucket strictly larger than the input (`_get_seq_bucket`, model_wrapper.py:900-912)."""
+        context bucket strictly larger than the input (`_get_seq_bucket`, model_wrapper.py:900-912). The
+        input is padded to the bucket: ids with `pad_token_id`, position ids with 1
+        (model_wrapper.py:762-778); the logits are the row at the FIRST largest position id
+        (`torch.max(position_ids, dim=1).indices`, model_base.py:1012-1016), so a one-token input
+        (positions 0, 1, 1, ...) reads a pad's."""
         width = input_ids.shape[1]
         bucket = _seq_bucket(self.neuron_config.context_buckets(), width, "first_fit", self.neuron_config)
         self.executions.append({"graph": "context", "bucket": bucket, "rows": input_ids.shape[0]})
+        pad_id = getattr(self.config, "pad_token_id", None) or 0
+        padded_ids = F.pad(input_ids, (0, bucket - width), value=pad_id)
+        padded_positions = F.pad(position_ids, (0, bucket - width), value=1)
         logits = [
             self.device.context(tokens.tolist(), int(positions.argmax()), int(slot))
-            for tokens, positions, slot in zip(input_ids, position_ids, seq_ids, strict=True)
+            for tokens, positions, slot in zip(padded_ids, padded_positions, seq_ids, strict=True)
         ]
         return torch.stack(logits)
 

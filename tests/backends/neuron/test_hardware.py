@@ -95,8 +95,8 @@ def test_continuous_batching_matches_each_sequence_alone(backend: Backend) -> No
 
 
 def test_one_token_prompt_matches_transformers(backend: Backend, stories260k: Path) -> None:
-    """A one-token prompt is the case where NxD Inference's own padding (pad positions 1) may gather the
-    wrong row (inferred from its code, unconfirmed): compare with the fp32 reference."""
+    """A one-token prompt, which the adapter pads itself (NxD Inference's own padding, position ids 1,
+    would read a pad's row; inferred from its code): compare with the fp32 reference."""
     reference = AutoModelForCausalLM.from_pretrained(stories260k, torch_dtype=torch.float32)
     with torch.no_grad():
         logprobs = torch.log_softmax(reference(torch.tensor([[1]])).logits[0, -1], dim=-1)

@@ -10,13 +10,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from app.backends.base import GREEDY, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.neuron.nxdi import MODELING, NxdiBackend
 from app.errors import ArtifactError, ConfigError, GenerationError, InvalidRequestError
 
 from . import standin_nxdi
-from .helpers import GRID, decode_batch, library_calls, load_backend, prefill, settled, spec_for
+from .helpers import (
+    ASYNC_SPEC,
+    GRID,
+    WITH_LOGPROBS,
+    decode_batch,
+    fresh,
+    library_calls,
+    load_backend,
+    prefill,
+    settled,
+    spec_for,
+)
 from .standin_common import installed
 
 
@@ -169,3 +181,23 @@ def test_rows_of_a_failed_decode_replay_while_the_engine_reruns_them_one_by_one(
     assert last_rows()[0] == rows[0]
     nxdi.decode(decode_batch([0], [5], [9]))
     assert last_rows()[2] == (0, 9)
+
+
+@pytest.mark.parametrize("spec", [spec_for("neuron-nxdi"), ASYNC_SPEC], ids=["in-step", "async"])
+def test_a_one_token_prompt_gets_the_first_token_of_that_token(
+    nxdi_artifact: Path, async_artifact: Path, stories260k: Path, spec: BackendSpec
+) -> None:
+    """0.8 pads a prompt's position ids with 1 and reads the row of the first largest one: for a single
+    token, a pad's. The adapter hands the library a one-token prompt already padded to the largest context
+    bucket with position ids 0, which it runs as given."""
+    reference = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([[1]])).logits[0, -1], dim=-1)
+    for backend in fresh(async_artifact if spec.async_mode else nxdi_artifact, spec):
+        (sampled,) = backend.prefill(PrefillBatch((2,), ((1,),), (WITH_LOGPROBS,), GRID.context_buckets[0]))
+        assert sampled.token_id == int(expected.argmax())
+        assert sampled.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+        follow = backend.decode(decode_batch([2], [sampled.token_id], [1], [WITH_LOGPROBS]))[0]
+        with torch.no_grad():
+            logits = reference(torch.tensor([[1, sampled.token_id]])).logits[0, -1]
+        assert follow.token_id == int(logits.argmax())
