@@ -70,6 +70,8 @@ class Tokenizer:
         # No token covers more characters of input than its own string has: a text of more than
         # max_token_chars * n characters has more than n tokens (the cheap check before tokenizing).
         self.max_token_chars = max(len(token) for token in rust.get_vocab(with_added_tokens=True)) + 1
+        self.vocab_size = rust.get_vocab_size(with_added_tokens=True)
+        self.tokenizer_class = str(config.get("tokenizer_class") or "PreTrainedTokenizerFast")
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:

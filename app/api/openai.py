@@ -36,11 +36,12 @@ from app.api.protocol import (
     CompletionRequest,
     CompletionResponse,
     GenerateRequest,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
 )
-from app.api.serving import ChoiceOutput, Job, Serving, usage_counts
+from app.api.serving import ChoiceOutput, Job, Serving, cached_tokens, usage_counts
 from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
@@ -57,6 +58,7 @@ def usage_info(job: Job, score_only: bool = False) -> UsageInfo:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens(job.choices)),
     )
 
 

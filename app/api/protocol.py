@@ -229,10 +229,15 @@ class ErrorResponse(ResponseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(ResponseModel):
@@ -364,3 +369,56 @@ class GenerateStreamEvent(ResponseModel):
 
 class Status(ResponseModel):
     status: str
+
+
+# vLLM's tokenizer routes and /version.
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: Text
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's BOS (and such).")
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(RequestModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = Field(False, description="Add BOS before the template's own.")
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class TokenizerInfo(ResponseModel):
+    """The tokenizer's class, special tokens and chat template (what lm-evaluation-harness's remote
+    tokenizer reads)."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    unk_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str
+    model_max_length: int
+
+
+class VersionInfo(ResponseModel):
+    version: str

@@ -17,20 +17,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app import metrics
-from app.api import openai, tgi
+from app import __version__, metrics
+from app.api import openai, tgi, tokenization
 from app.api.auth import require_api_key
 from app.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     GenerateRequest,
     GenerateResponses,
     ModelCard,
     ModelList,
     Status,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+    VersionInfo,
 )
 from app.api.serving import Serving
 from app.api.state import ServerState
@@ -81,6 +88,12 @@ ERRORS = {
     503: "Starting, draining or stopped (Retry-After when draining)",
 }
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, GenerateRequest)
+# Read from the raw body by their routes, so FastAPI does not see them: listed for the schema.
+OTHER_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
 BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionResponse, GenerateResponses)
 # Server-sent events, each `data:` a JSON chunk of the API's stream (the last one `[DONE]` for OpenAI's).
 SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
@@ -112,7 +125,10 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _, definitions = models_json_schema(
-                [*((m, "validation") for m in REQUEST_MODELS), *((m, "serialization") for m in BODY_MODELS)],
+                [
+                    *((m, "validation") for m in REQUEST_MODELS + OTHER_REQUEST_MODELS),
+                    *((m, "serialization") for m in BODY_MODELS),
+                ],
                 ref_template="#/components/schemas/{model}",
             )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
@@ -146,12 +162,12 @@ async def chat_completions(request: Request, serving: ServingDep) -> Response:
     return await openai.create_chat_completion(serving, validated, request, request_id())
 
 
-@inference.get(
-    "/v1/models", responses={c: {"model": ErrorResponse, "description": ERRORS[c]} for c in (401, 503)}
-)
-async def models(serving: ServingDep) -> ModelList:
-    """The one model this server serves."""
-    card = ModelCard(
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse, "description": ERRORS[code]} for code in codes}
+
+
+def _model_card(serving: Serving) -> ModelCard:
+    return ModelCard(
         id=serving.model_name,
         created=serving.created,
         max_model_len=serving.limits.max_positions,
@@ -159,7 +175,50 @@ async def models(serving: ServingDep) -> ModelList:
         caveats=serving.caveats,
         quantization=serving.quantization,
     )
-    return ModelList(data=[card])
+
+
+@inference.get("/v1/models", responses=_errors(401, 503))
+async def models(serving: ServingDep) -> ModelList:
+    """The one model this server serves."""
+    return ModelList(data=[_model_card(serving)])
+
+
+@inference.get("/v1/models/{model_id:path}", responses=_errors(401, 404, 503))
+async def model(model_id: str, serving: ServingDep) -> ModelCard:
+    """The model, by its id (404 for any other)."""
+    serving.validator.check_model(model_id)
+    return _model_card(serving)
+
+
+@inference.post(
+    "/tokenize",
+    responses=_errors(400, 401, 404, 413, 503),
+    openapi_extra=_request_body(TokenizeCompletionRequest, TokenizeChatRequest),
+)
+async def tokenize(request: Request, serving: ServingDep) -> TokenizeResponse:
+    """vLLM's: the token ids of a prompt, or of chat messages through the chat template."""
+    raw = await read_body(request)
+    return await serving.run(tokenization.tokenize, serving.validator, raw, serving.token_text)
+
+
+@inference.post(
+    "/detokenize", responses=_errors(400, 401, 404, 413, 503), openapi_extra=_request_body(DetokenizeRequest)
+)
+async def detokenize(request: Request, serving: ServingDep) -> DetokenizeResponse:
+    """vLLM's: the text of token ids."""
+    return await serving.run(tokenization.detokenize, serving.validator, await read_body(request))
+
+
+@inference.get("/tokenizer_info", responses=_errors(401, 503))
+async def tokenizer_info(serving: ServingDep) -> TokenizerInfo:
+    """vLLM's: the tokenizer's class, special tokens and chat template."""
+    return tokenization.tokenizer_info(serving.validator)
+
+
+@inference.get("/version", responses=_errors(401))
+async def version() -> VersionInfo:
+    """The server's version."""
+    return VersionInfo(version=__version__)
 
 
 @inference.post("/invocations", **_documented(*BODY_MODELS), openapi_extra=_request_body(*REQUEST_MODELS))

@@ -14,7 +14,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
@@ -28,6 +28,7 @@ from app.settings import ServerSettings
 if TYPE_CHECKING:
     from app.api.state import Runtime
 
+T = TypeVar("T")
 VALIDATION_THREADS = 4  # requests tokenized at once: more would only share the same cores
 # NOTE: a client may reuse its X-Request-Id; a process-wide sequence number keeps engine ids unique.
 _ENGINE_SEQUENCE = itertools.count()
@@ -44,6 +45,7 @@ class ChoiceOutput:
     samples: list[SampledToken] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     timings: RequestTimings = field(default_factory=RequestTimings)
 
@@ -56,10 +58,16 @@ class ChoiceOutput:
         self.token_ids.extend(out.token_ids)
         self.samples.extend(out.samples)
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         self.num_generated_tokens = out.num_generated_tokens
         self.timings = out.timings
         if out.finished:
             self.finish_reason = out.finish_reason
+
+
+def cached_tokens(choices: Sequence[ChoiceOutput]) -> int:
+    """Prompt tokens served from the prefix cache, each prompt counted once (as in `usage_counts`)."""
+    return sum({c.prompt_index: c.num_cached_tokens for c in choices}.values())
 
 
 def usage_counts(choices: Sequence[ChoiceOutput]) -> tuple[int, int]:
@@ -178,7 +186,11 @@ class Serving:
 
     async def validate(self, api: Api | None, raw: bytes) -> Validated:
         """The validation step (`Validator.validate`), in a worker thread."""
-        return await anyio.to_thread.run_sync(self.validator.validate, api, raw, limiter=self._threads)
+        return await self.run(self.validator.validate, api, raw)
+
+    async def run(self, work: Callable[..., T], *args: object) -> T:
+        """`work(*args)` on the validation threads (tokenizing and templating never block the loop)."""
+        return await anyio.to_thread.run_sync(work, *args, limiter=self._threads)
 
     def start(self, request_id: str, requests: list[EngineRequest]) -> Job:
         """Admit every sequence of the request, or none (validation refused more than the queue holds)."""

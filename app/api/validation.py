@@ -32,6 +32,7 @@ from app.api.protocol import (
     GenerateParameters,
     GenerateRequest,
     SamplingFields,
+    TokenizeChatRequest,
 )
 from app.backends.base import SamplingParams
 from app.engine.types import EngineClient, GenerationParams
@@ -192,12 +193,14 @@ class Limits:
             "prompt": max(self.max_sequences, self.max_prompt_tokens),
             "messages": self.max_prompt_tokens,
             "stop": self.max_stop_strings,
+            "tokens": self.max_positions,
         }
         limits = {
             "prompt": f"max_waiting ({self.max_sequences} sequences) and max_prompt_tokens "
             f"({self.max_prompt_tokens})",
             "messages": f"max_prompt_tokens ({self.max_prompt_tokens}; each message takes a token at least)",
             "stop": f"max_stop_strings ({self.max_stop_strings})",
+            "tokens": f"max_model_len ({self.max_positions})",
         }
         for key, length in array_lengths(raw, caps).items():
             if length > caps[key]:
@@ -471,16 +474,7 @@ class Validator:
             raise InvalidRequestError("set max_completion_tokens or max_tokens, not both", param="max_tokens")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
         self.limits.check_logprobs(top_logprobs, "top_logprobs")
-        messages = chat_messages(body)
-        self.limits.check_chars(
-            sum(len(m["content"]) for m in messages), self.tokenizer.max_token_chars, "messages"
-        )
-        prompt = self.tokenizer.apply_chat_template(
-            messages, body.add_generation_prompt, _template_kwargs(body.chat_template_kwargs)
-        )
-        if body.add_special_tokens:
-            prompt = self.tokenizer.encode("", add_special_tokens=True) + prompt
-        prompt = self._truncate(prompt, body.truncate_prompt_tokens)
+        prompt = self._truncate(self.chat_prompt(body), body.truncate_prompt_tokens)
         self.limits.check_prompt(prompt)
         requested, param = (
             (body.max_completion_tokens, "max_completion_tokens")
@@ -515,11 +509,26 @@ class Validator:
 
     # --- the parts ---
 
+    def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The conversation's token ids through the chat template (BOS first with add_special_tokens),
+        after the cheap length check."""
+        messages = chat_messages(body)
+        self.limits.check_chars(
+            sum(len(m["content"]) for m in messages), self.tokenizer.max_token_chars, "messages"
+        )
+        prompt = self.tokenizer.apply_chat_template(
+            messages, body.add_generation_prompt, _template_kwargs(body.chat_template_kwargs)
+        )
+        if body.add_special_tokens:
+            prompt = self.tokenizer.encode("", add_special_tokens=True) + prompt
+        return prompt
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFoundError(f"model {model!r} does not exist; this server serves {self.model_name!r}")
+
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise NotFoundError(
-                f"model {body.model!r} does not exist; this server serves {self.model_name!r}"
-            )
+        self.check_model(body.model)
         refuse_unsupported(body)
         if body.best_of is not None and body.best_of not in (1, body.n):
             raise InvalidRequestError("best_of other than n is not supported by this server", param="best_of")
@@ -596,7 +605,7 @@ def tgi_sampling(params: GenerateParameters) -> SamplingParams:
     )
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
     """Messages as the chat template takes them; OpenAI's `developer` role is a system message."""
     messages = []
     for message in body.messages:

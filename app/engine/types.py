@@ -51,6 +51,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     finished: bool = False
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (usage.prompt_tokens_details)
     finish_reason: FinishReason | None = None
     error: Inf2ServeError | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)

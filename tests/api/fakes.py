@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import string
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 from app.api.state import Runtime
 from app.backends.base import SampledToken, check_sampling
@@ -26,6 +27,10 @@ GRID = ShapeGrid(4, 256, (64, 128), (128, 256), (1, 2, 4))
 
 class FakeTokenizer:
     eos_token_ids = (EOS,)
+    vocab_size = VOCAB_SIZE
+    tokenizer_class = "FakeTokenizer"
+    special_tokens: ClassVar = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": None, "pad_token": None}
+    chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     special_token_ids = frozenset({BOS, EOS})
     byte_fallback_ids = frozenset()
     max_token_chars = 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.api.connections import PROBE_PATHS
 from app.cli import main
 from app.errors import ConfigError
 from app.settings import ServerSettings
@@ -66,3 +67,14 @@ def test_sagemaker_custom_attribute_carries_the_key(client_for) -> None:
     assert ok.status_code == 200
     refused = client.post("/invocations", json={"inputs": "x"}, headers={header: "api_key=k3"})
     assert refused.status_code == 401
+
+
+def test_every_route_but_the_probes_needs_a_key(client_for) -> None:
+    client = client_for(api_keys="k1")
+    paths = client.app.openapi()["paths"]
+    assert {"/tokenize", "/detokenize", "/tokenizer_info", "/version", "/v1/models/{model_id}"} <= set(paths)
+    for template, operations in paths.items():
+        path = template.replace("{model_id}", "fake-model").replace("{response_id}", "resp_x")
+        for method in operations:
+            status = client.request(method, path, json={}).status_code
+            assert status == (200 if template in PROBE_PATHS else 401), (method, path)

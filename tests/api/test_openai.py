@@ -28,7 +28,12 @@ def test_completion_body_usage_and_headers(client):
     assert body["choices"] == [
         {"index": 0, "text": expected_text(6, 5), "logprobs": None, "finish_reason": "length"}
     ]
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    assert body["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 5,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert response.headers["x-artifact-id"] == "fake-model/0123456789ab"
     assert response.headers["server-timing"] == "queue;dur=1.000, ttft;dur=2.000, total;dur=3.000"
 
@@ -40,7 +45,12 @@ def test_completion_prompt_shapes(client, engine):
     batch = complete(client, prompt=["a", "abcd"], max_tokens=2, temperature=0, n=2).json()
     assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in batch["choices"]] == [expected_text(2, 2)] * 2 + [expected_text(5, 2)] * 2
-    assert batch["usage"] == {"prompt_tokens": 2 + 5, "completion_tokens": 8, "total_tokens": 15}
+    assert batch["usage"] == {
+        "prompt_tokens": 2 + 5,
+        "completion_tokens": 8,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_seeds_reproducible_distinct_per_choice_and_random_without_seed(client, engine):

@@ -33,7 +33,12 @@ def test_completion_stream_with_usage(live_server):
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, "length"]
     assert set(chunks[-2]["timings"]) == {"queue_s", "time_to_first_token_s", "total_s"}
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 4,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_chat_stream_role_first_then_content(live_server):

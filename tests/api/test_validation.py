@@ -242,7 +242,12 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_scored(client):
     assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
     assert choice["logprobs"]["top_logprobs"][0] is None and len(choice["logprobs"]["top_logprobs"][1]) == 1
     assert choice["logprobs"]["text_offset"] == [0, 0, 1]
-    assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert response["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 0,
+        "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_max_tokens_zero_needs_echo(client):
