@@ -4,7 +4,11 @@ Compiled for continuous batching (`is_continuous_batching`, context batch 1, tok
 `num_slots`), the grid's context and token buckets, on-device sampling with per-row `[n, 3]` parameters
 (top_k, top_p, temperature) with the logits alongside the ids (`output_logits`: logprobs, which the
 validation gate and the startup golden replay need), and weights presharded per rank. Kernel options
-(`*_kernel_enabled`, the argmax kernel) stay off: NxD Inference dropped NKI kernels on Inf2 after 2.28.
+(`*_kernel_enabled`, the argmax kernel) stay off, except that `attn_kernel_enabled` is left unset: 0.8
+then picks the flash-attention kernel itself for context buckets of 4096 and more on one logical core
+(`get_flash_attention_strategy`, modules/attention/attention_base.py:1346-1379; only an explicit False
+turns it off), with its trn1-family variant on Inf2 (lines 88-121, 849-880). NxD Inference dropped NKI
+kernels on Inf2 after 2.28, which the pinned 0.8 predates.
 
 Step mapping (`NeuronBaseForCausalLM.forward`): a slot is `seq_ids`, positions are `position_ids`, and
 the library routes on them (a batch whose smallest position is 0 is context encoding). Prefill runs one
@@ -56,9 +60,8 @@ TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # `quantization_dtype` and `quantization_type` of NxD Inference 0.8 for inf2serve's schemes.
 QUANTIZATION_DTYPES = {"int8": "int8", "fp8": "f8e4m3"}
 QUANTIZATION_TYPES = {"per_channel": "per_channel_symmetric", "per_tensor": "per_tensor_symmetric"}
-# Every NKI-kernel switch of NeuronConfig (Neuron 2.29 source): off on Inf2.
+# Every NKI-kernel switch of NeuronConfig (Neuron 2.29 source) but `attn_kernel_enabled`: off on Inf2.
 KERNEL_FLAGS = (
-    "attn_kernel_enabled",
     "strided_context_parallel_kernel_enabled",
     "qkv_kernel_enabled",
     "qkv_nki_kernel_enabled",

@@ -125,12 +125,17 @@ def test_symbols_left_out_of_the_stand_ins_are_unused_by_the_adapters() -> None:
             assert (f".{method}(" if stood_in else owner) not in sources, name
 
 
-def test_adapter_neuron_config_uses_card_keys_and_keeps_kernels_off() -> None:
+def test_adapter_neuron_config_uses_card_keys_and_keeps_kernels_off_but_automatic_flash_attention() -> None:
+    """`attn_kernel_enabled` unset (None, the 0.8 default) lets the library choose flash attention for
+    context buckets >= 4096; False would force plain attention there (attention_base.py:1348-1349)."""
     card_keys = {p["name"] for p in CARD_DATA["nxdi"]["symbols"][standin_nxdi.NEURON_CONFIG]["params"]}
     kwargs = neuron_config_kwargs(spec_for("neuron-nxdi"), vocab_size=512)
     assert set(kwargs) <= card_keys
-    assert set(KERNEL_FLAGS) == {key for key in card_keys if key.endswith("_kernel_enabled")}
+    kernel_keys = {key for key in card_keys if key.endswith("_kernel_enabled")}
+    assert set(KERNEL_FLAGS) == kernel_keys - {"attn_kernel_enabled"}
     assert all(kwargs[flag] is False for flag in KERNEL_FLAGS)
+    assert "attn_kernel_enabled" not in kwargs
+    assert standin_nxdi.NeuronConfig(**kwargs).attn_kernel_enabled is None
     assert kwargs["disable_argmax_kernel"] is True
     sampling = kwargs["on_device_sampling_config"]
     assert set(sampling) <= set(standin_nxdi.OnDeviceSamplingConfig.KEYS)
