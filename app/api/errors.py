@@ -68,12 +68,18 @@ def internal_error(request_id: str) -> Inf2ServeError:
 def from_validation_error(error: ValidationError) -> InvalidRequestError:
     """The first pydantic error, as OpenAI words it: the message and the parameter it concerns."""
     first = error.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    param = ".".join(str(part) for part in first["loc"] if not _union_tag(part)) or None
     if first["type"] == "extra_forbidden":
         return InvalidRequestError(f"unrecognized request argument supplied: {param}", param=param)
     if first["type"] == "missing":
         return InvalidRequestError(f"missing required parameter: {param}", param=param)
     return InvalidRequestError(f"invalid value for {param}: {first['msg']}", param=param)
+
+
+def _union_tag(part: str | int) -> bool:
+    """A union member's tag in an error's location (`list[...]`, `function-after[...]`, a model's
+    class name), not a field a client wrote."""
+    return isinstance(part, str) and ("[" in part or part[:1].isupper())
 
 
 def from_http_status(status_code: int, detail: str) -> Inf2ServeError:

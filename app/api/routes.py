@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app import __version__, metrics
-from app.api import openai, tgi, tokenization
+from app.api import openai, responses, tgi, tokenization
 from app.api.auth import require_api_key
 from app.api.protocol import (
     ChatCompletionRequest,
@@ -39,6 +39,7 @@ from app.api.protocol import (
     TokenizerInfo,
     VersionInfo,
 )
+from app.api.responses_protocol import ResponseObject, ResponsesRequest
 from app.api.serving import Serving
 from app.api.state import ServerState
 from app.api.validation import Api
@@ -93,6 +94,7 @@ OTHER_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     TokenizeCompletionRequest,
     TokenizeChatRequest,
     DetokenizeRequest,
+    ResponsesRequest,
 )
 BODY_MODELS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionResponse, GenerateResponses)
 # Server-sent events, each `data:` a JSON chunk of the API's stream (the last one `[DONE]` for OpenAI's).
@@ -127,7 +129,7 @@ def install_openapi(app: FastAPI) -> None:
             _, definitions = models_json_schema(
                 [
                     *((m, "validation") for m in REQUEST_MODELS + OTHER_REQUEST_MODELS),
-                    *((m, "serialization") for m in BODY_MODELS),
+                    *((m, "serialization") for m in (*BODY_MODELS, ResponseObject)),
                 ],
                 ref_template="#/components/schemas/{model}",
             )
@@ -175,6 +177,14 @@ def _model_card(serving: Serving) -> ModelCard:
         caveats=serving.caveats,
         quantization=serving.quantization,
     )
+
+
+@inference.post("/v1/responses", **_documented(ResponseObject), openapi_extra=_request_body(ResponsesRequest))
+async def create_response(request: Request, serving: ServingDep) -> Response:
+    """OpenAI's Responses API, run as a chat completion; `stream: true` for its typed events. Nothing is
+    stored (`store: true` and `previous_response_id` are refused)."""
+    validated = await serving.validate(Api.RESPONSES, await read_body(request))
+    return await responses.create_response(serving, validated, request, request_id())
 
 
 @inference.get("/v1/models", responses=_errors(401, 503))

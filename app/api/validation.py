@@ -17,7 +17,7 @@ import hashlib
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, NamedTuple, TypeVar
 
@@ -34,6 +34,8 @@ from app.api.protocol import (
     SamplingFields,
     TokenizeChatRequest,
 )
+from app.api.responses_protocol import REFUSED as RESPONSES_REFUSED
+from app.api.responses_protocol import RESPONSES_NAMES, ResponsesRequest, chat_body
 from app.backends.base import SamplingParams
 from app.engine.types import EngineClient, GenerationParams
 from app.errors import InvalidRequestError, NotFoundError
@@ -135,6 +137,7 @@ class Api(StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
     GENERATE = "generate"
+    RESPONSES = "responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +296,7 @@ class Validated:
     requests: list[EngineRequest]
     prompt_texts: list[str]  # each prompt's text, where the response repeats it (echo, full text)
     score_only: bool = False  # max_tokens 0 with echo: one token is generated and dropped
+    responses: ResponsesRequest | None = None  # the Responses request a chat request was written from
 
     @property
     def stream(self) -> bool:
@@ -369,6 +373,21 @@ def refuse_unsupported(body: BaseModel, prefix: str = "") -> None:
             )
 
 
+def refuse_unsupported_responses(body: ResponsesRequest) -> None:
+    for name, (accepted, why) in RESPONSES_REFUSED.items():
+        if getattr(body, name) not in accepted:
+            raise InvalidRequestError(f"{name} is not supported by this server ({why})", param=name)
+
+
+def _in_responses_words(error: InvalidRequestError) -> InvalidRequestError:
+    """A chat validation error about a field the Responses request names otherwise, renamed."""
+    for chat_name, name in RESPONSES_NAMES.items():
+        if error.param is not None and (error.param == chat_name or error.param.startswith(chat_name + ".")):
+            error.param, error.message = name, error.message.replace(chat_name, name)
+            error.args = (error.message,)
+    return error
+
+
 def choice_seeds(seed: int | None, n: int) -> list[int]:
     """Seed of each choice: the request's (or a random one) for the first, derived ones after it."""
     base = secrets.randbelow(SEED_SPACE) if seed is None else seed % SEED_SPACE
@@ -436,6 +455,8 @@ class Validator:
             return self.completion(parse(CompletionRequest, body))
         if api is Api.CHAT:
             return self.chat(parse(ChatCompletionRequest, body))
+        if api is Api.RESPONSES:
+            return self.responses(parse(ResponsesRequest, body))
         return self.generate(parse(GenerateRequest, body))
 
     def completion(self, body: CompletionRequest) -> Validated:
@@ -484,6 +505,15 @@ class Validator:
         max_tokens = [self.limits.max_tokens(requested, len(prompt), param, None)]
         knobs = self._knobs(body, top_logprobs, None)
         return Validated(Api.CHAT, body, self._fan_out([prompt], body.n, body.seed, knobs, max_tokens), [])
+
+    def responses(self, body: ResponsesRequest) -> Validated:
+        """A Responses request, validated as the chat request it runs as; errors name its own fields."""
+        refuse_unsupported_responses(body)
+        try:
+            chat = self.chat(parse(ChatCompletionRequest, chat_body(body)))
+        except InvalidRequestError as error:
+            raise _in_responses_words(error) from None
+        return replace(chat, api=Api.RESPONSES, responses=body)
 
     def generate(self, body: GenerateRequest) -> Validated:
         params = body.parameters
