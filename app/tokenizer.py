@@ -87,6 +87,10 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json")
         return cls(rust, config, _chat_template(path, config), generation_eos_ids(path))
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (for libraries that take one: the grammar engine)."""
+        return self._rust.to_str()
+
     def encode(
         self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = True
     ) -> list[int]:

@@ -36,14 +36,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from app.backends.quantization import QuantScheme
 from app.errors import InvalidRequestError
 from app.llama import ModelInfo
 from app.shapes import ShapeGrid
+
+if TYPE_CHECKING:
+    from app.backends.logits import Grammar, HostLogits
 
 DTYPES = ("fp32", "bf16", "fp16")
 FED_BACK = -1  # a decode row's last token: the one the device sampled last for the slot
@@ -56,7 +59,11 @@ class SamplingParams:
     neutral value (`NEUTRAL_SAMPLING`) that every backend honours.
 
     `prompt_logprobs`: a prefill also returns the prompt's logprobs with this many alternatives each
-    (`SampledToken.prompt`); None: not asked for."""
+    (`SampledToken.prompt`); None: not asked for.
+
+    The fields from `repetition_penalty` to `grammar` take the host logits path (`app/backends/logits.py`):
+    they change the row's logits before the sampler draws, from the request's own tokens so far, which
+    `host` (the request's state, made when the engine admits it) keeps."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -69,23 +76,36 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    grammar: Grammar | None = None
+    host: HostLogits | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
+    def uses_host_logits(self) -> bool:
+        """Whether a field of the host logits path is set (the engine then gives the request a `host`)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.min_tokens != 0
+            or bool(self.logit_bias)
+            or bool(self.bad_words)
+            or self.allowed_token_ids is not None
+            or self.grammar is not None
+        )
+
+    @property
     def survives_recompute(self) -> bool:
         """Whether a prefill of the prompt and the tokens generated so far samples what decoding on would
-        (a token is a function of logits, seed and position): no penalty or minimum that counts output
-        tokens apart from prompt tokens, and no prompt logprobs to return twice."""
-        return (
-            self.repetition_penalty == 1.0
-            and self.presence_penalty == 0.0
-            and self.frequency_penalty == 0.0
-            and self.min_tokens == 0
-            and self.prompt_logprobs is None
-        )
+        (a token is a function of logits, seed and position, and the host logits state counts generated
+        tokens, not prefilled ones): no prompt logprobs to return twice."""
+        return self.prompt_logprobs is None
 
 
 NEUTRAL_SAMPLING: dict[str, object] = {
@@ -95,7 +115,23 @@ NEUTRAL_SAMPLING: dict[str, object] = {
     "frequency_penalty": 0.0,
     "min_tokens": 0,
     "prompt_logprobs": None,
+    "logit_bias": (),
+    "bad_words": (),
+    "allowed_token_ids": None,
+    "grammar": None,
 }
+HOST_LOGITS_FEATURES = frozenset(
+    {
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_tokens",
+        "logit_bias",
+        "bad_words",
+        "allowed_token_ids",
+        "grammar",
+    }
+)
 
 
 GREEDY = SamplingParams()
@@ -195,6 +231,17 @@ def check_sampling(params: SamplingParams, vocab: int, features: frozenset[str],
         raise InvalidRequestError(
             f"more logprobs asked than the vocabulary's {vocab} tokens", param="logprobs"
         )
+    for name, ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words", [t for word in params.bad_words for t in word]),
+    ):
+        if any(t >= vocab for t in ids):
+            raise InvalidRequestError(
+                f"{name} names a token id past the vocabulary's {vocab} tokens", param=name
+            )
+    if params.allowed_token_ids is not None and not params.allowed_token_ids:
+        raise InvalidRequestError("allowed_token_ids must name at least one token", param="allowed_token_ids")
     for name, neutral in NEUTRAL_SAMPLING.items():
         if getattr(params, name) != neutral and name not in features:
             raise InvalidRequestError(f"{name} is not supported by the {backend} backend", param=name)

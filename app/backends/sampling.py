@@ -1,6 +1,7 @@
 """The portable seeded sampler, shared by the backends that sample from logits (the torch backend inside
-its step, transformers-neuronx on the host): greedy, temperature, top-k, top-p, min-p and per-request
-seeds.
+its step, transformers-neuronx on the host, NxD Inference's host rows, the sim's host rows): greedy,
+temperature, top-k, top-p, min-p and per-request seeds, after the host logits path
+(`app/backends/logits.py`) has adjusted the rows that use it. Logprobs are those of the raw logits.
 
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row
 draws one uniform number from a counter-based hash of (seed, position), computed with tensor ops, and
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
+from app.backends.logits import apply_host_logits
 
 MASK32 = 0xFFFFFFFF
 
@@ -67,16 +69,25 @@ class SampleOutput:
     all_logprobs: torch.Tensor  # float32 [rows, vocab]; read only for top alternatives
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors, *, random: bool, filtered: bool) -> SampleOutput:
-    """Pick one token per row of fp32 `logits` [rows, vocab].
+def sample(
+    logits: torch.Tensor,
+    tensors: SamplingTensors,
+    *,
+    random: bool,
+    filtered: bool,
+    adjusted: torch.Tensor | None = None,
+) -> SampleOutput:
+    """Pick one token per row of fp32 `logits` [rows, vocab], from `adjusted` where given (the host
+    logits path's rows changed; logprobs stay those of `logits`).
 
     `random` is False when every row is greedy and `filtered` False when no row uses top-k or top-p:
     both only skip work that cannot change any row's token (a captured graph passes True for both).
     """
+    drawn_from = logits if adjusted is None else adjusted
     all_logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
+    tokens = drawn_from.argmax(dim=-1)
     if random:
-        tokens = torch.where(tensors.greedy, tokens, _draw(logits, tensors, filtered))
+        tokens = torch.where(tensors.greedy, tokens, _draw(drawn_from, tensors, filtered))
     return SampleOutput(tokens, all_logprobs.gather(1, tokens[:, None]).squeeze(1), all_logprobs)
 
 
@@ -91,7 +102,9 @@ def sample_tokens(
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
     random = any(not p.is_greedy for p in params)
     filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
-    return sampled_tokens(sample(live, tensors, random=random, filtered=filtered), params)
+    adjusted = apply_host_logits(live, params)
+    output = sample(live, tensors, random=random, filtered=filtered, adjusted=adjusted)
+    return sampled_tokens(output, params)
 
 
 def sampled_tokens(output: SampleOutput, params: Sequence[SamplingParams]) -> list[SampledToken]:
@@ -155,16 +168,16 @@ def _cutoff(
 
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A 32-bit key per row from (seed, position): the counter of a counter-based generator."""
-    return _mix32(_mix32(seeds) ^ (positions & MASK32))
+    return mix32(mix32(seeds) ^ (positions & MASK32))
 
 
 def uniform(keys: torch.Tensor) -> torch.Tensor:
     """A float32 uniform in (0, 1) per key: the top 24 bits of a further hash, centred in their bin."""
-    bits = _mix32(keys ^ 0x9E3779B9) >> 8
+    bits = mix32(keys ^ 0x9E3779B9) >> 8
     return (bits.float() + 0.5) / float(1 << 24)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: torch.Tensor) -> torch.Tensor:
     """The `lowbias32` integer hash on int64 tensors holding 32-bit values (wrapping multiplies are
     masked back to 32 bits, so shifts stay logical)."""
     x = x & MASK32

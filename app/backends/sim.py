@@ -11,8 +11,11 @@ device queue: a call starts when it is launched or when the call before it ends,
 its tokens are ready at the absolute deadline `start + T`. Waiting for them sleeps to just short of it and
 spins the rest (`spin_s`), so sleep overshoot is not reported as host overhead between steps. The device
 keeps each slot's last sampled token, so a decode row may leave its last token to it (`FED_BACK`) and the
-engine may launch a step before the previous one's tokens are back. Presets come from published inf2
-numbers (research/perf-anchors.md sections 2 and 3).
+engine may launch a step before the previous one's tokens are back. A row on the host logits path
+(penalties, a grammar, ...: `SamplingParams.host`) is drawn instead by the portable sampler from made-up
+logits, a hash of (seed, position, previous token) per vocabulary entry, adjusted as the torch backend
+adjusts real ones; it costs the host what such a row costs on a device that returns logits. Presets
+come from published inf2 numbers (research/perf-anchors.md sections 2 and 3).
 
 The sim also checks what it is given, as a strict device would: shapes from the grid, distinct slots, and
 that each decode continues its slot exactly where the slot's sequence ended (which catches a slot used
@@ -37,8 +40,11 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar, Protocol
 
+import torch
+
 from app.backends.base import (
     FED_BACK,
+    HOST_LOGITS_FEATURES,
     Backend,
     BackendSpec,
     DecodeBatch,
@@ -49,11 +55,13 @@ from app.backends.base import (
     Tokens,
 )
 from app.backends.batches import check_decode, check_prefill
+from app.backends.sampling import MASK32, mix32, sample_tokens
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
 
-COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"  # ProcessSettings.sim_cost_model
+COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"
+SIM_LOGIT_SCALE = 8.0  # made-up logits of a host-logits row lie in [0, 8)  # ProcessSettings.sim_cost_model
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_EOS_IDS = (2,)
 DEFAULT_SPIN_S = 0.0002
@@ -183,7 +191,9 @@ class SimBackend(Backend):
     name: ClassVar[str] = "sim"
     feeds_back_tokens: ClassVar[bool] = True
     # As the torch backend, so a sim-backed server accepts what a torch-backed one does.
-    sampling_features: ClassVar[frozenset[str]] = frozenset({"min_p", "prompt_logprobs"})
+    sampling_features: ClassVar[frozenset[str]] = frozenset(
+        {"min_p", "prompt_logprobs", *HOST_LOGITS_FEATURES}
+    )
     spec: BackendSpec
     model: ModelInfo
     cost_model: CostModel = field(default_factory=CostModel)
@@ -276,7 +286,9 @@ class SimBackend(Backend):
     def _prefill_tokens(self, batch: PrefillBatch) -> list[SampledToken]:
         check_prefill(batch, self.spec.grid, self.model.vocab_size)
         tokens = [
-            self.sample_token(
+            self._host_token(params, len(prompt), prompt[-1])
+            if params.host is not None
+            else self.sample_token(
                 params.seed, len(prompt), prompt[-1], params.num_top_logprobs, self._scored(prompt, params)
             )
             for prompt, params in zip(batch.prompts, batch.sampling, strict=True)
@@ -290,14 +302,17 @@ class SimBackend(Backend):
         self._check_decode(batch)
         last_token = self._last_token
         tokens = [
-            self.sample_token(
-                params.seed,
-                position + 1,
-                last_token[slot] if last == FED_BACK else last,
-                params.num_top_logprobs,
-            )
-            for slot, last, position, params in zip(
-                batch.slots, batch.last_tokens, batch.positions, batch.sampling, strict=True
+            self._host_token(params, position + 1, previous)
+            if params.host is not None
+            else self.sample_token(params.seed, position + 1, previous, params.num_top_logprobs)
+            for previous, position, params in zip(
+                [
+                    last_token[slot] if last == FED_BACK else last
+                    for slot, last in zip(batch.slots, batch.last_tokens, strict=True)
+                ],
+                batch.positions,
+                batch.sampling,
+                strict=True,
             )
         ]
         for slot, position, token in zip(batch.slots, batch.positions, tokens, strict=True):
@@ -320,6 +335,14 @@ class SimBackend(Backend):
         else:
             token = self._plain_ids[h % len(self._plain_ids)]
         return SampledToken(token, *self._scores(h, token, num_top_logprobs), prompt)
+
+    def _host_token(self, params: SamplingParams, position: int, previous_token: int) -> SampledToken:
+        """A host-logits row (never fed back: its state needs the token before it): made-up logits,
+        adjusted and sampled on the host."""
+        h = sim_hash(params.seed, position, previous_token) & MASK32
+        vocab = torch.arange(self.model.vocab_size, dtype=torch.int64)
+        logits = (mix32(vocab ^ h).float() * (SIM_LOGIT_SCALE / MASK32))[None, :]
+        return sample_tokens(logits, [params], [position], self.model.vocab_size)[0]
 
     def _scores(self, h: int, token: int, num_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         logprob = -((h >> 20) & 0xFFFF) / 16384.0

@@ -52,6 +52,7 @@ from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
 from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
 from app.shapes import ShapeGrid
+from app.structured.grammar import with_host_state
 
 if TYPE_CHECKING:
     from app.tokenizer import Tokenizer
@@ -164,6 +165,7 @@ class LLMEngine:
         rules = self._decode_rules if params.skip_special_tokens else self._decode_rules_with_special
         continues_text = rules.continues_text(prompt)
         stop_ids = stop_token_ids(params, self.eos_token_ids)
+        params = with_host_state(params, prompt, stop_ids, self.tokenizer, self.backend.model.vocab_size)
         with self._lock:
             self._check_admission()
             now = self.clock.monotonic()
@@ -274,6 +276,9 @@ class LLMEngine:
         before the loop ends (and the backend is closed)."""
         in_flight: list[LaunchedCall] = []
         while not self._stopping:
+            if in_flight and self._scheduler.holds_host_rows():  # their next logits need their last token
+                self._complete(in_flight)
+                in_flight = []
             plan = self._plan()
             launched = [self._launch(group) for group in plan.groups]
             self._complete(in_flight)

@@ -150,6 +150,8 @@ class Request:
                 raise InvalidTransitionError(f"{self!r} received a token")
         self.output_token_ids.append(sample.token_id)
         self.samples.append(sample)
+        if self.params.sampling.host is not None:  # the host logits state follows the applied tokens
+            self.params.sampling.host.accept(sample.token_id)
         self.last_token_id = sample.token_id
         self.num_tokens += 1
 

@@ -285,6 +285,11 @@ class Scheduler:
         )
         return self._rows
 
+    def holds_host_rows(self) -> bool:
+        """Whether a request on the host logits path holds a slot: its next row cannot be planned before
+        its last token is applied (the engine then runs in step, never with a FED_BACK row for it)."""
+        return any(r.params.sampling.host is not None for r in self._running)
+
     def waiting(self) -> Iterator[Request]:
         """The unfinished waiting requests, in arrival order (for policies)."""
         return (r for r in self._waiting if r.state is WAITING)

@@ -213,7 +213,7 @@ def test_slo_does_not_preempt_while_a_slot_frees_in_time() -> None:
 
 def test_slo_never_preempts_a_request_whose_tokens_a_second_prefill_would_change() -> None:
     s = scheduler("slo", slo_ttft_ms=500, slo_tpot_ms=1000)
-    _, now = full_slots(s, SamplingParams(repetition_penalty=1.2))  # penalties count output tokens
+    _, now = full_slots(s, SamplingParams(prompt_logprobs=1))  # a second prefill would score the prompt again
     s.add(make_request(9, arrival=now))
     plan = s.schedule(now)
     assert plan.preempted == () and prefilled(plan) == []

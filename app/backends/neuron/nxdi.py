@@ -43,11 +43,20 @@ from typing import Any, ClassVar, Self
 
 import torch
 
-from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
+from app.backends.base import (
+    HOST_LOGITS_FEATURES,
+    NEUTRAL_SAMPLING,
+    BackendSpec,
+    DecodeBatch,
+    ModelInfo,
+    SampledToken,
+    SamplingParams,
+)
 from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, device_tokens, global_topk, sampling_row
-from app.errors import ArtifactError, ConfigError
+from app.backends.sampling import sample_tokens
+from app.errors import ArtifactError, ConfigError, InvalidRequestError
 from app.shapes import BucketRule
 
 MODELING = "neuronx_distributed_inference.models.llama.modeling_llama"
@@ -248,10 +257,17 @@ class RunAhead:
 class NxdiBackend(NeuronBackend):
     """On-device sampling draws from the device's generator: a seed is honoured on greedy rows only, and
     top_k at most `max_top_k` (the sampler's global top-k); `check_sampling` refuses larger ones at
-    admission."""
+    admission.
+
+    Host rows: the device's sampler takes no mask, bias or penalty, so a row on the host logits path
+    (`SamplingParams.host`: a grammar, penalties, ...) or with min_p is drawn on the host by the portable
+    sampler from the logits the step returns anyway (`output_logits`), seeds honoured; every other row of
+    the same call keeps the device's token. In async mode the device feeds its own tokens back, so such a
+    request is refused at admission."""
 
     name = "neuron-nxdi"
     pinned_versions: ClassVar[Mapping[str, int | None]] = NXDI_PINS
+    sampling_features = frozenset({"min_p", *HOST_LOGITS_FEATURES})
 
     def __init__(
         self,
@@ -289,6 +305,14 @@ class NxdiBackend(NeuronBackend):
 
     def check_sampling(self, params: SamplingParams) -> None:
         super().check_sampling(params)
+        if self.runs_ahead_in_call and _on_host(params):
+            raise InvalidRequestError(
+                "this artifact runs NxD Inference's async mode, where the device feeds its own sampled "
+                "tokens back, so no token can be drawn on the host: penalties, min_tokens, min_p, "
+                "logit_bias, bad_words, allowed_token_ids, structured output and tool_choice "
+                "required/named need an artifact compiled without --async-mode",
+                param=_host_param(params),
+            )
         sampling_row(params, self.max_top_k)
 
     def close(self) -> None:
@@ -308,13 +332,14 @@ class NxdiBackend(NeuronBackend):
             padding = [0] * (self.spec.grid.context_buckets[-1] - 1)
             ids, positions = ids + padding, positions + padding
         output = self._step([ids], [slot], [positions], [params])
-        return self._tokens(output, [0], [params])[0]
+        return self._tokens(output, [0], [params], [len(prompt)])[0]
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
         if self.runs_ahead_in_call:
             self._unless_continued_drop_run_ahead(batch)
         output = self._step(rows.input_ids, range(len(rows.tokens)), rows.position_ids, rows.sampling)
-        tokens = self._tokens(output, list(batch.slots), batch.sampling)
+        next_positions = [position + 1 for position in batch.positions]
+        tokens = self._tokens(output, list(batch.slots), batch.sampling, next_positions)
         if self.runs_ahead_in_call:
             self._run_ahead.launched(batch, tokens)
         return tokens
@@ -346,7 +371,33 @@ class NxdiBackend(NeuronBackend):
             len(sampling), top_k=list(top_k), top_p=list(top_p), temperature=list(temperature)
         )
 
-    def _tokens(self, output: Any, rows: list[int], params: Sequence[SamplingParams]) -> list[SampledToken]:
-        """The tokens of the output's `rows`, in that order (one `params` each)."""
+    def _tokens(
+        self, output: Any, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int]
+    ) -> list[SampledToken]:
+        """The tokens of the output's `rows`, in that order (one `params` each; `positions[i]`: where row
+        i's token goes): the device's, except on host rows, drawn here from the row's logits."""
         logits = output.logits[rows, -1, : self.model.vocab_size]
-        return device_tokens(output.tokens[rows], logits, params)
+        tokens = device_tokens(output.tokens[rows], logits, params)
+        host = [i for i, p in enumerate(params) if _on_host(p)]
+        if host:
+            drawn = sample_tokens(
+                logits[host].float(),
+                [params[i] for i in host],
+                [positions[i] for i in host],
+                self.model.vocab_size,
+            )
+            for i, token in zip(host, drawn, strict=True):
+                tokens[i] = token
+        return tokens
+
+
+def _on_host(params: SamplingParams) -> bool:
+    """A row the device's sampler cannot draw: it has no mask, bias, penalty or min-p input."""
+    return params.uses_host_logits or params.min_p > 0.0
+
+
+def _host_param(params: SamplingParams) -> str:
+    if params.grammar is not None:
+        return "response_format"
+    names = ("min_p", *sorted(HOST_LOGITS_FEATURES))
+    return next(n for n in names if getattr(params, n) != NEUTRAL_SAMPLING[n])

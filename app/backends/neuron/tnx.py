@@ -15,7 +15,8 @@ Sampling: the library's on-device generation returns token ids only, never logit
 logprobs, and the validation gate and the startup golden replay need them. This backend therefore
 compiles without it: the step returns fp32 logits [n, vocab] and tokens are drawn on the host by the
 portable seeded sampler (so seeds are honoured), instead of per-slot parameters written with
-`update_generation_config`.
+`update_generation_config`. Every row is drawn on the host, so min_p and the whole host logits path
+(penalties, min_tokens, logit_bias, bad_words, allowed_token_ids, grammars) are honoured as on torch.
 
 Artifact layout: `compiled/` holds the NEFFs (`<hlo hash>.neff`), `weights/` the presharded safetensors
 and the library's `config.json`. Loading rebuilds the model with the same arguments, so the HLO hashes
@@ -31,7 +32,14 @@ from typing import Any, ClassVar, Self
 
 import torch
 
-from app.backends.base import BackendSpec, DecodeBatch, ModelInfo, SampledToken, SamplingParams
+from app.backends.base import (
+    HOST_LOGITS_FEATURES,
+    BackendSpec,
+    DecodeBatch,
+    ModelInfo,
+    SampledToken,
+    SamplingParams,
+)
 from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.runtime import TNX_PINS, import_library
 from app.backends.neuron.steps import DecodeRows
@@ -107,6 +115,7 @@ def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
 class TnxBackend(NeuronBackend):
     name = "neuron-tnx"
     pinned_versions: ClassVar[Mapping[str, int | None]] = TNX_PINS
+    sampling_features = frozenset({"min_p", *HOST_LOGITS_FEATURES})
 
     @classmethod
     def _check_artifact(cls, artifact_dir: Path, spec: BackendSpec) -> None:

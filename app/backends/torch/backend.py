@@ -13,6 +13,7 @@ import torch
 
 from app.backends.base import (
     DTYPES,
+    HOST_LOGITS_FEATURES,
     Backend,
     BackendSpec,
     DecodeBatch,
@@ -35,7 +36,7 @@ class TorchBackend(Backend):
     """A Llama on torch over slots; tensor parallel across processes when `spec.tp_degree > 1`."""
 
     name = "torch"
-    sampling_features = frozenset({"min_p", "prompt_logprobs"})
+    sampling_features = frozenset({"min_p", "prompt_logprobs", *HOST_LOGITS_FEATURES})
     pinned_versions: ClassVar[Mapping[str, int | None]] = {"torch": 2}
 
     def __init__(
@@ -87,7 +88,7 @@ class TorchBackend(Backend):
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         step = self._decode_step(batch)
         next_positions = [position + 1 for position in batch.positions]
-        if self.graphs is None:
+        if self.graphs is None or any(p.host is not None for p in batch.sampling):
             logits = self._forward_scored(step)[0]
             return sample_tokens(logits, batch.sampling, next_positions, self.model.vocab_size)
         self._check_open()

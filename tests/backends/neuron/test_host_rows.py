@@ -1,0 +1,79 @@
+"""NxD Inference in step with host rows: in one decode call, a row on the host logits path (or with
+min_p) is drawn on the host from the logits the step returns, and every other row keeps the token the
+device sampled; in async mode such a request is refused at admission, naming the reason."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from app.backends.base import GREEDY, SamplingParams
+from app.backends.logits import HostLogits
+from app.backends.neuron.nxdi import NxdiBackend
+from app.errors import InvalidRequestError
+
+from .helpers import build_artifact, decode_batch, load_backend, prefill, spec_for
+
+PROMPTS = ((1, 403, 407, 261, 378), (1, 365, 201, 261), (1, 278, 267))
+ALLOWED = (300, 301)
+ASYNC_SPEC = replace(spec_for("neuron-nxdi"), async_mode=True)
+
+
+@pytest.fixture(scope="module")
+def ahead(stories260k: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NxdiBackend]:
+    artifact = build_artifact(stories260k, tmp_path_factory.mktemp("nxdi-async") / "artifact", ASYNC_SPEC)
+    backend = load_backend(artifact, ASYNC_SPEC)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def nxdi_fresh(nxdi_artifact: Path) -> Iterator[NxdiBackend]:
+    backend = load_backend(nxdi_artifact, spec_for("neuron-nxdi"))
+    yield backend
+    backend.close()
+
+
+def decode_all(backend: NxdiBackend, sampling: list[SamplingParams]) -> list[int]:
+    """Prefill PROMPTS greedily into slots 0..2, then decode them in one call with `sampling`."""
+    first = [prefill(backend, slot, prompt) for slot, prompt in enumerate(PROMPTS)]
+    batch = decode_batch([0, 1, 2], first, [len(p) for p in PROMPTS], sampling)
+    return [token.token_id for token in backend.decode(batch)]
+
+
+def test_host_rows_are_drawn_on_the_host_and_the_others_keep_the_devices_tokens(
+    nxdi_fresh: NxdiBackend,
+) -> None:
+    device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
+    host = HostLogits.start(SamplingParams(allowed_token_ids=ALLOWED), PROMPTS[1], (2,), 512, None)
+    mixed = decode_all(nxdi_fresh, [GREEDY, host, GREEDY])
+    assert mixed[1] in ALLOWED and device_only[1] not in ALLOWED
+    assert [mixed[0], mixed[2]] == [device_only[0], device_only[2]]
+    assert nxdi_fresh._neuron.calls[-1]["sampling_params"].shape[0] == nxdi_fresh.spec.grid.num_slots
+
+
+def test_a_seeded_min_p_row_is_drawn_on_the_host_the_same_whatever_its_batch(nxdi_fresh: NxdiBackend) -> None:
+    seeded = SamplingParams(temperature=1.0, min_p=0.05, seed=11)
+    alone = decode_all(nxdi_fresh, [GREEDY, seeded, GREEDY])[1]
+    beside_sampled = decode_all(nxdi_fresh, [SamplingParams(temperature=1.0, seed=3), seeded, GREEDY])[1]
+    assert alone == beside_sampled
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
+        (SamplingParams(temperature=1.0, min_p=0.1), "min_p"),
+        (SamplingParams(grammar=object()), "response_format"),  # type: ignore[arg-type]
+    ],
+)
+def test_async_mode_refuses_a_host_row_naming_why(
+    ahead: NxdiBackend, params: SamplingParams, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match="async mode") as refused:
+        ahead.check_sampling(params)
+    assert refused.value.param == param
+    ahead.check_sampling(SamplingParams(temperature=0.7, top_k=5))

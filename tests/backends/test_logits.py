@@ -1,0 +1,120 @@
+"""The host logits path (`app/backends/logits.py`) against transformers' logits processors of the same
+name, on random logits and token histories, and OpenAI's formula for the frequency and presence
+penalties; its state follows the applied tokens only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
+
+from app.backends.base import SamplingParams
+from app.backends.logits import HostLogits, apply_host_logits
+
+VOCAB = 64
+PROMPT = (1, 5, 9, 9, 13)
+OUTPUT = (20, 5, 20, 31, 7)
+EOS = 2
+
+
+def adjusted(
+    params: SamplingParams, prompt=PROMPT, output=OUTPUT, mask=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw logits, logits after the host path) with `output` generated after `prompt`."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, VOCAB)
+    state = HostLogits.start(params, prompt, (EOS,), VOCAB, mask).host
+    assert state is not None
+    for token in output:
+        state.accept(token)
+    row = logits[0].clone()
+    state.apply(row)
+    return logits, row[None, :]
+
+
+def history(prompt=PROMPT, output=OUTPUT) -> torch.Tensor:
+    return torch.tensor([[*prompt, *output]])
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_is_transformers(penalty: float) -> None:
+    raw, ours = adjusted(SamplingParams(repetition_penalty=penalty))
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(history(), raw.clone())
+    torch.testing.assert_close(ours, expected)
+
+
+def test_frequency_and_presence_penalties_count_the_output_only() -> None:
+    raw, ours = adjusted(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
+    counts = torch.bincount(torch.tensor(OUTPUT), minlength=VOCAB).float()
+    expected = raw - 0.5 * counts - 0.25 * (counts > 0)
+    torch.testing.assert_close(ours, expected)
+    assert ours[0, 9] == raw[0, 9]  # a prompt token is not penalised
+
+
+def test_logit_bias_is_transformers_sequence_bias() -> None:
+    bias = ((3, 5.0), (40, -100.0))
+    raw, ours = adjusted(SamplingParams(logit_bias=bias))
+    expected = SequenceBiasLogitsProcessor({(t,): b for t, b in bias})(history(), raw.clone())
+    torch.testing.assert_close(ours, expected)
+
+
+@pytest.mark.parametrize("generated", [OUTPUT[:2], OUTPUT])
+def test_min_tokens_is_transformers_min_new_tokens(generated: tuple[int, ...]) -> None:
+    raw, ours = adjusted(SamplingParams(min_tokens=4), output=generated)
+    processor = MinNewTokensLengthLogitsProcessor(len(PROMPT), 4, EOS)
+    expected = processor(history(output=generated), raw.clone())
+    torch.testing.assert_close(ours, expected)
+    assert torch.isinf(ours[0, EOS]) == (len(generated) < 4)
+
+
+def test_bad_words_are_transformers_no_bad_words() -> None:
+    words = ((11,), (31, 7, 44), (7, 50), (3, 4))  # (7, 50): bans 50 after the output's last token 7
+    raw, ours = adjusted(SamplingParams(bad_words=words))
+    expected = NoBadWordsLogitsProcessor([list(w) for w in words], eos_token_id=EOS)(history(), raw.clone())
+    torch.testing.assert_close(ours, expected)
+    assert torch.isinf(ours[0, [11, 44, 50]]).all() and not torch.isinf(ours[0, 4])
+
+
+def test_allowed_token_ids_leave_only_those() -> None:
+    _, ours = adjusted(SamplingParams(allowed_token_ids=(4, 8)))
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [4, 8]
+
+
+class OnlyToken:
+    """A grammar matcher that allows one token, and nothing once it has seen it."""
+
+    def __init__(self, token: int) -> None:
+        self.token, self.seen = token, []
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        allowed = torch.zeros(vocab_size, dtype=torch.bool)
+        allowed[self.token] = self.token not in self.seen
+        return allowed
+
+    def accept(self, token_id: int) -> None:
+        self.seen.append(token_id)
+
+
+def test_a_grammar_masks_and_a_dead_end_allows_the_stop_id() -> None:
+    _, ours = adjusted(SamplingParams(grammar=object()), output=(), mask=OnlyToken(6))  # type: ignore[arg-type]
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [6]
+    _, ours = adjusted(SamplingParams(grammar=object()), output=(6,), mask=OnlyToken(6))  # type: ignore[arg-type]
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [EOS]
+
+
+def test_rows_without_host_logits_pass_through_untouched() -> None:
+    logits = torch.randn(3, VOCAB)
+    assert apply_host_logits(logits, [SamplingParams()] * 3) is logits
+    with_state = HostLogits.start(SamplingParams(logit_bias=((0, 1.0),)), PROMPT, (EOS,), VOCAB, None)
+    out = apply_host_logits(logits, [SamplingParams(), with_state, SamplingParams()])
+    torch.testing.assert_close(out[[0, 2]], logits[[0, 2]])
+    assert out[1, 0] == logits[1, 0] + 1.0
+
+
+def test_params_without_host_fields_get_no_state() -> None:
+    assert HostLogits.start(SamplingParams(temperature=1.0), PROMPT, (EOS,), VOCAB, None).host is None
