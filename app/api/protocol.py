@@ -54,6 +54,16 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool | None = Field(False, description="vLLM: usage in every chunk.")
 
 
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs` (the newer spelling of the `guided_*` fields): set one constraint."""
+
+    json_schema: Any = Field(None, alias="json")  # BaseModel has a `json` method
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(RequestModel):
     """Fields shared by completions and chat completions: OpenAI's, then vLLM's extensions."""
 
@@ -89,9 +99,10 @@ class SamplingFields(RequestModel):
     prompt_logprobs: Count | None = None
     # vLLM's extra parameters
     guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)

@@ -25,13 +25,13 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from app.api.body_scan import array_lengths
+from app.api.constraints import bad_words_ids, logit_bias_pairs, request_constraint
 from app.api.errors import from_validation_error
 from app.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateParameters,
     GenerateRequest,
-    SamplingFields,
     TokenizeChatRequest,
 )
 from app.api.responses_protocol import REFUSED as RESPONSES_REFUSED
@@ -41,6 +41,7 @@ from app.engine.types import EngineClient, GenerationParams
 from app.errors import InvalidRequestError, NotFoundError
 from app.settings import ServerSettings
 from app.shapes import ShapeGrid
+from app.structured.grammar import compiler_for
 from app.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -60,6 +61,13 @@ class Field(NamedTuple):
     note: str
 
 
+# The host logits path (app/backends/logits.py): what each backend does with a field that takes it.
+HOST_PATH = (
+    "the host logits path: torch, sim, neuron-tnx; neuron-nxdi draws such a row on the host "
+    "(refused in async mode)"
+)
+GRAMMAR = "a grammar (llguidance) on " + HOST_PATH
+
 # Every request field beyond OpenAI's plain completion: what it does here. vLLM's fields were read from
 # vllm-project/vllm vllm/entrypoints/openai/protocol.py at 0052bed36509c7a5a2d8e48265334e40cf2f5a0e
 # (CompletionRequest, ChatCompletionRequest, StreamOptions); OpenAI's and TGI's that this server does not
@@ -71,8 +79,8 @@ FIELDS: dict[str, Field] = {
     # vLLM: sampling parameters (both APIs)
     "top_k": Field(Use.DEVICE, (None, 0, -1), "every backend; at most the vocabulary (neuron: its top-k)"),
     "min_p": Field(Use.DEVICE, (None, 0.0), "torch and sim; refused by the neuron backends"),
-    "repetition_penalty": Field(Use.DEVICE, (None, 1.0), "no backend yet: refused by each"),
-    "min_tokens": Field(Use.DEVICE, (0,), "masks EOS on the device: no backend yet, refused by each"),
+    "repetition_penalty": Field(Use.DEVICE, (None, 1.0), HOST_PATH),
+    "min_tokens": Field(Use.DEVICE, (0,), "stop ids masked until then; " + HOST_PATH),
     "stop_token_ids": Field(Use.HOST, (None, []), "the engine's stop rule"),
     "include_stop_str_in_output": Field(Use.HOST, (False,), "the stop string stays in the text"),
     "ignore_eos": Field(Use.HOST, (False,), "the engine's stop rule ignores EOS"),
@@ -81,8 +89,8 @@ FIELDS: dict[str, Field] = {
     "truncate_prompt_tokens": Field(Use.HOST, (None,), "keeps the prompt's last k tokens"),
     "use_beam_search": Field(Use.REFUSED, (False,), "no beam search"),
     "length_penalty": Field(Use.REFUSED, (1.0,), "beam search only"),
-    "allowed_token_ids": Field(Use.REFUSED, (None,), "no logits masks"),
-    "bad_words": Field(Use.REFUSED, (None, []), "no logits masks"),
+    "allowed_token_ids": Field(Use.DEVICE, (None,), HOST_PATH),
+    "bad_words": Field(Use.DEVICE, (None, []), "chat; " + HOST_PATH),
     "prompt_logprobs": Field(Use.REFUSED, (None,), "use echo with logprobs (OpenAI's format)"),
     # vLLM: extra parameters
     "add_special_tokens": Field(
@@ -99,21 +107,25 @@ FIELDS: dict[str, Field] = {
     "chat_template": Field(Use.REFUSED, (None,), "only the artifact's template is rendered"),
     "mm_processor_kwargs": Field(Use.REFUSED, (None, {}), "text only"),
     "prompt_embeds": Field(Use.REFUSED, (None,), "token ids or text only"),
-    "guided_json": Field(Use.REFUSED, (None,), "no structured output"),
-    "guided_regex": Field(Use.REFUSED, (None,), "no structured output"),
-    "guided_choice": Field(Use.REFUSED, (None,), "no structured output"),
-    "guided_grammar": Field(Use.REFUSED, (None,), "no structured output"),
-    "guided_decoding_backend": Field(Use.REFUSED, (None,), "no structured output"),
-    "guided_whitespace_pattern": Field(Use.REFUSED, (None,), "no structured output"),
-    "structural_tag": Field(Use.REFUSED, (None,), "no structured output"),
+    "guided_json": Field(Use.DEVICE, (None,), GRAMMAR),
+    "guided_regex": Field(Use.DEVICE, (None,), GRAMMAR),
+    "guided_choice": Field(Use.DEVICE, (None,), GRAMMAR),
+    "guided_grammar": Field(Use.DEVICE, (None,), "Lark or GBNF; " + GRAMMAR),
+    "structured_outputs": Field(Use.DEVICE, (None,), "json, regex, choice, grammar, json_object; " + GRAMMAR),
+    "guided_decoding_backend": Field(Use.HOST, (None,), "ignored: one grammar engine (llguidance)"),
+    "guided_whitespace_pattern": Field(Use.REFUSED, (None,), "JSON is generated without whitespace"),
+    "structural_tag": Field(Use.REFUSED, (None,), "not implemented"),
     "priority": Field(Use.REFUSED, (0,), "one priority"),
     "logits_processors": Field(Use.REFUSED, (None, []), "no user code"),
     "kv_transfer_params": Field(Use.REFUSED, (None,), "no disaggregated serving"),
     "vllm_xargs": Field(Use.REFUSED, (None, {}), "no custom extensions"),
     # OpenAI fields without an implementation here
-    "presence_penalty": Field(Use.DEVICE, (None, 0.0), "no backend yet: refused by each"),
-    "frequency_penalty": Field(Use.DEVICE, (None, 0.0), "no backend yet: refused by each"),
-    "logit_bias": Field(Use.REFUSED, (None, {}), "no logits masks"),
+    "presence_penalty": Field(Use.DEVICE, (None, 0.0), HOST_PATH),
+    "frequency_penalty": Field(Use.DEVICE, (None, 0.0), HOST_PATH),
+    "logit_bias": Field(Use.DEVICE, (None, {}), HOST_PATH),
+    "response_format": Field(
+        Use.DEVICE, (None,), "text, json_object, json_schema (strict honoured); " + GRAMMAR
+    ),
     "best_of": Field(Use.REFUSED, (None, 1), "no ranking of candidates (best_of equal to n is accepted)"),
     "suffix": Field(Use.REFUSED, (None, ""), "no fill-in-the-middle"),
     "tools": Field(Use.REFUSED, (None, []), "no tool calls"),
@@ -461,10 +473,6 @@ class Validator:
 
     def completion(self, body: CompletionRequest) -> Validated:
         self._check_common(body)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise InvalidRequestError(
-                "response_format other than text is not supported", param="response_format"
-            )
         logprobs = body.logprobs
         if logprobs is not None:
             self.limits.check_logprobs(logprobs, "logprobs")
@@ -487,10 +495,6 @@ class Validator:
         self._check_common(body)
         if body.echo:
             raise InvalidRequestError("echo is not supported for chat completions", param="echo")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise InvalidRequestError(
-                "response_format other than text is not supported", param="response_format"
-            )
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise InvalidRequestError("set max_completion_tokens or max_tokens, not both", param="max_tokens")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
@@ -579,8 +583,14 @@ class Validator:
     def _truncate(token_ids: list[int], keep: int | None) -> list[int]:
         return token_ids if keep is None else token_ids[-keep:]
 
-    def _knobs(self, body: SamplingFields, num_top_logprobs: int, prompt_logprobs: int | None) -> Knobs:
+    def _knobs(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        num_top_logprobs: int,
+        prompt_logprobs: int | None,
+    ) -> Knobs:
         temperature = 1.0 if body.temperature is None else body.temperature
+        constraint = request_constraint(body)
         sampling = SamplingParams(
             temperature=temperature,
             top_k=max(body.top_k or 0, 0),
@@ -592,6 +602,10 @@ class Validator:
             frequency_penalty=body.frequency_penalty or 0.0,
             min_tokens=body.min_tokens,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias_pairs(body.logit_bias),
+            bad_words=bad_words_ids(self.tokenizer, getattr(body, "bad_words", None)),
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            grammar=None if constraint is None else compiler_for(self.tokenizer).compile(constraint),
         )
         return Knobs(
             sampling=sampling,

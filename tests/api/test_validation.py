@@ -116,20 +116,13 @@ def test_deep_json_is_a_400(client, depth):
 REFUSED_EXAMPLES = {
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "allowed_token_ids": [5],
     "prompt_logprobs": 1,
     "prompt_embeds": "AAAA",
-    "guided_json": {"type": "object"},
-    "guided_regex": "a+",
-    "guided_choice": ["a"],
-    "guided_grammar": "root ::= 'a'",
-    "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ",
     "priority": 1,
     "logits_processors": ["x.y"],
     "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1},
-    "logit_bias": {"5": 1.0},
     "best_of": 3,
     "suffix": "tail",
 }
@@ -139,6 +132,17 @@ DEVICE_EXAMPLES = {  # the fake engine's backend has none of these
     "min_tokens": 2,
     "presence_penalty": 0.5,
     "frequency_penalty": 0.5,
+    "allowed_token_ids": [5],
+    "logit_bias": {"5": 1.0},
+}
+# Compiled into a grammar with the real tokenizer: tests/integration/test_structured.py
+GRAMMAR_FIELDS = {
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "response_format",
 }
 
 
@@ -149,7 +153,7 @@ def test_refused_fields_name_themselves(client, name, value):
 
 def test_the_table_covers_every_field_it_refuses():
     completion_fields = {n for n, f in FIELDS.items() if f.use is not Use.HOST}
-    tested = set(REFUSED_EXAMPLES) | set(DEVICE_EXAMPLES)
+    tested = set(REFUSED_EXAMPLES) | set(DEVICE_EXAMPLES) | GRAMMAR_FIELDS
     chat_or_tgi_only = {
         "bad_words", "continue_final_message", "documents", "chat_template", "mm_processor_kwargs",
         "structural_tag", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",

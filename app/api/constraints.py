@@ -1,0 +1,135 @@
+"""Request fields that constrain or bias the output, read into the host logits path's terms: the one
+grammar constraint a body may set (OpenAI's `response_format`, vLLM's `guided_*` and `structured_outputs`),
+`logit_bias` as token ids, `bad_words` as token sequences. `app/api/validation.py` calls these; the
+grammar is compiled by `app.structured.grammar`.
+
+OpenAI's `strict` on a `json_schema`: the output is constrained either way (as vLLM does); `strict: true`
+also closes every object of the schema that does not say otherwise (`additionalProperties: false`), as
+OpenAI's strict mode does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from app.errors import InvalidRequestError
+from app.structured.grammar import Constraint, Kind
+from app.tokenizer import Tokenizer
+
+
+def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    """The body's one output constraint, or None; 400 when it sets several."""
+    found = [c for c in (_response_format(body.response_format), *_guided(body)) if c is not None]
+    if len(found) > 1:
+        names = ", ".join(c.param for c in found)
+        raise InvalidRequestError(f"set one output constraint, not several ({names})", param=found[1].param)
+    return found[0] if found else None
+
+
+def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Constraint:
+    """A JSON schema (a dict, or a string holding one) as a constraint; `strict` closes its objects."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
+    return Constraint(Kind.JSON_SCHEMA, _closed(schema) if strict else schema, param)
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token id strings to -100..100) as (token id, bias) pairs."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(sorted(pairs))
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: Sequence[str] | None) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token ids, alone and after a space where that spelling is a token sequence of
+    its own (vLLM's rule), so the word is banned at the start of the text and inside it."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words or ():
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not bare:
+            raise InvalidRequestError("bad_words must not be empty", param="bad_words")
+        sequences.append(bare)
+        if spaced and spaced != bare and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(dict.fromkeys(sequences))
+
+
+def _response_format(response_format: ResponseFormat | None) -> Constraint | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return Constraint(Kind.JSON_OBJECT, None, "response_format")
+    if response_format.type == "structural_tag":
+        raise InvalidRequestError(
+            "response_format structural_tag is not supported by this server", param="response_format"
+        )
+    spec = response_format.json_schema
+    if spec is None:
+        raise InvalidRequestError(
+            "response_format json_schema needs its json_schema object", param="response_format.json_schema"
+        )
+    strict = spec.get("strict") is True
+    return json_schema_constraint(spec.get("schema", {}), "response_format.json_schema.schema", strict)
+
+
+def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint | None]:
+    outputs = body.structured_outputs
+    found: list[Constraint | None] = [
+        None if body.guided_json is None else json_schema_constraint(body.guided_json, "guided_json"),
+        _text(Kind.REGEX, body.guided_regex, "guided_regex"),
+        _choice(body.guided_choice, "guided_choice"),
+        _text(Kind.GRAMMAR, body.guided_grammar, "guided_grammar"),
+    ]
+    if outputs is not None:
+        found += [
+            None
+            if outputs.json_schema is None
+            else json_schema_constraint(outputs.json_schema, "structured_outputs.json"),
+            _text(Kind.REGEX, outputs.regex, "structured_outputs.regex"),
+            _choice(outputs.choice, "structured_outputs.choice"),
+            _text(Kind.GRAMMAR, outputs.grammar, "structured_outputs.grammar"),
+            Constraint(Kind.JSON_OBJECT, None, "structured_outputs.json_object")
+            if outputs.json_object
+            else None,
+        ]
+    return found
+
+
+def _text(kind: Kind, value: str | None, param: str) -> Constraint | None:
+    if value is None:
+        return None
+    if not value:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    return Constraint(kind, value, param)
+
+
+def _choice(choices: list[str] | None, param: str) -> Constraint | None:
+    if choices is None:
+        return None
+    if not choices:
+        raise InvalidRequestError(f"{param} needs at least one choice", param=param)
+    return Constraint(Kind.CHOICE, choices, param)
+
+
+def _closed(schema: Any) -> Any:
+    """A copy of a schema with `additionalProperties: false` on every object that does not set it."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (closed.get("type") == "object" or "properties" in closed) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
