@@ -265,7 +265,7 @@ def test_slo_never_preempts_a_request_whose_token_in_flight_outgrows_the_largest
         long = index == TINY_GRID.num_slots - 1
         request = make_request(index, prompt_len=largest - 1 if long else 10, max_tokens=60)
         if not long:
-            request.params = replace(request.params, sampling=SamplingParams(repetition_penalty=1.2))
+            request.params = replace(request.params, sampling=SamplingParams(prompt_logprobs=1))
         s.add(request)
         execute(s, s.schedule(now), now=now + 0.1, decode_s=0.01)
         now += 0.1
