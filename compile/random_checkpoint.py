@@ -47,6 +47,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
         "tie_word_embeddings": False,
     },
+    # About 1.1B parameters: Llama-3.2-1B's shape with a 32000-token vocabulary (model_bench's weights).
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
 }
 
 
