@@ -1,0 +1,83 @@
+"""Hostile output constraints against a real server (sim device, stories260K's tokenizer): a schema too
+deep or too large, a grammar or regex that cannot compile, a reference to nothing, two constraints at
+once, each a 400 naming the field; a pathological pattern that does compile is served, bounded by the
+grammar engine's per-step fuel, while the requests beside it are served too; the server stays healthy."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(autouse=True)
+def healthy_after(adversarial_server):
+    yield
+    assert httpx.get(adversarial_server.url + "/health", timeout=30).status_code == 200
+
+
+def deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def wide_schema(properties: int) -> dict:
+    return {"type": "object", "properties": {f"field_{i:06d}": {"type": "string"} for i in range(properties)}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"guided_json": deep_schema(60)}, "guided_json", "deeper"),
+        ({"guided_json": wide_schema(5000)}, "guided_json", "limit"),
+        ({"guided_regex": "(" * 50}, "guided_regex", "cannot be compiled"),
+        ({"guided_regex": "a" * 200_000}, "guided_regex", "limit"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "cannot be compiled"),
+        ({"guided_json": {"$ref": "#/$defs/nothing"}}, "guided_json", "cannot be compiled"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_choice": []}, "guided_choice", "at least one"),
+        (
+            {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
+            "structured_outputs.regex",
+            "one output",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema"),
+    ],
+    ids=[
+        "deep",
+        "large",
+        "bad-regex",
+        "huge-regex",
+        "bad-grammar",
+        "dangling-ref",
+        "not-json",
+        "no-choice",
+        "two",
+        "no-schema",
+    ],
+)
+def test_a_hostile_constraint_is_a_400_naming_it(api, fields, param, says) -> None:
+    response = api.post(CHAT, json={"messages": MESSAGES, "max_tokens": 4, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_a_pathological_pattern_is_served_beside_plain_requests(api) -> None:
+    bomb = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^(x+x+)+y$"}},
+        "required": ["s"],
+    }
+    bodies = [{"messages": MESSAGES, "max_tokens": 16, "guided_json": bomb, "temperature": 1.0}]
+    bodies += [{"messages": MESSAGES, "max_tokens": 8, "seed": i} for i in range(6)]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda body: api.post(CHAT, json=body), bodies))
+    assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
+    assert responses[0].json()["choices"][0]["message"]["content"].startswith('{"s":"x')

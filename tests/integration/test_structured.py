@@ -1,0 +1,136 @@
+"""Structured output through the real server (torch backend, stories260K) and the unmodified `openai`
+client: a pydantic model parsed by `chat.completions.parse`, and json_schema, guided_regex and
+guided_choice outputs sampled at temperature 1 that match their constraint every time (a tiny model's
+output is valid because the grammar leaves it no other choice)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me about a pet."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "legs": {"type": "integer", "minimum": 0, "maximum": 8},
+        "happy": {"type": "boolean"},
+    },
+    "required": ["kind", "legs", "happy"],
+    "additionalProperties": False,
+}
+REGEX = r"[0-9]{3}-(cat|dog)"
+CHOICES = ["yes", "no", "maybe"]
+REQUESTS, N = 25, 4  # 100 sampled outputs per constraint
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+    legs: int = Field(ge=0, le=8)
+    happy: bool
+
+
+@pytest.fixture(scope="module")
+def client(sagemaker_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=sagemaker_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def async_url(sagemaker_server) -> str:
+    return sagemaker_server.url + "/v1"
+
+
+def test_parse_returns_the_pydantic_object(client) -> None:
+    completion = client.chat.completions.parse(
+        model="stories260K", messages=MESSAGES, response_format=Pet, max_tokens=80, seed=3
+    )
+    pet = completion.choices[0].message.parsed
+    assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
+
+
+def sampled(url: str, max_tokens: int, **fields) -> list[openai.types.chat.chat_completion.Choice]:
+    """REQUESTS concurrent requests of N choices each, at temperature 1."""
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        jobs = [
+            client.chat.completions.create(
+                model="stories260K",
+                messages=MESSAGES,
+                n=N,
+                temperature=1.0,
+                seed=i,
+                max_tokens=max_tokens,
+                **fields,
+            )
+            for i in range(REQUESTS)
+        ]
+        return [choice for response in await asyncio.gather(*jobs) for choice in response.choices]
+
+    return asyncio.run(main())
+
+
+def test_json_schema_outputs_validate(async_url) -> None:
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True},
+    }
+    choices = sampled(async_url, 48, response_format=response_format)
+    assert len(choices) == REQUESTS * N
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_guided_regex_outputs_match(async_url) -> None:
+    for choice in sampled(async_url, 16, extra_body={"guided_regex": REGEX}):
+        assert re.fullmatch(REGEX, choice.message.content), choice.message.content
+
+
+def test_guided_choice_outputs_are_choices(async_url) -> None:
+    contents = [
+        c.message.content
+        for c in sampled(async_url, 8, extra_body={"structured_outputs": {"choice": CHOICES}})
+    ]
+    assert set(contents) <= set(CHOICES) and len(set(contents)) > 1
+
+
+def test_a_json_object_is_a_json_object(client) -> None:
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, response_format={"type": "json_object"}, max_tokens=80, seed=1
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason != "stop" or isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"extra_body": {"guided_regex": "((("}}, "guided_regex"),
+        ({"extra_body": {"guided_json": {"$ref": "#/$defs/missing"}}}, "guided_json"),
+        ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+    ],
+    ids=["bad-regex", "missing-ref", "two-constraints", "bad-type"],
+)
+def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client, fields, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=4, **fields)
+    assert refused.value.body["param"] == param
