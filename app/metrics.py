@@ -188,7 +188,7 @@ EXECUTION_LATENCY = Gauge(
 )
 CORE_FLOPS = Gauge(
     _name("neuroncore_flops"),
-    "Floating-point operations neuron-monitor counted on the core in its last period.",
+    "Floating-point operations per second on the core over neuron-monitor's last period (its `flops`).",
     ["core"],
     registry=REGISTRY,
 )
