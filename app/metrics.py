@@ -97,6 +97,16 @@ BATCHED_TOKENS = _counter("num_batched_tokens", "Useful tokens computed, by phas
 PREEMPTIONS = _counter(
     "num_preemptions", "Requests evicted from their slots to be prefilled again later (the slo policy)."
 )
+PREFIX_CACHE_QUERIES = _counter(
+    "prefix_cache_queries",
+    "Prompt tokens looked up in the prefix cache at their first prefill (vLLM's name).",
+)
+PREFIX_CACHE_HITS = _counter(
+    "prefix_cache_hits", "Of the prompt tokens looked up, those found cached (vLLM's name): hits / queries."
+)
+KV_CACHE_USAGE = _gauge(
+    "kv_cache_usage_perc", "Fraction of KV blocks held by requests (0..1), with prefix caching."
+)
 DECODE_STALL = _histogram(
     "decode_stall_seconds",
     "Time running decodes waited on prefills in a step (a prefill-only step counts as one).",
@@ -265,6 +275,8 @@ def record_step_stats(stats: StepStats, replica: str = SINGLE_REPLICA) -> None:
     RUNNING.labels(replica).set(stats.num_running)
     WAITING.labels(replica).set(stats.num_waiting)
     SLOT_USAGE.labels(replica).set(stats.num_running / stats.num_slots)
+    if stats.kv_cache_usage is not None:
+        KV_CACHE_USAGE.labels(replica).set(stats.kv_cache_usage)
     if stats.busy_ratio is not None:
         record_engine_busy(stats.busy_ratio, replica)
     GENERATION_TOKENS.labels(replica).inc(stats.generated_tokens)
@@ -272,6 +284,9 @@ def record_step_stats(stats: StepStats, replica: str = SINGLE_REPLICA) -> None:
         QUEUE_TIME.labels(replica).observe(first.queue_s)
         TTFT.labels(replica).observe(first.time_to_first_token_s)
         PROMPT_TOKENS.labels(replica).inc(first.num_prompt_tokens)
+        if first.num_cached_tokens is not None:
+            PREFIX_CACHE_QUERIES.labels(replica).inc(first.num_prompt_tokens)
+            PREFIX_CACHE_HITS.labels(replica).inc(first.num_cached_tokens)
     inter_token = INTER_TOKEN.labels(replica)
     for seconds in stats.inter_token_s:
         inter_token.observe(seconds)
@@ -299,7 +314,7 @@ def record_engine_busy(ratio: float, replica: str = SINGLE_REPLICA) -> None:
 
 def forget_replica(replica: str) -> None:
     """A replica process is gone (restarting): its gauges no longer describe anything."""
-    for gauge in (RUNNING, WAITING, SLOT_USAGE, ENGINE_BUSY):
+    for gauge in (RUNNING, WAITING, SLOT_USAGE, ENGINE_BUSY, KV_CACHE_USAGE):
         gauge.labels(replica).set(0)
     _engine_busy.pop(replica, None)
     _engine_state.pop(replica, None)

@@ -2,7 +2,10 @@
 `neuron-nxdi` and `neuron-tnx`.
 
 A backend owns a KV cache on its device, one row per slot, `grid.max_positions` long, which never
-crosses to the host. It runs two operations over slots, always on shapes from its `ShapeGrid`:
+crosses to the host. A backend that keeps it in blocks (`kv_blocks`) instead reads and writes each row
+through the block table the engine's block manager gives with each batch (`app/engine/blocks.py`), so
+rows can share the blocks of a common prefix, and a prefill can start past a cached prefix. It runs two
+operations over slots, always on shapes from its `ShapeGrid`:
 
 - `prefill`: context encoding of new sequences into the given slots (a slot is reused by prefilling
   over it), padded to `batch.context_bucket`; returns the first generated token of each sequence.
@@ -137,14 +140,33 @@ HOST_LOGITS_FEATURES = frozenset(
 GREEDY = SamplingParams()
 
 
+BlockTables = tuple[tuple[int, ...], ...]  # per row, the KV blocks holding its positions, in order
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlocks:
+    """A backend's KV cache in blocks (prefix caching): `num_blocks` blocks of `block_size` positions."""
+
+    block_size: int
+    num_blocks: int
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillBatch:
-    """New sequences entering `slots`; every prompt fits `context_bucket` (chosen by the scheduler)."""
+    """New sequences entering `slots`; every prompt's uncached part fits `context_bucket` (chosen by the
+    scheduler). With prefix caching (`block_tables` given), row i's first `cached[i]` prompt tokens are
+    already in its blocks: its prefill computes the rest, from position `cached[i]`, attending over them."""
 
     slots: tuple[int, ...]
     prompts: tuple[tuple[int, ...], ...]
     sampling: tuple[SamplingParams, ...]
     context_bucket: int
+    cached: tuple[int, ...] = ()
+    block_tables: BlockTables = ()
+
+    def uncached(self, row: int) -> tuple[int, ...]:
+        """The tokens row `row`'s prefill computes."""
+        return self.prompts[row][self.cached[row] :] if self.cached else self.prompts[row]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +179,7 @@ class DecodeBatch:
     sampling: tuple[SamplingParams, ...]
     batch_bucket: int
     token_bucket: int
+    block_tables: BlockTables = ()  # with prefix caching; else slot i's KV is the slot's own row
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +279,7 @@ class Backend(ABC):
     feeds_back_tokens: ClassVar[bool] = False  # decode rows may carry FED_BACK (module docstring)
     sampling_features: ClassVar[frozenset[str]] = frozenset()  # NEUTRAL_SAMPLING fields it honours
     runs_ahead_in_call: bool = False  # the library runs the next decode step ahead (module docstring)
+    kv_blocks: KvBlocks | None = None  # its KV cache in blocks: the engine can cache prefixes
     pinned_versions: ClassVar[Mapping[str, int | None]] = {}
     """The libraries that change a compiled result, each with how many leading version parts the running
     stack must match (None: the whole version): recorded in the manifest, compared at load."""

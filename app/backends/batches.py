@@ -6,21 +6,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.backends.base import FED_BACK, DecodeBatch, PrefillBatch
+from app.backends.base import FED_BACK, BlockTables, DecodeBatch, KvBlocks, PrefillBatch
 from app.errors import BatchError
 from app.shapes import ShapeGrid
 
 
 def check_prefill(batch: PrefillBatch, grid: ShapeGrid, vocab_size: int) -> None:
-    _check_rows(batch.slots, batch.prompts, batch.sampling)
+    count = _check_rows(batch.slots, batch.prompts, batch.sampling)
     _check_in(batch.context_bucket, grid.context_buckets, "context bucket")
-    for prompt in batch.prompts:
-        if not 1 <= len(prompt) <= batch.context_bucket:
+    if (batch.cached or batch.block_tables) and not len(batch.cached) == len(batch.block_tables) == count:
+        raise BatchError("a batch with prefix caching needs cached counts and a block table per sequence")
+    for row, prompt in enumerate(batch.prompts):
+        computed = len(batch.uncached(row))
+        if not 1 <= computed <= batch.context_bucket or len(prompt) > grid.max_positions:
+            cached = f" ({len(prompt) - computed} cached)" if computed != len(prompt) else ""
             raise BatchError(
-                f"a prompt of {len(prompt)} tokens does not fit context bucket {batch.context_bucket}"
+                f"a prompt of {len(prompt)} tokens{cached} does not fit context bucket {batch.context_bucket}"
             )
         _check_tokens(prompt, vocab_size)
     _check_slots(batch.slots, grid.num_slots)
+
+
+def check_block_tables(tables: BlockTables, lengths: Sequence[int], kv_blocks: KvBlocks) -> None:
+    """Each row's table covers its `lengths[i]` positions with distinct blocks of the pool (no tables: the
+    batch runs without prefix caching)."""
+    if not tables:
+        return
+    for table, length in zip(tables, lengths, strict=True):
+        if len(table) * kv_blocks.block_size < length or len(set(table)) != len(table):
+            raise BatchError(
+                f"block table {list(table)} does not cover {length} positions with distinct blocks"
+            )
+        if table and not (min(table) >= 0 and max(table) < kv_blocks.num_blocks):
+            raise BatchError(f"block ids {list(table)} must lie in [0, {kv_blocks.num_blocks})")
 
 
 def check_decode(
@@ -41,6 +59,8 @@ def check_decode(
             f"[{min_position}, token bucket {batch.token_bucket})"
         )
     _check_tokens([t for t in batch.last_tokens if not (fed_back and t == FED_BACK)], vocab_size)
+    if batch.block_tables and len(batch.block_tables) != count:
+        raise BatchError("a batch with prefix caching needs a block table per sequence")
 
 
 def _check_rows(*columns: Sequence[object]) -> int:

@@ -29,6 +29,9 @@ class EngineConfig:
     """Time-to-first-token target the `slo` policy schedules for (p99)."""
     slo_tpot_ms: float = 100.0
     """Time-per-output-token target the `slo` policy schedules for (each request's mean after its first)."""
+    enable_prefix_caching: bool | None = None
+    """Cache full KV blocks of prompts and outputs by prefix and prefill only what is not cached
+    (`app/engine/blocks.py`). None: on where the backend keeps its KV in blocks; True there only."""
     run_ahead: bool = True
     """Launch step n+1 before step n's tokens are back, where the backend feeds tokens back on the device
     (`Backend.feeds_back_tokens`), so the host's work overlaps the device's instead of idling it."""

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from app.backends.base import Backend, PrefillBatch, SampledToken, Tokens
 from app.engine.admission import ServiceRate
+from app.engine.blocks import prefix_cache
 from app.engine.clock import SYSTEM_CLOCK, Clock
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
@@ -105,7 +106,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
         self._decode_rules = DecodeRules.of(tokenizer)
         self._decode_rules_with_special = DecodeRules.of(tokenizer, skip_special_tokens=False)
-        self._scheduler = Scheduler(self.grid, self.config)
+        self._scheduler = Scheduler(self.grid, self.config, prefix_cache(backend, self.config))
+        self._reset_prefix_cache = False  # asked for, applied before the next admission (under _lock)
         self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
         self._last_done = 0.0  # when the last call's tokens were back (clock.perf_counter())
         slo = SloTargets(self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3)
@@ -178,6 +180,12 @@ class LLMEngine:
             request = Request(request_id, prompt, params, now, stop_ids, deadline, output)
             self._output.admit(request)
             self._inbox.append(request)
+        self._wake.set()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix before the next admission (blocks in use stay with their requests)."""
+        with self._lock:
+            self._reset_prefix_cache = True
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -305,8 +313,11 @@ class LLMEngine:
 
     def _take_inbox(self) -> list[Request]:
         """Admit new requests; apply aborts and stop-string stops. Returns the requests it finished."""
-        if self._inbox:
-            with self._lock:
+        if self._inbox or self._reset_prefix_cache:
+            with self._lock:  # a reset asked for before a request's admission applies before it
+                if self._reset_prefix_cache:
+                    self._reset_prefix_cache = False
+                    self._scheduler.reset_prefix_cache()
                 while self._inbox:
                     self._scheduler.add(self._inbox.popleft())
         finished: list[Request] = []
@@ -397,6 +408,7 @@ class LLMEngine:
                 scheduler.num_waiting,
                 self.grid.num_slots,
                 preempted,
+                scheduler.kv_cache_usage,
             )
             self._output.submit(report)
 
@@ -429,6 +441,8 @@ def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | D
                     slots=batch.slots[i : i + 1],
                     prompts=batch.prompts[i : i + 1],
                     sampling=batch.sampling[i : i + 1],
+                    cached=batch.cached[i : i + 1],
+                    block_tables=batch.block_tables[i : i + 1],
                 ),
             )
             for i, r in enumerate(requests)
@@ -443,6 +457,7 @@ def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | D
                 positions=batch.positions[i : i + 1],
                 sampling=batch.sampling[i : i + 1],
                 batch_bucket=grid.decode_batch_bucket(batch.slots[i : i + 1]),
+                block_tables=batch.block_tables[i : i + 1],
             ),
         )
         for i, r in enumerate(requests)

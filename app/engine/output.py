@@ -135,6 +135,7 @@ class StepReport:
     num_waiting: int = 0
     num_slots: int = 1
     preempted: int = 0  # requests evicted from their slots (recompute preemption)
+    kv_cache_usage: float | None = None  # fraction of KV blocks in use (with prefix caching)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,11 @@ class OutputProcessor:
 
     def _process(self, report: StepReport) -> None:
         stats = self._stats = StepStats(
-            report.num_running, report.num_waiting, report.num_slots, preempted=report.preempted
+            report.num_running,
+            report.num_waiting,
+            report.num_slots,
+            preempted=report.preempted,
+            kv_cache_usage=report.kv_cache_usage,
         )
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         decode_s = sum([call.seconds for call in report.calls if isinstance(call.batch, DecodeBatch)])
@@ -266,6 +271,7 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_generated_tokens=num_tokens,
             finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
             finish_reason=reason,
             error=error,
             timings=_timings(request, request.finish_time or now) if finished else state.timings,
@@ -330,7 +336,10 @@ class OutputProcessor:
             state.timings = timings = _timings(request, None)
             stats.first_tokens.append(
                 FirstToken(
-                    timings.queue_s or 0.0, timings.time_to_first_token_s or 0.0, request.num_prompt_tokens
+                    timings.queue_s or 0.0,
+                    timings.time_to_first_token_s or 0.0,
+                    request.num_prompt_tokens,
+                    request.num_cached_tokens if request.blocks is not None else None,
                 )
             )
         else:

@@ -251,12 +251,12 @@ class SloPolicy(Policy):
     def decide(self, scheduler: Scheduler, now: float) -> StepDecision:
         decoding = scheduler.decoding()
         budgets = self._stall_budgets(decoding, now)
-        job = self._next(scheduler.waiting(), scheduler.preempted(), now)
+        job = self._next(scheduler, now)
         if job is None:  # only preempted requests wait, with a token still in flight
             return DECODE_ONLY
         if not scheduler.num_free_slots:
             frees_in = min((self._finish_s(r) for r in decoding), default=math.inf)
-            victim = self._victim(budgets, job) if job.on_time and frees_in > job.slack else None
+            victim = self._victim(scheduler, budgets, job) if job.on_time and frees_in > job.slack else None
             if victim is None:
                 return DECODE_ONLY
             return StepDecision([[job.request]], decode=False, preempt=(victim,))
@@ -266,23 +266,24 @@ class SloPolicy(Policy):
                 return DECODE_ONLY
         return StepDecision([[job.request]], decode=False)
 
-    def _prefill_cost(self, request: Request) -> float:
-        return self.costs.prefill_s(self.grid.context_bucket(request.num_tokens))
+    def _prefill_cost(self, scheduler: Scheduler, request: Request) -> float:
+        """Its prefill's cost now: of the tokens not in the prefix cache."""
+        return self.costs.prefill_s(self.grid.context_bucket(scheduler.uncached_tokens(request)))
 
-    def _next(self, waiting: Iterable[Request], preempted: Sequence[Request], now: float) -> Candidate | None:
+    def _next(self, scheduler: Scheduler, now: float) -> Candidate | None:
         """The request to prefill next: the first of the on-time schedule, whose slack is how long the
         schedule can wait before one of its requests misses its deadline (a new request's TTFT, a
         preempted one's stall budget); else a late one, which can wait until it ages."""
         on_time: list[tuple[float, float, Request]] = []  # (deadline, prefill cost, request)
         late: Candidate | None = None
-        for request in preempted:
-            cost = self._prefill_cost(request)
+        for request in scheduler.preempted():
+            cost = self._prefill_cost(scheduler, request)
             spare = self._spare(request, now)
             if spare < cost:  # its TPOT is at risk: it goes before anything new (no starving)
                 return Candidate(request, cost, 0.0, on_time=False)
             on_time.append((now + spare / 2, cost, request))  # back with half its spare, for what comes
-        for request in waiting:  # in arrival order
-            cost = self._prefill_cost(request)
+        for request in scheduler.waiting():  # in arrival order
+            cost = self._prefill_cost(scheduler, request)
             aged_at = request.arrival_time + self.aging_factor * self.ttft_s
             if now >= aged_at:
                 return Candidate(request, cost, 0.0, on_time=False)
@@ -329,7 +330,9 @@ class SloPolicy(Policy):
                     budgets.append((request, budget, self._finish_s(request)))
         return budgets
 
-    def _victim(self, budgets: list[tuple[Request, float, float]], job: Candidate) -> Request | None:
+    def _victim(
+        self, scheduler: Scheduler, budgets: list[tuple[Request, float, float]], job: Candidate
+    ) -> Request | None:
         """The running request to preempt for `job`, of those whose budget after their expected stalls and
         their own prefill again covers `preempt_margin` times both prefills: the cheapest to prefill again
         (that prefill stalls every other decoding request), then the one with the most budget left."""
@@ -342,7 +345,7 @@ class SloPolicy(Policy):
                 continue
             if request.num_tokens + request.pending > self.grid.max_prompt_tokens:  # tokens in flight land
                 continue
-            recompute = self._prefill_cost(request)
+            recompute = self._prefill_cost(scheduler, request)
             left = budget - self._expected_stalls(finish_s) - recompute
             if left >= self.preempt_margin * (job.cost + recompute) and (
                 best is None or (recompute, -left) < best

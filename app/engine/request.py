@@ -21,6 +21,7 @@ from app.engine.types import FinishReason, GenerationParams
 from app.errors import Inf2ServeError
 
 if TYPE_CHECKING:
+    from app.engine.blocks import SequenceBlocks
     from app.engine.output import OutputState
 
 
@@ -53,12 +54,14 @@ class InvalidTransitionError(RuntimeError):
 class Request:
     __slots__ = (
         "arrival_time",
+        "blocks",
         "deadline",
         "error",
         "finish_reason",
         "finish_time",
         "first_token_time",
         "last_token_id",
+        "num_cached_tokens",
         "num_preemptions",
         "num_tokens",
         "output",
@@ -98,6 +101,8 @@ class Request:
         self.samples: list[SampledToken] = []
         self.num_tokens = len(prompt_token_ids)  # prompt + generated
         self.num_preemptions = 0
+        self.blocks: SequenceBlocks | None = None  # its KV blocks, with prefix caching (the scheduler's)
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at its first prefill
         self.pending = 0  # tokens of launched calls not applied yet (1 while the engine runs ahead)
         self.token_limit = len(prompt_token_ids) + params.max_tokens  # num_tokens that ends it (LENGTH)
         self.last_token_id = prompt_token_ids[-1] if prompt_token_ids else -1

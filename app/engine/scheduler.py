@@ -32,7 +32,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from app.backends.base import FED_BACK, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
+from app.backends.base import FED_BACK, BlockTables, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
+from app.engine.blocks import BlockManager, SequenceBlocks, salt_of
 from app.engine.config import EngineConfig
 from app.engine.policies import POLICIES, StepDecision
 from app.engine.request import DECODING, FINISHED, PREEMPTED, WAITING, Request
@@ -90,9 +91,12 @@ class BatchPlan:
 
 
 class Scheduler:
-    def __init__(self, grid: ShapeGrid, config: EngineConfig) -> None:
+    def __init__(self, grid: ShapeGrid, config: EngineConfig, blocks: BlockManager | None = None) -> None:
+        """`blocks`: the prefix cache's block manager, where the backend keeps KV in blocks and caching
+        is on; each batch then carries block tables, and a prefill starts past its cached prefix."""
         self.grid = grid
         self.config = config
+        self.blocks = blocks
         self.policy = POLICIES[config.policy](grid, config)
         self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
         self._num_waiting = 0
@@ -121,6 +125,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.token_limit = min(request.token_limit, self.grid.max_positions)  # the position limit
+        if self.blocks is not None:
+            request.blocks = SequenceBlocks(salt_of(request.params.cache_salt))
         self._waiting.append(request)
         self._num_waiting += 1
         if request.deadline is not None:
@@ -175,6 +181,7 @@ class Scheduler:
             if request.state is FINISHED:  # aborted, stopped or failed while the call ran: dropped
                 continue
             request.append_token(sample, now)
+            self._commit_blocks(request)
             reason = token_stop_reason(request)
             if reason is not None:
                 self.finish(request, reason, now)
@@ -191,6 +198,7 @@ class Scheduler:
         """End a request in any state; its slot is free for the next schedule."""
         state = request.state
         request.finish(reason, now, error)
+        self._free_blocks(request)
         if state is WAITING:
             self._num_waiting -= 1
         elif state is PREEMPTED:
@@ -265,6 +273,7 @@ class Scheduler:
             sampling=rows.sampling,
             batch_bucket=rows.batch_bucket,
             token_bucket=self._token_bucket,
+            block_tables=self._block_tables(requests, positions),
         )
         return DecodeGroup(requests, batch)
 
@@ -358,13 +367,75 @@ class Scheduler:
         self._running.remove(request)
         self._rows = None
         request.preempt()
+        self._free_blocks(request)
         self._preempted.append(request)
 
     def _prefill_group(self, requests: list[Request], bucket: int) -> PrefillGroup:
+        """`bucket` fits the whole prompts; past cached prefixes, the bucket of what is left to compute."""
+        prompts = tuple(r.prefill_token_ids for r in requests)
+        cached = tuple(self._admit_blocks(r, prompt) for r, prompt in zip(requests, prompts, strict=True))
+        if any(cached):
+            bucket = self.grid.context_bucket(max(len(p) - c for p, c in zip(prompts, cached, strict=True)))
         batch = PrefillBatch(
             slots=tuple(r.slot for r in requests),
-            prompts=tuple(r.prefill_token_ids for r in requests),
+            prompts=prompts,
             sampling=tuple(r.params.sampling for r in requests),
             context_bucket=bucket,
+            cached=cached if self.blocks is not None else (),
+            block_tables=tuple(r.blocks.block_ids for r in requests if r.blocks is not None),
         )
         return PrefillGroup(tuple(requests), batch)
+
+    # --- prefix caching (`app/engine/blocks.py`) ---
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        return None if self.blocks is None else self.blocks.usage
+
+    def reset_prefix_cache(self) -> None:
+        if self.blocks is not None:
+            self.blocks.reset()
+
+    def uncached_tokens(self, request: Request) -> int:
+        """The tokens a prefill of the request would compute now (for the policies' cost estimates)."""
+        blocks, seq = self.blocks, request.blocks
+        if blocks is None or seq is None or not self._may_hit(request):
+            return request.num_tokens
+        return request.num_tokens - blocks.cached_tokens(seq, request.prefill_token_ids)
+
+    def _may_hit(self, request: Request) -> bool:
+        return request.params.sampling.prompt_logprobs is None  # every prompt position must be computed
+
+    def _admit_blocks(self, request: Request, prompt: tuple[int, ...]) -> int:
+        """Its longest cached prefix and fresh blocks for the rest; returns the cached token count."""
+        if request.blocks is None or self.blocks is None:
+            return 0
+        cached = self.blocks.admit(request.blocks, prompt, lookup=self._may_hit(request))
+        if not request.num_preemptions:
+            request.num_cached_tokens = cached
+        return cached
+
+    def _block_tables(self, requests: Sequence[Request], positions: Sequence[int]) -> BlockTables:
+        if self.blocks is None:
+            return ()
+        tables = []
+        for request, position in zip(requests, positions, strict=True):
+            seq = request.blocks
+            assert seq is not None
+            self.blocks.grow(seq, position + 1)
+            tables.append(seq.block_ids)
+        return tuple(tables)
+
+    def _commit_blocks(self, request: Request) -> None:
+        """Register its full blocks whose KV is on the device: every position before its last token."""
+        seq, blocks = request.blocks, self.blocks
+        if (
+            seq is not None
+            and blocks is not None
+            and (request.num_tokens - 1) // blocks.block_size > seq.num_committed
+        ):
+            blocks.commit(seq, request.prefill_token_ids, request.num_tokens - 1)
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.blocks is not None and self.blocks is not None:
+            self.blocks.free(request.blocks)

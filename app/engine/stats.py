@@ -29,6 +29,7 @@ class FirstToken:
     queue_s: float
     time_to_first_token_s: float
     num_prompt_tokens: int
+    num_cached_tokens: int | None = None  # of them, found in the prefix cache (None: caching off)
 
 
 @dataclass(slots=True)
@@ -55,6 +56,7 @@ class StepStats:
     finished: list[FinishedRequest] = field(default_factory=list)
     busy_ratio: float | None = None  # the device's busy fraction, when a window closed at this step
     preempted: int = 0  # requests evicted from their slots, to be prefilled again (recompute preemption)
+    kv_cache_usage: float | None = None  # fraction of KV blocks in use (with prefix caching)
 
 
 StatsSink = Callable[[StepStats], None]

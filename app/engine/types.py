@@ -29,6 +29,7 @@ class GenerationParams:
     deadline: float | None = None  # time.monotonic() after which the request fails
     skip_special_tokens: bool = True  # special tokens' text is left out of the output text
     include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
 
 
 @dataclass(frozen=True, slots=True)
