@@ -16,12 +16,14 @@ from app.backends.base import (
     HOST_LOGITS_FEATURES,
     Backend,
     BackendSpec,
+    BlockTables,
     DecodeBatch,
+    KvBlocks,
     ModelInfo,
     PrefillBatch,
     SampledToken,
 )
-from app.backends.batches import check_decode, check_prefill
+from app.backends.batches import check_block_tables, check_decode, check_prefill
 from app.backends.sampling import SamplingTensors, prompt_logprobs, sample_tokens, sampled_tokens
 from app.backends.torch.cuda_graphs import DecodeGraphs
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
@@ -48,6 +50,7 @@ class TorchBackend(Backend):
         self.workers = workers
         self.graphs: DecodeGraphs | None = None
         self.closed = False
+        self.kv_blocks = KvBlocks(runner.block_size, runner.num_blocks)
 
     @classmethod
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> TorchBackend:
@@ -88,7 +91,7 @@ class TorchBackend(Backend):
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         step = self._decode_step(batch)
         next_positions = [position + 1 for position in batch.positions]
-        if self.graphs is None or any(p.host is not None for p in batch.sampling):
+        if self.graphs is None or step.block_tables or any(p.host is not None for p in batch.sampling):
             logits = self._forward_scored(step)[0]
             return sample_tokens(logits, batch.sampling, next_positions, self.model.vocab_size)
         self._check_open()
@@ -140,25 +143,44 @@ class TorchBackend(Backend):
     def _prefill_step(self, batch: PrefillBatch, score_rows: tuple[int, ...] = ()) -> PrefillStep:
         grid, bucket = self.spec.grid, batch.context_bucket
         check_prefill(batch, grid, self.model.vocab_size)
+        check_block_tables(batch.block_tables, [len(p) for p in batch.prompts], self.kv_blocks)
         count = len(batch.slots)
         padding = grid.batch_bucket(count) - count
+        computed = [batch.uncached(row) for row in range(count)]
+        tables = ()
+        if batch.block_tables:
+            span = max(len(prompt) for prompt in batch.prompts) + bucket  # covers every padded position
+            tables = self._padded_tables(batch.block_tables, padding, span)
         return PrefillStep(
-            tokens=tuple(prompt + (0,) * (bucket - len(prompt)) for prompt in batch.prompts)
+            tokens=tuple(tokens + (0,) * (bucket - len(tokens)) for tokens in computed)
             + ((0,) * bucket,) * padding,
-            last_index=tuple(len(prompt) - 1 for prompt in batch.prompts) + (0,) * padding,
+            last_index=tuple(len(tokens) - 1 for tokens in computed) + (0,) * padding,
             slots=batch.slots + (self.runner.scratch_slot,) * padding,
             score_rows=score_rows,
+            start=batch.cached + (0,) * padding if batch.block_tables else (),
+            block_tables=tables,
         )
 
     def _decode_step(self, batch: DecodeBatch) -> DecodeStep:
         rows, span = batch.batch_bucket, batch.token_bucket
         check_decode(batch, self.spec.grid, self.model.vocab_size)
+        check_block_tables(batch.block_tables, [p + 1 for p in batch.positions], self.kv_blocks)
         padding = rows - len(batch.slots)
         return DecodeStep(
             tokens=batch.last_tokens + (0,) * padding,
             positions=batch.positions + (0,) * padding,
             slots=batch.slots + (self.runner.scratch_slot,) * padding,
             span=span,
+            block_tables=self._padded_tables(batch.block_tables, padding, span) if batch.block_tables else (),
+        )
+
+    def _padded_tables(self, tables: BlockTables, padding: int, span: int) -> BlockTables:
+        """Each table, and one per padded row, filled to cover `span` positions with the scratch block."""
+        width = -(-span // self.kv_blocks.block_size)
+        scratch = self.runner.scratch_block
+        return (
+            tuple(table + (scratch,) * (width - len(table)) for table in tables)
+            + ((scratch,) * width,) * padding
         )
 
 
