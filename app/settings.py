@@ -136,6 +136,17 @@ class ServerSettings(BaseSettings):
         _ENGINE["slo_tpot_ms"], gt=0, description="Time per output token each request should stay within."
     )
 
+    enable_prefix_caching: bool | None = Field(
+        _ENGINE["enable_prefix_caching"],
+        description="Automatic prefix caching: cached prompt prefixes are not prefilled again. Unset: on "
+        "where the artifact's backend keeps KV in blocks; set on a backend without, startup fails.",
+    )
+    prefix_cache_salt_by_api_key: bool = Field(
+        True,
+        description="With API keys set, requests share cached prefixes only with requests under the same "
+        "key, so one tenant cannot learn another's prompts from response times.",
+    )
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             **{name: getattr(self, name) for name in _ENGINE if name in type(self).model_fields}

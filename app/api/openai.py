@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from app.api import streaming
+from app.api.auth import presented_key
 from app.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -224,7 +225,7 @@ class ChatRenderer(OpenAIRenderer):
 async def create_completion(
     serving: Serving, validated: Validated, request: Request, request_id: str
 ) -> Response:
-    job = serving.start(request_id, validated.requests)
+    job = serving.start(request_id, validated.requests, presented_key(request))
     renderer = CompletionRenderer(serving, request_id, validated, job)
     return await streaming.respond(request, job, renderer, validated.stream)
 
@@ -232,6 +233,6 @@ async def create_completion(
 async def create_chat_completion(
     serving: Serving, validated: Validated, request: Request, request_id: str
 ) -> Response:
-    job = serving.start(request_id, validated.requests)
+    job = serving.start(request_id, validated.requests, presented_key(request))
     renderer = ChatRenderer(serving, request_id, validated, job)
     return await streaming.respond(request, job, renderer, validated.stream)

@@ -109,7 +109,7 @@ class SamplingFields(RequestModel):
     request_id: str | None = Field(None, max_length=256)
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
 

@@ -242,6 +242,14 @@ async def invocations(request: Request, serving: ServingDep) -> Response:
     return await tgi.generate(serving, validated, request, request_id())
 
 
+@inference.post("/reset_prefix_cache", responses={401: {"model": ErrorResponse, "description": ERRORS[401]}})
+async def reset_prefix_cache(serving: ServingDep) -> dict[str, str]:
+    """vLLM's route: forget every cached prefix (benchmarks call it between runs); requests admitted
+    after it find nothing cached."""
+    serving.engine.reset_prefix_cache()
+    return {"status": "ok"}
+
+
 def _state(request: Request) -> ServerState:
     return request.app.state.server
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import anyio
@@ -63,6 +64,13 @@ class ChoiceOutput:
         self.timings = out.timings
         if out.finished:
             self.finish_reason = out.finish_reason
+
+
+def salted_by_key(request: EngineRequest, api_key: str) -> EngineRequest:
+    """The request with its key in its cache salt: requests under different keys never share blocks."""
+    tenant = hashlib.sha256(api_key.encode()).hexdigest()
+    salt = f"api-key:{tenant}\x00{request.params.cache_salt or ''}"
+    return replace(request, params=replace(request.params, cache_salt=salt))
 
 
 def cached_tokens(choices: Sequence[ChoiceOutput]) -> int:
@@ -179,6 +187,7 @@ class Serving:
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
         self.quantization = runtime.quantization
+        self.salt_by_key = settings.prefix_cache_salt_by_api_key and bool(settings.api_keys)
         self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
@@ -192,7 +201,10 @@ class Serving:
         """`work(*args)` on the validation threads (tokenizing and templating never block the loop)."""
         return await anyio.to_thread.run_sync(work, *args, limiter=self._threads)
 
-    def start(self, request_id: str, requests: list[EngineRequest]) -> Job:
-        """Admit every sequence of the request, or none (validation refused more than the queue holds)."""
+    def start(self, request_id: str, requests: list[EngineRequest], api_key: str | None = None) -> Job:
+        """Admit every sequence of the request, or none (validation refused more than the queue holds).
+        Under `prefix_cache_salt_by_api_key`, the caller's key salts its prefix cache."""
+        if api_key is not None and self.salt_by_key:
+            requests = [salted_by_key(request, api_key) for request in requests]
         check_finishes_in_time(self.engine, requests, self.stop_at())
         return Job(self.engine, request_id, requests).start()

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from app.api import streaming
+from app.api.auth import presented_key
 from app.api.protocol import (
     GenerateDetails,
     GenerateRequest,
@@ -76,6 +77,6 @@ class GenerateRenderer:
 
 
 async def generate(serving: Serving, validated: Validated, request: Request, request_id: str) -> Response:
-    job = serving.start(request_id, validated.requests)
+    job = serving.start(request_id, validated.requests, presented_key(request))
     renderer = GenerateRenderer(serving, job, validated)
     return await streaming.respond(request, job, renderer, validated.stream)

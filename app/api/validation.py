@@ -100,7 +100,7 @@ FIELDS: dict[str, Field] = {
     "chat_template_kwargs": Field(Use.HOST, (None, {}), "passed to the chat template"),
     "request_id": Field(Use.HOST, (None,), "the response's id"),
     "return_tokens_as_token_ids": Field(Use.HOST, (None, False), "logprob tokens as 'token_id:<id>'"),
-    "cache_salt": Field(Use.HOST, (None,), "no prefix cache here: nothing to salt"),
+    "cache_salt": Field(Use.HOST, (None,), "only requests with the same salt share cached prefixes"),
     "echo": Field(Use.HOST, (None, False), "completions: the prompt (and its logprobs) first; chat: refused"),
     "continue_final_message": Field(Use.REFUSED, (False,), "not implemented"),
     "documents": Field(Use.REFUSED, (None,), "no RAG templates"),
@@ -430,6 +430,7 @@ class Knobs:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
 
     def params(self, seed: int, max_tokens: int) -> GenerationParams:
         return GenerationParams(
@@ -440,6 +441,7 @@ class Knobs:
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -614,6 +616,7 @@ class Validator:
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            cache_salt=body.cache_salt,
         )
 
     def _fan_out(

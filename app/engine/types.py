@@ -52,10 +52,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     finished: bool = False
-    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (usage.prompt_tokens_details)
     finish_reason: FinishReason | None = None
     error: Inf2ServeError | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (usage.prompt_tokens_details)
 
 
 class EngineClient(Protocol):
@@ -78,6 +78,10 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix before the next admission (`POST /reset_prefix_cache`)."""
+        ...
 
     @property
     def is_alive(self) -> bool: ...

@@ -186,6 +186,10 @@ class ReplicaPool:
         if routed is not None:
             self.replicas[routed.replica].send(("abort", request_id))
 
+    def reset_prefix_cache(self) -> None:
+        for replica in self.replicas:
+            replica.send(("reset_prefix_cache",))
+
     # --- routing bookkeeping (event loop) ---
 
     def _assign(self, routed: Routed, replica: Replica) -> None:

@@ -2,7 +2,8 @@
 serves the front over one duplex pipe.
 
 Messages are tuples, pickled by `multiprocessing.connection`. From the front: `("generate", id,
-prompt, params)`, `("abort", id)`, `("stop",)`. To the front: `("ready", eos_token_ids, vocab_size)` or
+prompt, params)`, `("abort", id)`, `("reset_prefix_cache",)`, `("stop",)`. To the front: `("ready",
+eos_token_ids, vocab_size)` or
 `("failed", message)` once, then `("outputs", [RequestOutput, ...])` (the engine's relay: a step's
 deltas in one message, sent from its output thread) and `("stats", StepStats)` (the engine's stats sink).
 
@@ -91,6 +92,8 @@ def _serve(conn: Connection, engine: LLMEngine, sender: Sender) -> None:
                 sender.outputs([_rejected(request_id, len(prompt), error)])
         elif kind == "abort":
             engine.abort(message[1])
+        elif kind == "reset_prefix_cache":
+            engine.reset_prefix_cache()
         else:
             return
 

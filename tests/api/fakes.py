@@ -65,6 +65,7 @@ class FakeEngine:
         self.reject_with: Exception | None = None  # raised by `check_request` (what the backend lacks)
         self.requests: dict[str, GenerationParams] = {}
         self.aborted: list[str] = []
+        self.prefix_cache_resets = 0
         self.finished: list[str] = []
         self.is_alive = True
 
@@ -85,6 +86,9 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
 
     async def _run(
         self, request_id: str, prompt: list[int], params: GenerationParams
