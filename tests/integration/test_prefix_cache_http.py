@@ -13,9 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.s3_server import free_port
-
-from .server import BIN, ServerProcess
+from loadtest.harness.server import BIN, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
