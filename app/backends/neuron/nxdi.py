@@ -236,8 +236,8 @@ def link_compiled_view(artifact_dir: Path, view: Path) -> None:
 
 class RunAhead:
     """The rows that continue the step NxD Inference's async mode launched in the last decode call: each
-    live slot's returned token at its position + 1 (the library feeds back the device's tokens at
-    `position_ids + 1`, `models/model_base.py:3282-3294`). Empty after a failed call."""
+    live slot's device token at its position + 1 (the library feeds back the device's own tokens, not the
+    ones returned, at `position_ids + 1`, `models/model_base.py:3282-3294`). Empty after a failed call."""
 
     def __init__(self) -> None:
         self._next: dict[int, tuple[int, int]] = {}
@@ -246,9 +246,9 @@ class RunAhead:
         rows = zip(batch.slots, batch.last_tokens, batch.positions, strict=True)
         return all(self._next.get(slot) == (token, position) for slot, token, position in rows)
 
-    def launched(self, batch: DecodeBatch, tokens: Sequence[SampledToken]) -> None:
-        rows = zip(batch.slots, tokens, batch.positions, strict=True)
-        self._next = {slot: (token.token_id, position + 1) for slot, token, position in rows}
+    def launched(self, batch: DecodeBatch, device_tokens: Sequence[int]) -> None:
+        rows = zip(batch.slots, device_tokens, batch.positions, strict=True)
+        self._next = {slot: (token, position + 1) for slot, token, position in rows}
 
     def clear(self) -> None:
         self._next = {}
@@ -341,7 +341,7 @@ class NxdiBackend(NeuronBackend):
         next_positions = [position + 1 for position in batch.positions]
         tokens = self._tokens(output, list(batch.slots), batch.sampling, next_positions)
         if self.runs_ahead_in_call:
-            self._run_ahead.launched(batch, tokens)
+            self._run_ahead.launched(batch, output.tokens[list(batch.slots)].tolist())
         return tokens
 
     def _unless_continued_drop_run_ahead(self, batch: DecodeBatch) -> None:

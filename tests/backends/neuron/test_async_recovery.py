@@ -1,6 +1,6 @@
 """NxD Inference's `async_mode` when a decode call does not continue the previous one, on the 0.8
-stand-in: the rows of a failed call re-run one by one (`LLMEngine._isolate`), and the teacher-forced
-golden replay across a near tie. The library's run-ahead would answer each such call with the step it
+stand-in: the rows of a failed call re-run one by one (`LLMEngine._isolate`), a token drawn on the host,
+and the teacher-forced golden replay across a near tie. The library's run-ahead would answer each such call with the step it
 launched before (one position ahead, from the device's own tokens); the adapter drops that state first,
 so both give what the synchronous library gives."""
 
@@ -22,11 +22,13 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
 LIVE = {1: PROMPTS[1], 0: PROMPTS[0], 2: PROMPTS[2]}
 
 
-def generate(backend: NxdiBackend, steps: int, fail_at: int | None = None) -> dict[int, list[int]]:
+def generate(
+    backend: NxdiBackend, steps: int, fail_at: int | None = None, sampling: SamplingParams = SAMPLED
+) -> dict[int, list[int]]:
     """LIVE prefilled, then `steps` decode calls of all three; the call `fail_at` fails inside the
     library (its launch) and is isolated as the engine does."""
     tokens = {
-        slot: [backend.prefill(PrefillBatch((slot,), (prompt,), (SAMPLED,), 16))[0].token_id]
+        slot: [backend.prefill(PrefillBatch((slot,), (prompt,), (sampling,), 16))[0].token_id]
         for slot, prompt in LIVE.items()
     }
     for step in range(steps):
@@ -35,7 +37,7 @@ def generate(backend: NxdiBackend, steps: int, fail_at: int | None = None) -> di
             tuple(LIVE),
             tuple(tokens[slot][-1] for slot in LIVE),
             positions,
-            (SAMPLED,) * len(LIVE),
+            (sampling,) * len(LIVE),
             GRID.num_slots,
             GRID.token_bucket(max(positions) + 1),
         )
@@ -57,6 +59,18 @@ def test_a_failure_inside_a_running_ahead_call_is_isolated_without_shifting_any_
         assert modes[5] == "continue"  # the call that failed was running ahead
         assert got == expected
         assert modes[-1] == "continue"  # and the library runs ahead again after the isolation
+
+
+def test_tokens_drawn_on_the_host_do_not_continue_the_devices_run_ahead(
+    nxdi_artifact: Path, async_artifact: Path
+) -> None:
+    """A min-p row is drawn on the host from the returned logits; the library fed its own token back,
+    so the next call continues the run-ahead only where the two agree."""
+    host_drawn = SamplingParams(temperature=1.0, min_p=0.05, seed=3)
+    (expected,) = [generate(backend, 10, sampling=host_drawn) for backend in fresh(nxdi_artifact)]
+    for ahead in fresh(async_artifact, ASYNC_SPEC):
+        assert generate(ahead, 10, sampling=host_drawn) == expected
+        assert "continue" in ahead._neuron.async_modes
 
 
 def test_the_golden_replay_stays_teacher_forced_across_a_near_tie_when_running_ahead(
