@@ -5,10 +5,13 @@ It accepts exactly the parameter names of `neuron-signatures.json` (checked by `
 follows the documented behaviour an adapter relies on: `compile` writes `neuron_config.json`, `model.pt`
 and `weights/tp{rank}_sharded_checkpoint.safetensors`; the constructor with `config=None` reads
 `neuron_config.json`; `forward` routes on `position_ids.min() == 0`, runs context encoding one sequence
-at a time (context batch 1) into row `seq_ids[i]` of the KV cache, pads a short decode batch with the
-missing slots at the first row's position (writing into those slots, as the library does), and returns
-`.tokens` int32 [n] / `.logits` fp32 [n, 1, V] per the on-device-sampling mode. Logits are real: the
-portable torch model computes them (`standin_common.StandInDevice`).
+at a time (context batch 1) into row `seq_ids[i]` of the KV cache, padded to its bucket and read at the
+first largest position id, pads a short decode batch with the missing slots at the first row's position
+(writing into those slots, as the library does), zeroes one KV entry of every line above a smaller
+decode batch bucket, runs ahead in async mode, and returns `.tokens` int32 [n] / `.logits` fp32
+[n, 1, V] per the on-device-sampling mode. Logits are real: the portable torch model computes them
+(`standin_common.StandInDevice`). Tests can inject what a device may do: a failing execution, a near
+tie tipped the other way (bf16).
 
 Stricter than the library on purpose: an unknown `NeuronConfig` / `OnDeviceSamplingConfig` key is an
 error here (the library only logs, or ignores it), so a misspelt key fails in the tests.

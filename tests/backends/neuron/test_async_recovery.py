@@ -1,8 +1,8 @@
 """NxD Inference's `async_mode` when a decode call does not continue the previous one, on the 0.8
 stand-in: the rows of a failed call re-run one by one (`LLMEngine._isolate`), a token drawn on the host,
-and the teacher-forced golden replay across a near tie. The library's run-ahead would answer each such call with the step it
-launched before (one position ahead, from the device's own tokens); the adapter drops that state first,
-so both give what the synchronous library gives."""
+and the teacher-forced golden replay across a near tie. The library's run-ahead would answer each such
+call with the step it launched before (one position ahead, from the device's own tokens); the adapter
+drops that state first, so each gives what the synchronous library gives."""
 
 from __future__ import annotations
 
