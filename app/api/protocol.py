@@ -390,6 +390,12 @@ class TokenizeCompletionRequest(RequestModel):
     prompt: Text
     add_special_tokens: bool = Field(True, description="Add the tokenizer's BOS (and such).")
     return_token_strs: bool | None = False
+    split_special_tokens: bool = Field(
+        False,
+        description="As vLLM (and lm-evaluation-harness's remote tokenizer, which encodes '<s>' for its id), "
+        "special-token strings are read as special tokens; true reads them as plain text, as a "
+        "completion's prompt is by default.",
+    )
 
 
 class TokenizeChatRequest(RequestModel):

@@ -36,7 +36,7 @@ def tokenize(validator: Validator, raw: bytes, token_text: Callable[[int], str])
     else:
         limits, tokenizer = validator.limits, validator.tokenizer
         limits.check_chars(len(request.prompt), tokenizer.max_token_chars, "prompt")
-        token_ids = tokenizer.encode(request.prompt, request.add_special_tokens)
+        token_ids = tokenizer.encode(request.prompt, request.add_special_tokens, request.split_special_tokens)
     return TokenizeResponse(
         count=len(token_ids),
         max_model_len=validator.limits.max_positions,
@@ -55,7 +55,8 @@ def detokenize(validator: Validator, raw: bytes) -> DetokenizeResponse:
         raise InvalidRequestError(
             f"token id {outside[0]} is outside the vocabulary ({vocab_size} tokens)", param="tokens"
         )
-    return DetokenizeResponse(prompt=validator.tokenizer.decode(request.tokens))
+    # NOTE: special tokens kept, as vLLM's (transformers' decode default), so text round-trips.
+    return DetokenizeResponse(prompt=validator.tokenizer.decode(request.tokens, skip_special_tokens=False))
 
 
 def tokenizer_info(validator: Validator) -> TokenizerInfo:

@@ -47,11 +47,11 @@ def reference(harness, stories260k):
     return harness("hf", {"pretrained": str(stories260k), "dtype": "float32", "add_bos_token": True})
 
 
-def served(harness, server, stories260k) -> dict:
+def served(harness, server, tokenizer: dict[str, str]) -> dict:
     model_args = {
         "base_url": server.url + "/v1/completions",
         "model": "stories260K",
-        "tokenizer": str(stories260k),
+        **tokenizer,
         "add_bos_token": True,
         "max_retries": 1,
     }
@@ -59,7 +59,7 @@ def served(harness, server, stories260k) -> dict:
 
 
 def test_served_scores_equal_transformers_scores(harness, reference, stories_server, stories260k):
-    results = served(harness, stories_server, stories260k)
+    results = served(harness, stories_server, {"tokenizer": str(stories260k)})
     for task, metric in SCORES:
         assert results["results"][task][metric] == reference["results"][task][metric], (task, metric)
     assert 0 < reference["results"]["stories_cloze"]["acc,none"] < 1  # the task separates right from wrong
@@ -75,3 +75,16 @@ def test_served_scores_equal_transformers_scores(harness, reference, stories_ser
             assert greedy == ref_greedy
     generations = [s["filtered_resps"] for s in results["samples"]["stories_continue"]]
     assert generations == [s["filtered_resps"] for s in reference["samples"]["stories_continue"]]
+
+
+def test_the_remote_tokenizer_scores_the_same(harness, reference, stories_server):
+    """Without a local tokenizer: the harness reads the server's `/tokenizer_info`, `/tokenize` and
+    `/detokenize` (issue 23), and scores loglikelihoods as before. (Its remote backend never adds BOS to
+    a generation prompt, whatever `add_bos_token` says, so greedy generations differ from the run with
+    the local tokenizer: they are only checked to have run.)"""
+    results = served(harness, stories_server, {"tokenizer_backend": "remote"})
+    for task, metric in SCORES:
+        if task == "stories_cloze":
+            assert results["results"][task][metric] == reference["results"][task][metric], (task, metric)
+    generations = [s["filtered_resps"][0] for s in results["samples"]["stories_continue"]]
+    assert generations and all(isinstance(text, str) for text in generations)
