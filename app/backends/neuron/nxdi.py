@@ -336,7 +336,7 @@ class NxdiBackend(NeuronBackend):
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
         if self.runs_ahead_in_call:
-            self._unless_continued_drop_run_ahead(batch)
+            self._drop_run_ahead_unless_continued(batch)
         output = self._step(rows.input_ids, range(len(rows.tokens)), rows.position_ids, rows.sampling)
         next_positions = [position + 1 for position in batch.positions]
         tokens = self._tokens(output, list(batch.slots), batch.sampling, next_positions)
@@ -344,7 +344,7 @@ class NxdiBackend(NeuronBackend):
             self._run_ahead.launched(batch, output.tokens[list(batch.slots)].tolist())
         return tokens
 
-    def _unless_continued_drop_run_ahead(self, batch: DecodeBatch) -> None:
+    def _drop_run_ahead_unless_continued(self, batch: DecodeBatch) -> None:
         """See the module docstring (async mode); the state is forgotten until this call succeeds."""
         if not self._run_ahead.continued_by(batch):
             self._neuron.prior_outputs = None
