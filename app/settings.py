@@ -112,6 +112,16 @@ class ServerSettings(BaseSettings):
     max_stop_string_chars: int = Field(256, ge=1)
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs / top_logprobs a request may ask.")
 
+    # Chat templates and tool calls.
+    chat_template: Path | None = Field(
+        None,
+        description="A Jinja chat template file used instead of the artifact's (vLLM's --chat-template).",
+    )
+    tool_call_parser: Literal["llama3_json", "pythonic"] | None = Field(
+        None,
+        description="How tool calls are read from the output (vLLM's names); default: both Llama 3 forms.",
+    )
+
     # Engine (defaults are EngineConfig's).
     max_waiting: int = Field(_ENGINE["max_waiting"], ge=1, description="Queue bound; beyond it, 429.")
     max_prefills_per_step: int = Field(_ENGINE["max_prefills_per_step"], ge=1)

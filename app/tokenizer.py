@@ -74,7 +74,8 @@ class Tokenizer:
         self.tokenizer_class = str(config.get("tokenizer_class") or "PreTrainedTokenizerFast")
 
     @classmethod
-    def from_dir(cls, path: Path) -> Tokenizer:
+    def from_dir(cls, path: Path, chat_template: Path | None = None) -> Tokenizer:
+        """`chat_template`: a Jinja file rendered instead of the directory's template."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(
@@ -85,7 +86,8 @@ class Tokenizer:
         except Exception as exc:  # the Rust library raises plain Exceptions for malformed files
             raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from exc
         config = _read_json(path / "tokenizer_config.json")
-        return cls(rust, config, _chat_template(path, config), generation_eos_ids(path))
+        template = _read_template(chat_template) if chat_template else _chat_template(path, config)
+        return cls(rust, config, template, generation_eos_ids(path))
 
     def to_json(self) -> str:
         """The tokenizer as `tokenizer.json` holds it (for libraries that take one: the grammar engine)."""
@@ -105,9 +107,14 @@ class Tokenizer:
         which incremental detokenization relies on)."""
         return self._rust.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable (Hugging Face's tool-use convention)."""
+        return "tools" in self.chat_template
+
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
@@ -125,7 +132,7 @@ class Tokenizer:
 
     def _render(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None,
     ) -> str:
@@ -213,6 +220,13 @@ def _ids_of(rust: RustTokenizer, tokens: list[str | None]) -> tuple[int, ...]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read the chat template {path}: {error}") from error
 
 
 def _chat_template(path: Path, config: Mapping[str, Any]) -> str | None:

@@ -1,5 +1,6 @@
 """Request fields that constrain or bias the output, read into the host logits path's terms: the one
-grammar constraint a body may set (OpenAI's `response_format`, vLLM's `guided_*` and `structured_outputs`),
+grammar constraint a body may set (OpenAI's `response_format` and `tool_choice` `required` or named,
+vLLM's `guided_*` and `structured_outputs`),
 `logit_bias` as token ids, `bad_words` as token sequences. `app/api/validation.py` calls these; the
 grammar is compiled by `app.structured.grammar`.
 
@@ -14,19 +15,49 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat
 from app.errors import InvalidRequestError
-from app.structured.grammar import Constraint, Kind
+from app.structured.grammar import Constraint, Kind, closed
+from app.structured.tools import Function, forced_call_constraint
 from app.tokenizer import Tokenizer
 
 
 def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
     """The body's one output constraint, or None; 400 when it sets several."""
-    found = [c for c in (_response_format(body.response_format), *_guided(body)) if c is not None]
+    forced = forced_call(body) if isinstance(body, ChatCompletionRequest) else None
+    found = [c for c in (_response_format(body.response_format), *_guided(body), forced) if c is not None]
     if len(found) > 1:
         names = ", ".join(c.param for c in found)
         raise InvalidRequestError(f"set one output constraint, not several ({names})", param=found[1].param)
     return found[0] if found else None
+
+
+def tools_offered(body: ChatCompletionRequest) -> bool:
+    """Whether the model is offered the request's tools (`tool_choice` other than none)."""
+    if body.tool_choice is not None and body.tool_choice != "none" and not body.tools:
+        raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def forces_call(body: ChatCompletionRequest) -> bool:
+    """Whether the output must be a tool call (`required`, or a named function)."""
+    return tools_offered(body) and body.tool_choice not in (None, "auto")
+
+
+def forced_call(body: ChatCompletionRequest) -> Constraint | None:
+    """The grammar of a `required` or named call, or None."""
+    if not forces_call(body):
+        return None
+    functions = [Function(t.function.name, t.function.parameters or {}) for t in body.tools or ()]
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        functions = [f for f in functions if f.name == choice.function.name]
+        if not functions:
+            raise InvalidRequestError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+    return forced_call_constraint(functions, "tool_choice")
 
 
 def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Constraint:
@@ -38,7 +69,7 @@ def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Con
             raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
-    return Constraint(Kind.JSON_SCHEMA, _closed(schema) if strict else schema, param)
+    return Constraint(Kind.JSON_SCHEMA, closed(schema) if strict else schema, param)
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -121,15 +152,3 @@ def _choice(choices: list[str] | None, param: str) -> Constraint | None:
     if not choices:
         raise InvalidRequestError(f"{param} needs at least one choice", param=param)
     return Constraint(Kind.CHOICE, choices, param)
-
-
-def _closed(schema: Any) -> Any:
-    """A copy of a schema with `additionalProperties: false` on every object that does not set it."""
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {key: _closed(value) for key, value in schema.items()}
-    if (closed.get("type") == "object" or "properties" in closed) and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    return closed

@@ -12,6 +12,7 @@ first one's logprob and alternatives null), as `lm-evaluation-harness` reads the
 
 from __future__ import annotations
 
+import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from fastapi.responses import Response
 
 from app.api import streaming
 from app.api.auth import presented_key
+from app.api.constraints import forces_call, tools_offered
 from app.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -39,6 +41,9 @@ from app.api.protocol import (
     GenerateRequest,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallFunction,
+    ToolCallInfo,
     TopLogprob,
     UsageInfo,
 )
@@ -46,6 +51,7 @@ from app.api.serving import ChoiceOutput, Job, Serving, cached_tokens, usage_cou
 from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
+from app.structured.tools import ToolCallParser, parse_tool_calls
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -175,6 +181,9 @@ class CompletionRenderer(OpenAIRenderer):
 
 
 class ChatRenderer(OpenAIRenderer):
+    """With tools offered, a choice's text is held until it ends and then sent as tool calls when it is
+    one (`finish_reason` "tool_calls"), else as content: whether it is a call shows only at its end."""
+
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
 
@@ -184,6 +193,33 @@ class ChatRenderer(OpenAIRenderer):
         assert isinstance(body, ChatCompletionRequest)
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.started: set[int] = set()
+        self.offers_tools = tools_offered(body)
+        # A forced call is generated in the JSON form whatever the parser of free text.
+        self.parser = ToolCallParser.LLAMA3_JSON if forces_call(body) else serving.tool_call_parser
+        self.first_call_only = body.parallel_tool_calls is False
+        self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
+
+    def delta(self, index: int, out: RequestOutput) -> bytes:
+        if self.offers_tools and not out.finished:
+            texts, samples = self.held.setdefault(index, ([], []))
+            texts.append(out.text)
+            samples += out.samples
+            return b""
+        return super().delta(index, out)
+
+    def tool_calls(self, text: str) -> list[ToolCallInfo] | None:
+        """The calls `text` holds in OpenAI's terms, or None (plain content)."""
+        calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
+        if calls is None:
+            return None
+        kept = calls[:1] if self.first_call_only else calls
+        return [
+            ToolCallInfo(
+                id=f"call_{secrets.token_hex(12)}",
+                function=ToolCallFunction(name=c.name, arguments=c.arguments),
+            )
+            for c in kept
+        ]
 
     def logprobs(self, samples: Sequence[SampledToken]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -202,19 +238,28 @@ class ChatRenderer(OpenAIRenderer):
     def chunk_choice(self, index: int, out: RequestOutput) -> ChatChunkChoice:
         role = None if index in self.started else "assistant"  # the role comes in a choice's first chunk
         self.started.add(index)
+        texts, samples = self.held.pop(index, ([], []))
+        text, samples = "".join(texts) + out.text, [*samples, *out.samples]
+        calls = self.tool_calls(text) if out.finished else None
+        if calls is None:
+            delta, reason = ChatDelta(role=role, content=text), finish_reason(out.finish_reason)
+        else:
+            deltas = [ToolCallDelta(index=i, **call.model_dump()) for i, call in enumerate(calls)]
+            delta, reason = ChatDelta(role=role, tool_calls=deltas), "tool_calls"
         return ChatChunkChoice(
-            index=index,
-            delta=ChatDelta(role=role, content=out.text),
-            logprobs=self.logprobs(out.samples),
-            finish_reason=finish_reason(out.finish_reason),
+            index=index, delta=delta, logprobs=self.logprobs(samples), finish_reason=reason
         )
 
     def choice(self, index: int, output: ChoiceOutput) -> ChatChoice:
+        calls = self.tool_calls(output.text)
+        message = (
+            AssistantMessage(content=output.text)
+            if calls is None
+            else AssistantMessage(content=None, tool_calls=calls)
+        )
+        reason = "tool_calls" if calls is not None else finish_reason(output.finish_reason) or "stop"
         return ChatChoice(
-            index=index,
-            message=AssistantMessage(content=output.text),
-            logprobs=self.logprobs(output.samples),
-            finish_reason=finish_reason(output.finish_reason) or "stop",
+            index=index, message=message, logprobs=self.logprobs(output.samples), finish_reason=reason
         )
 
     def response(self, job: Job) -> ChatCompletionResponse:

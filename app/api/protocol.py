@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, model_validator
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -148,13 +148,51 @@ class TextPart(RequestModel):
     text: Text
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: Text  # a JSON object, as OpenAI writes it
+
+
+class ToolCallMessage(RequestModel):
+    """A call the assistant made, as an earlier turn sends it back."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Role
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -166,8 +204,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
@@ -297,9 +335,25 @@ class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob]
 
 
+class ToolCallFunction(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallInfo(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCallInfo):
+    index: int
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallInfo] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(ResponseModel):
@@ -318,6 +372,7 @@ class ChatCompletionResponse(Envelope):
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChunkChoice(ResponseModel):

@@ -186,6 +186,7 @@ class Serving:
         self.model_name = runtime.model_name
         self.artifact_id = runtime.artifact_id
         self.caveats = list(runtime.caveats)
+        self.tool_call_parser = settings.tool_call_parser
         self.quantization = runtime.quantization
         self.salt_by_key = settings.prefix_cache_salt_by_api_key and bool(settings.api_keys)
         self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining

@@ -111,7 +111,9 @@ async def build_runtime(settings: ServerSettings) -> Runtime:
 
 async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runtime:
     with phase("tokenizer"):
-        tokenizer = await asyncio.to_thread(Tokenizer.from_dir, artifact.root / "model")
+        tokenizer = await asyncio.to_thread(
+            Tokenizer.from_dir, artifact.root / "model", settings.chat_template
+        )
     manifest = artifact.manifest
     caveats = artifact_caveats(manifest, settings)
     for caveat in caveats:

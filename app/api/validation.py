@@ -14,6 +14,7 @@ worker thread, off the event loop.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -25,14 +26,16 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from app.api.body_scan import array_lengths
-from app.api.constraints import bad_words_ids, logit_bias_pairs, request_constraint
+from app.api.constraints import bad_words_ids, logit_bias_pairs, request_constraint, tools_offered
 from app.api.errors import from_validation_error
 from app.api.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     GenerateParameters,
     GenerateRequest,
     TokenizeChatRequest,
+    ToolCallMessage,
 )
 from app.api.responses_protocol import REFUSED as RESPONSES_REFUSED
 from app.api.responses_protocol import RESPONSES_NAMES, ResponsesRequest, chat_body
@@ -128,11 +131,13 @@ FIELDS: dict[str, Field] = {
     ),
     "best_of": Field(Use.REFUSED, (None, 1), "no ranking of candidates (best_of equal to n is accepted)"),
     "suffix": Field(Use.REFUSED, (None, ""), "no fill-in-the-middle"),
-    "tools": Field(Use.REFUSED, (None, []), "no tool calls"),
-    "tool_choice": Field(Use.REFUSED, (None, "none"), "no tool calls"),
-    "functions": Field(Use.REFUSED, (None, []), "no tool calls"),
-    "function_call": Field(Use.REFUSED, (None, "none"), "no tool calls"),
-    "parallel_tool_calls": Field(Use.REFUSED, (None,), "no tool calls"),
+    "tools": Field(
+        Use.HOST, (None, []), "rendered by the chat template's tools; calls parsed from the output"
+    ),
+    "tool_choice": Field(Use.DEVICE, (None, "none", "auto"), "none, auto; required and named: " + GRAMMAR),
+    "functions": Field(Use.REFUSED, (None, []), "deprecated: use tools"),
+    "function_call": Field(Use.REFUSED, (None, "none"), "deprecated: use tool_choice"),
+    "parallel_tool_calls": Field(Use.HOST, (None, True), "false: the first call only"),
     "reasoning_effort": Field(Use.REFUSED, (None,), "no reasoning models"),
     "include_reasoning": Field(Use.HOST, (True,), "no reasoning parser: the text is the content"),
     # TGI's parameters without an implementation here
@@ -552,9 +557,19 @@ class Validator:
         self.limits.check_chars(
             sum(len(m["content"]) for m in messages), self.tokenizer.max_token_chars, "messages"
         )
-        prompt = self.tokenizer.apply_chat_template(
-            messages, body.add_generation_prompt, _template_kwargs(body.chat_template_kwargs)
-        )
+        template_kwargs = _template_kwargs(body.chat_template_kwargs)
+        if isinstance(body, ChatCompletionRequest) and tools_offered(body):
+            if not self.tokenizer.renders_tools:
+                raise InvalidRequestError(
+                    "this model's chat template does not render tools (it never reads `tools`); serve it "
+                    "with --chat-template FILE naming a template that does",
+                    param="tools",
+                )
+            template_kwargs = {
+                **template_kwargs,
+                "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            }
+        prompt = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, template_kwargs)
         if body.add_special_tokens:
             prompt = self.tokenizer.encode("", add_special_tokens=True) + prompt
         return prompt
@@ -652,13 +667,47 @@ def tgi_sampling(params: GenerateParameters) -> SamplingParams:
     )
 
 
-def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; OpenAI's `developer` role is a system message."""
+def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (Hugging Face's convention): OpenAI's `developer` role is a
+    system message; an assistant's calls carry their arguments as objects, a tool result its call's id."""
     messages = []
-    for message in body.messages:
+    for index, message in enumerate(body.messages):
+        _check_message(message, index)
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": message.text})
+        entry: dict[str, Any] = {"role": role, "content": message.text}
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_call(call, index) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        messages.append(entry)
     return messages
+
+
+def _check_message(message: ChatMessage, index: int) -> None:
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        raise InvalidRequestError(
+            "content is required, except in an assistant message with tool_calls",
+            param=f"messages.{index}.content",
+        )
+    if message.role == "tool" and not message.tool_call_id:
+        raise InvalidRequestError(
+            "a tool message needs the tool_call_id it answers", param=f"messages.{index}.tool_call_id"
+        )
+    if message.tool_calls and message.role != "assistant":
+        raise InvalidRequestError(
+            "only assistant messages carry tool_calls", param=f"messages.{index}.tool_calls"
+        )
+
+
+def _template_call(call: ToolCallMessage, index: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequestError(
+            f"messages[{index}] has a tool call whose arguments are not JSON", param="messages"
+        ) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})

@@ -189,6 +189,18 @@ def with_host_state(
     return replace(params, sampling=state)
 
 
+def closed(schema: Any) -> Any:
+    """A copy of a schema with `additionalProperties: false` on every object that does not set it."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: closed(value) for key, value in schema.items()}
+    if (result.get("type") == "object" or "properties" in result) and "additionalProperties" not in result:
+        result["additionalProperties"] = False
+    return result
+
+
 def _source(constraint: Constraint) -> str:
     kind, param = constraint.kind, constraint.param
     try:

@@ -27,6 +27,7 @@ GRID = ShapeGrid(4, 256, (64, 128), (128, 256), (1, 2, 4))
 
 class FakeTokenizer:
     eos_token_ids = (EOS,)
+    renders_tools = False
     vocab_size = VOCAB_SIZE
     tokenizer_class = "FakeTokenizer"
     special_tokens: ClassVar = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": None, "pad_token": None}

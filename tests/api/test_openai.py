@@ -123,7 +123,19 @@ def test_chat_logprobs(client):
     ("messages", "param"),
     [
         ([], "messages"),
-        ([{"role": "tool", "content": "x"}], "messages.0.role"),
+        ([{"role": "tool", "content": "x"}], "messages.0.tool_call_id"),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                }
+            ],
+            "messages.0.tool_calls",
+        ),
         ([{"role": "user"}], "messages.0.content"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
@@ -165,9 +177,9 @@ def test_refusals_name_the_parameter(client, body, param):
     assert error["message"]
 
 
-def test_chat_refuses_tools(client):
+def test_chat_refuses_a_tool_without_its_function(client):
     response = chat(client, [{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
-    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools.0.function"
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(client):

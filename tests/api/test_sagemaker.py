@@ -131,7 +131,7 @@ def test_special_tokens_are_flagged_like_tgi():
 
 
 def test_a_bad_tokenizer_fails_startup_before_the_device_is_touched(monkeypatch):
-    def broken_tokenizer(path):
+    def broken_tokenizer(path, chat_template=None):
         raise ConfigError(f"cannot load a tokenizer from {path}")
 
     def device_work(*args):

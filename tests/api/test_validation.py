@@ -156,7 +156,7 @@ def test_the_table_covers_every_field_it_refuses():
     tested = set(REFUSED_EXAMPLES) | set(DEVICE_EXAMPLES) | GRAMMAR_FIELDS
     chat_or_tgi_only = {
         "bad_words", "continue_final_message", "documents", "chat_template", "mm_processor_kwargs",
-        "structural_tag", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+        "structural_tag", "tool_choice", "functions", "function_call",
         "reasoning_effort", "typical_p", "watermark", "decoder_input_details", "top_n_tokens", "grammar",
         "adapter_id", "top_k",
     }  # fmt: skip
@@ -457,3 +457,19 @@ def test_special_token_strings_in_chat_content_stay_text(real_validator):
     assert prompt_ids(
         real_validator, Api.CHAT, {"messages": plain}
     ) == real_validator.tokenizer.apply_chat_template(plain)
+
+
+def test_tools_with_a_template_that_cannot_render_them_are_a_400_naming_it(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool]}
+    response = post(client, "/v1/chat/completions", body)
+    assert refused(response, "tools") and "--chat-template" in response.json()["error"]["message"]
+    assert (
+        post(client, "/v1/chat/completions", {**body, "tool_choice": "none", "max_tokens": 1}).status_code
+        == 200
+    )
+
+
+def test_tool_choice_without_tools_is_a_400(client):
+    body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}
+    assert refused(post(client, "/v1/chat/completions", body), "tool_choice")

@@ -1,0 +1,114 @@
+"""Tool calls in Llama 3.1 / 3.2 / 3.3's formats: the grammar that makes a `required` or named call
+valid by construction, and the parser that reads calls out of generated text.
+
+Formats (`ToolCallParser`, vLLM's names):
+- `llama3_json`: Llama 3.1's JSON form, `{"name": "f", "parameters": {...}}` (`"arguments"` accepted too),
+  optionally after `<|python_tag|>`, several calls separated by `;`;
+- `pythonic`: Llama 3.2's list of calls, `[f(a=1, b="x"), g()]`, read with Python's own parser (literals
+  only, never evaluated).
+With no parser named, both are tried (JSON first): a Llama family artifact may use either template.
+
+A forced call (`tool_choice` `required` or a named function) is generated under a JSON schema of the
+JSON form whose `parameters` is each function's own schema with its objects closed (an argument the
+schema does not declare would still validate, but a tiny model could ramble in one forever), so the
+arguments always parse and validate. `app/api` renders the calls in OpenAI's format; `/v1/responses`
+reuses `forced_call_constraint` and `parse_tool_calls`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from app.structured.grammar import Constraint, Kind, closed
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolCallParser(StrEnum):
+    LLAMA3_JSON = "llama3_json"
+    PYTHONIC = "pythonic"
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """A function a request offers: its name and its parameters' JSON schema."""
+
+    name: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+def forced_call_constraint(functions: Sequence[Function], param: str) -> Constraint:
+    """One call of one of `functions`, in the JSON form."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f.name},
+                "parameters": closed(f.parameters or {"type": "object"}),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return Constraint(Kind.JSON_SCHEMA, schema, param)
+
+
+def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[ToolCall] | None:
+    """The calls `text` holds, or None when it is not (only) tool calls."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    readers = {ToolCallParser.LLAMA3_JSON: _json_calls, ToolCallParser.PYTHONIC: _pythonic_calls}
+    for reader in [readers[parser]] if parser else readers.values():
+        calls = reader(body)
+        if calls:
+            return calls
+    return None
+
+
+def _json_calls(body: str) -> list[ToolCall] | None:
+    calls = []
+    for part in body.split(";") if body.startswith("{") else ():
+        try:
+            call = json.loads(part)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("parameters", call.get("arguments", {}))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
+def _pythonic_calls(body: str) -> list[ToolCall] | None:
+    if not body.startswith("["):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+        except (ValueError, SyntaxError, RecursionError):
+            return None
+        calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls

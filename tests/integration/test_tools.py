@@ -1,0 +1,123 @@
+"""Tool calls through the real server (torch backend, stories260K, a tool-aware chat template given with
+INF2SERVE_CHAT_TEMPLATE) and the unmodified `openai` client: `tool_choice` "required" and a named
+function return calls whose arguments validate against the function's schema, streamed (OpenAI's
+tool-call deltas, ending with finish_reason "tool_calls") and not; a conversation carrying an earlier
+call and its result renders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from loadtest.harness.server import BIN, ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = Path(__file__).parent / "data" / "tools_template.jinja"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(stories_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    root = tmp_path_factory.mktemp("tools")
+    shutil.copytree(stories_artifact, root / "model")
+    port = free_port()
+    env = {
+        "SAGEMAKER_BIND_TO_PORT": str(port),
+        "INF2SERVE_ARTIFACT": str(root / "model"),
+        "INF2SERVE_DRAIN_S": "0",
+        "INF2SERVE_CHAT_TEMPLATE": str(TEMPLATE),
+    }
+    server = ServerProcess([str(BIN / "serve")], env, port, root / "server.log").start()
+    try:
+        server.wait_ready()
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    finally:
+        server.stop()
+
+
+def assert_valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_required_returns_calls_that_validate(client) -> None:
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS, tool_choice="required", n=6, temperature=1.0,
+        seed=4, max_tokens=60,
+    )  # fmt: skip
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert_valid(call.function.name, call.function.arguments)
+
+
+def test_a_named_function_is_the_one_called(client) -> None:
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=60, seed=2,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    (call,) = completion.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    assert_valid("get_time", call.function.arguments)
+
+
+def test_a_streamed_required_call_arrives_as_tool_call_deltas(client) -> None:
+    stream = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS, tool_choice="required", stream=True,
+        max_tokens=60, temperature=1.0, seed=9,
+    )  # fmt: skip
+    chunks = list(stream)
+    calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert_valid(calls[0].function.name, calls[0].function.arguments)
+    assert all(not c.choices[0].delta.content for c in chunks)
+
+
+def test_a_conversation_with_a_call_and_its_result_renders(client) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+    }
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    completion = client.chat.completions.create(
+        model="stories260K", messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    alone = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=1, temperature=0
+    )
+    assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call (its name and arguments) and its result were rendered: 'call: get_time({"zone": "UTC"})'
+    assert (
+        completion.usage.prompt_tokens - alone.usage.prompt_tokens > len('get_time({"zone": "UTC"})12:00') / 2
+    )

@@ -1,0 +1,59 @@
+"""Reading Llama 3.x tool calls out of generated text: the JSON form (with `<|python_tag|>`, `arguments`
+for `parameters`, several calls), 3.2's pythonic list, and text that is not a call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.structured.tools import Function, ToolCall, ToolCallParser, forced_call_constraint, parse_tool_calls
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ('{"name": "f", "parameters": {"a": 1}}', [ToolCall("f", '{"a": 1}')]),
+        ('<|python_tag|>{"name": "f", "arguments": {"a": "x"}}', [ToolCall("f", '{"a": "x"}')]),
+        ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"b": [1]}}',
+         [ToolCall("f", "{}"), ToolCall("g", '{"b": [1]}')]),
+        ('[get_weather(city="Paris", days=3), now()]',
+         [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
+    ],
+    ids=["json", "python-tag", "two-json", "pythonic"],
+)  # fmt: skip
+def test_calls_are_read(text: str, calls: list[ToolCall]) -> None:
+    assert parse_tool_calls(text) == calls
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello there",
+        '{"name": 3}',
+        '{"name": "f", "parameters": [1]}',
+        "[f(1)]",
+        "[__import__('os')]",
+        "[]",
+        "{",
+    ],
+)
+def test_other_text_is_no_call(text: str) -> None:
+    assert parse_tool_calls(text) is None
+
+
+def test_a_named_parser_reads_only_its_form() -> None:
+    assert parse_tool_calls("[f(a=1)]", ToolCallParser.LLAMA3_JSON) is None
+    assert parse_tool_calls("[f(a=1)]", ToolCallParser.PYTHONIC) == [ToolCall("f", '{"a": 1}')]
+
+
+def test_a_forced_call_closes_the_functions_objects() -> None:
+    params = {"type": "object", "properties": {"o": {"type": "object", "properties": {}}}}
+    schema = forced_call_constraint([Function("f", params)], "tool_choice").value
+    assert schema["properties"]["name"] == {"const": "f"}
+    closed = schema["properties"]["parameters"]
+    assert (
+        closed["additionalProperties"] is False and closed["properties"]["o"]["additionalProperties"] is False
+    )
+    assert "anyOf" in forced_call_constraint([Function("f", params), Function("g", {})], "tool_choice").value
+    json.dumps(schema)
