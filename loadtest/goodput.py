@@ -1,6 +1,7 @@
 """Goodput under latency SLOs (a benchmark, not a test): our scheduling policy against the Neuron peers'
 (`app/engine/policies.py`), each run through the real engine and scheduler against the sim device in
-virtual time (`VirtualClock`), so only the policy differs and the whole table is CPU-bound.
+virtual time (`VirtualClock`, the engine core's `step()` driven in one thread), so only the policy
+differs and the whole table is CPU-bound.
 
 Goodput (DistServe; vLLM's `--goodput`): the highest request rate at which at least 99 % of requests meet
 both SLOs, TTFT <= slo_ttft and TPOT (a request's mean time per output token after its first) <= slo_tpot.
@@ -30,12 +31,10 @@ import multiprocessing
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from functools import cache, partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,12 +42,12 @@ from app.backends.base import BackendSpec, SamplingParams
 from app.backends.sim import PRESETS, CostModel, SimBackend
 from app.engine.clock import VirtualClock
 from app.engine.config import EngineConfig
-from app.engine.engine import LLMEngine
+from app.engine.core import EngineCore, StepRecord
 from app.engine.policies import PEER_POLICIES
-from app.engine.stats import StatsSink, discard_stats
-from app.engine.types import GenerationParams, RequestOutput
+from app.engine.request import Request
+from app.engine.stops import stop_token_ids
+from app.engine.types import GenerationParams
 from app.shapes import ShapeGrid, powers_of_two
-from app.tokenizer import Tokenizer
 from compile.pipeline import batch_buckets
 from loadtest import goodput_bound, traces
 from loadtest.goodput_report import write_html
@@ -56,14 +55,12 @@ from loadtest.traces import Trace
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "reports"
-DEFAULT_TOKENIZER = REPO.parent / "shared" / "models" / "stories260K"
 OURS = "slo"
 POLICIES = (OURS, *PEER_POLICIES)
 TARGET = 0.99  # the share of requests that must meet both SLOs
 PRECISION = 1.05  # the rate search stops when its bracket is this narrow (ratio)
 VOCAB = 512
 EOS_IDS = (1, 2)
-CATCH_UP_S = 60.0  # the output thread is behind the engine by a few steps' work
 
 
 @dataclass(frozen=True)
@@ -226,38 +223,48 @@ def run_trace(
     trace: Trace,
     rate: float,
     config: EngineConfig,
-    tokenizer: Tokenizer,
     slos: Sequence[Slo] = (),
     scored: int | None = None,
-    stats_sink: StatsSink = discard_stats,
 ) -> list[Outcome | None]:
-    """The requests of `trace` at `rate` (open loop) through the real engine, in virtual time; the outcomes
-    of the first `scored` (default: all). The requests after those keep arriving, as load, until every
-    scored one has finished: so the scored requests see a steady state's load to the end, rather than a
-    queue that drains once arrivals stop (where a policy that lets requests fall behind within their TPOT
-    would catch up after the last arrival, and a short run would credit it with more than the device can
-    sustain). Given `slos`, no more requests arrive once more scored requests missed each of them than
-    the target allows (those are None: the attainment is below the target whatever they would have done).
-    The engine's step statistics go to `stats_sink`: by default nowhere (recording them into Prometheus
-    took a quarter of a run's CPU time)."""
+    """The requests of `trace` at `rate` (open loop) through the real engine core, in virtual time; the
+    outcomes of the first `scored` (default: all). The requests after those keep arriving, as load, until
+    every scored one has finished: so the scored requests see a steady state's load to the end, rather
+    than a queue that drains once arrivals stop (where a policy that lets requests fall behind within
+    their TPOT would catch up after the last arrival, and a short run would credit it with more than the
+    device can sustain). Given `slos`, no more requests arrive once more scored requests missed each of
+    them than the target allows (those are None: the attainment is below the target whatever they would
+    have done).
+
+    One thread: each `step()` runs the device calls of a step (the sim moves the clock to their ends);
+    the requests that arrived meanwhile join after it, each judged by what had finished before the step
+    (the step's own results are taken after them), and an idle engine jumps to the next arrival."""
     clock = VirtualClock()
     spec = BackendSpec("sim", 1, "bf16", preset.grid)
-    backend = SimBackend.create(spec, preset.cost, VOCAB, EOS_IDS, clock=clock)
+    core = EngineCore(SimBackend.create(spec, preset.cost, VOCAB, EOS_IDS, clock=clock), config, clock)
     run = TraceRun(trace, slos, len(trace) if scored is None else scored)
-    engine = LLMEngine(backend, tokenizer, config, stats_sink=stats_sink, clock=clock, relay=run.relay)
-    clock.feed(trace.arrivals(rate), partial(run.arrive, engine))
-    engine.start()
-    try:
-        return run.outcomes(engine)
-    finally:
-        engine.stop()
+    arrivals = trace.arrivals(rate)
+    index = 0  # the next arrival; len(arrivals) once they ended
+
+    def arrive() -> int:
+        return index + 1 if run.arrive(core, index, arrivals[index]) else len(arrivals)
+
+    while not run.done:
+        record = core.step()
+        while record.calls and index < len(arrivals) and arrivals[index] <= clock.monotonic():
+            index = arrive()  # came while the device ran
+        run.take(record)
+        if record.idle and not run.done:
+            if index == len(arrivals):
+                raise RuntimeError("the engine is idle, scored requests are unfinished and none will arrive")
+            clock.advance_to(arrivals[index])
+            index = arrive()
+    return run.outcomes()
 
 
 class TraceRun:
-    """One run's requests: submitted on the engine's thread as the virtual clock reaches each arrival, their
-    final outputs taken from the engine's relay on its output thread; `outcomes` waits for the first
-    `scored` ones, while the ones after them arrive as load. Each arrival first waits for the outputs of
-    the requests the engine has finished by then, so whether it comes is deterministic too."""
+    """One run's requests: added to the engine core as they arrive, their outcomes taken from the step
+    records; `done` once the first `scored` have finished and no more of them will arrive, while the ones
+    after them arrive as load."""
 
     def __init__(self, trace: Trace, slos: Sequence[Slo], scored: int) -> None:
         self.trace = trace
@@ -265,84 +272,64 @@ class TraceRun:
         self.scored = scored
         self.allowed = (1 - TARGET) * scored
         self.misses = [0] * len(slos)
-        self.finals: dict[int, RequestOutput] = {}  # of scored requests
+        self.finals: dict[int, Outcome | None] = {}  # of scored requests
         self.submitted = 0  # every request
-        self.finished = 0  # every request whose final output is in
         self.arriving = True  # scored requests still to arrive
-        self.changed = threading.Condition()  # the engine thread submits, the output thread finishes
 
-    def arrive(self, engine: LLMEngine, index: int) -> bool:
-        """Submit request `index`, unless the target is already out of reach or, for load, every scored
-        request has finished (then no more arrive)."""
-        if self.over(engine):
-            with self.changed:
-                self.arriving = False
-                self.changed.notify_all()
+    def arrive(self, core: EngineCore, index: int, time: float) -> bool:
+        """Add request `index`, arriving at `time`, unless the target is already out of reach or, for
+        load, every scored request has finished (then no more arrive)."""
+        if self.over():
+            self.arriving = False
             return False
         trace = self.trace
-        prompt = [3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index])]
+        prompt = tuple(3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index]))
         params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
-        with self.changed:
-            self.submitted += 1
-            self.arriving = index + 1 < self.scored
-        engine.submit(f"r{index}", prompt, params)
+        core.add(Request(f"r{index}", prompt, params, time, stop_token_ids(params, EOS_IDS)))
+        self.submitted += 1
+        self.arriving = index + 1 < self.scored
         return True
 
-    def over(self, engine: LLMEngine) -> bool:
-        """More scored requests missed each SLO than the target allows, or every scored one has finished
-        (on the engine's thread: its counts hold still while the output thread catches up with the requests
-        it finished)."""
-        finished = self.submitted - engine.num_running - engine.num_waiting
-        with self.changed:
-            if not self.changed.wait_for(lambda: self.finished >= finished, CATCH_UP_S):
-                raise RuntimeError(f"the engine finished {finished} requests, the relay has {self.finished}")
-            out_of_reach = bool(self.slos) and min(self.misses) > self.allowed
-            return out_of_reach or len(self.finals) == self.scored
+    def over(self) -> bool:
+        """More scored requests missed each SLO than the target allows, or every scored one has finished."""
+        out_of_reach = bool(self.slos) and min(self.misses) > self.allowed
+        return out_of_reach or len(self.finals) == self.scored
 
-    def relay(self, outputs: list[RequestOutput]) -> None:
-        """One step's deltas (the output thread)."""
-        finals = [output for output in outputs if output.finished]
-        if not finals:
-            return
-        with self.changed:
-            self.finished += len(finals)
-            for output in finals:
-                index = int(output.request_id[1:])
-                if index < self.scored:
-                    self.finals[index] = output
-                    outcome = outcome_of(output)
-                    for k, slo in enumerate(self.slos):
-                        self.misses[k] += outcome is None or not slo.met(outcome.ttft_s, outcome.tpot_s)
-            self.changed.notify_all()
+    def take(self, record: StepRecord) -> None:
+        """One step's finished requests."""
+        for request in record.finished:
+            index = int(request.request_id[1:])
+            if index < self.scored:
+                outcome = self.finals[index] = outcome_of(request)
+                for k, slo in enumerate(self.slos):
+                    self.misses[k] += outcome is None or not slo.met(outcome.ttft_s, outcome.tpot_s)
 
-    def outcomes(self, engine: LLMEngine) -> list[Outcome | None]:
-        with self.changed:
-            while not self.changed.wait_for(self._done, 1.0):
-                if not engine.is_alive:
-                    raise RuntimeError("the engine stopped before the run ended")
-        outcomes: list[Outcome | None] = [None] * self.scored
-        for index, output in self.finals.items():
-            assert output.error is None, output
-            outcomes[index] = outcome_of(output)
-        return outcomes
-
-    def _done(self) -> bool:
+    @property
+    def done(self) -> bool:
         return not self.arriving and len(self.finals) == min(self.submitted, self.scored)
 
+    def outcomes(self) -> list[Outcome | None]:
+        outcomes: list[Outcome | None] = [None] * self.scored
+        for index, outcome in self.finals.items():
+            assert outcome is not None, f"request r{index} failed"
+            outcomes[index] = outcome
+        return outcomes
 
-def outcome_of(output: RequestOutput) -> Outcome | None:
+
+def outcome_of(request: Request) -> Outcome | None:
     """A finished request's TTFT and TPOT (None if it failed)."""
-    if output.error is not None:
+    if request.error is not None:
         return None
-    n, timings = output.num_generated_tokens, output.timings
-    ttft, total = timings.time_to_first_token_s or 0.0, timings.total_s or 0.0
+    n, arrival = request.num_output_tokens, request.arrival_time
+    ttft = 0.0 if request.first_token_time is None else request.first_token_time - arrival
+    total = 0.0 if request.finish_time is None else request.finish_time - arrival
     return Outcome(ttft, (total - ttft) / (n - 1) if n > 1 else 0.0, n)
 
 
 def runner(
-    preset: Preset, trace: Trace, config: EngineConfig, tokenizer: Tokenizer, slos: Sequence[Slo], scored: int
+    preset: Preset, trace: Trace, config: EngineConfig, slos: Sequence[Slo], scored: int
 ) -> Callable[[float], list[Outcome | None]]:
-    return lambda rate: run_trace(preset, trace, rate, config, tokenizer, slos, scored)
+    return lambda rate: run_trace(preset, trace, rate, config, slos, scored)
 
 
 def engine_config(policy: str, slo: Slo, num_requests: int) -> EngineConfig:
@@ -477,12 +464,6 @@ def distribution(outcomes: Sequence[Outcome | None]) -> dict[str, list[float]]:
 # --- the cells, in worker processes ---
 
 
-@cache
-def load_tokenizer(path: Path) -> Tokenizer:
-    """Once per worker process."""
-    return Tokenizer.from_dir(path)
-
-
 @dataclass(frozen=True)
 class PolicySearch:
     """One policy's rate search on a cell (ours: against one SLO pair), as a worker sends it back."""
@@ -511,10 +492,9 @@ def search_policy(
     config: EngineConfig,
     judged: dict[str, Slo],
     start: float,
-    tokenizer_dir: Path,
 ) -> PolicySearch:
     started = time.perf_counter()
-    run = runner(preset, trace, config, load_tokenizer(tokenizer_dir), tuple(judged.values()), scored)
+    run = runner(preset, trace, config, tuple(judged.values()), scored)
     searches, runs = search_goodput(run, judged, start)
     return PolicySearch(
         config.policy,
@@ -534,10 +514,10 @@ def passed(outcomes: Sequence[Outcome | None], slos: Iterable[Slo]) -> bool:
 
 
 def distribution_run(
-    preset: Preset, trace: Trace, scored: int, config: EngineConfig, rate: float, tokenizer_dir: Path
+    preset: Preset, trace: Trace, scored: int, config: EngineConfig, rate: float
 ) -> Distribution:
     started = time.perf_counter()
-    outcomes = run_trace(preset, trace, rate, config, load_tokenizer(tokenizer_dir), scored=scored)
+    outcomes = run_trace(preset, trace, rate, config, scored=scored)
     return Distribution(config.policy, outcomes, 1, time.perf_counter() - started)
 
 
@@ -557,8 +537,8 @@ class CellWork:
     distributions of full runs at the best peer's goodput for the relaxed pair. Each search and each
     distribution run is a task for a worker process."""
 
-    def __init__(self, preset: Preset, trace: Trace, scored: int, tokenizer_dir: Path) -> None:
-        self.preset, self.trace, self.scored, self.tokenizer_dir = preset, trace, scored, tokenizer_dir
+    def __init__(self, preset: Preset, trace: Trace, scored: int) -> None:
+        self.preset, self.trace, self.scored = preset, trace, scored
         self.head = trace.head(scored)
         self.slos = scaled_slos(preset, self.head)
         self.shown = "relaxed" if "relaxed" in self.slos else next(iter(self.slos))
@@ -584,7 +564,7 @@ class CellWork:
                 judged_by = [(self.slos[self.shown], self.slos)]
             for slo, judged in judged_by:
                 config = self.config(policy, slo)
-                args = (self.preset, self.trace, self.scored, config, judged, self.start, self.tokenizer_dir)
+                args = (self.preset, self.trace, self.scored, config, judged, self.start)
                 tasks.append(Task(search_policy, args, self.tokens * len(judged)))
         return tasks
 
@@ -607,7 +587,7 @@ class CellWork:
             if reusable:
                 self.distributions[policy] = Distribution(policy, reusable[0], 0, 0.0)
             else:
-                args = (self.preset, self.trace, self.scored, config, self.rate, self.tokenizer_dir)
+                args = (self.preset, self.trace, self.scored, config, self.rate)
                 tasks.append(Task(distribution_run, args))
         return tasks
 
@@ -765,7 +745,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=500,
         help="scored requests per run (the trace's head; the ones after it arrive as load until they finish)",
     )
-    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)"
@@ -774,11 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     presets = [p for p in PRESET_LIST if p.name in args.presets]
     calibration_rows = calibration(presets)
     started = time.perf_counter()
-    work = [
-        CellWork(preset, traces.load(name), args.requests, args.tokenizer)
-        for preset in presets
-        for name in args.traces
-    ]
+    work = [CellWork(preset, traces.load(name), args.requests) for preset in presets for name in args.traces]
     cells = measure_cells(work, args.jobs)
     rows = table_rows(cells)
     print_table(rows, calibration_rows)

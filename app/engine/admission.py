@@ -1,43 +1,142 @@
-"""Admission by expected queue wait: the queue takes a request only if it can be expected to get a slot
-within `max_queue_wait_s`; otherwise the request is refused at once (OverloadedError: 429 with
-Retry-After) rather than accepted to wait and then fail with 504.
+"""Admission by the work the engine holds: the queue takes a request only if it can be expected to get a
+slot within `max_queue_wait_s`; otherwise the request is refused at once (OverloadedError: 429 with
+Retry-After, the estimated time until it would fit) rather than accepted to wait and then fail with 504.
 
-The expectation comes from the measured service rate: the slots free up at `num_slots / slot_s`
-requests a second, where `slot_s` is how long a finished request held its slot (an EWMA over finished
-requests, kept by the output processor), or before any request finished, the measured step time times
-the tokens a request takes. A request joining behind `ahead` waiting requests, with `free` slots free,
-waits for the (ahead - free + 1)-th slot to free up. Pure functions of those figures, so a test can
-drive them with any numbers.
+The expectation counts work, not requests:
+- Every request held (waiting, preempted or running) may still generate `token_limit - num_tokens`
+  tokens (its `max_tokens`, within the compiled positions). It is expected to generate `fill` of that:
+  the share of their budget that requests ending by their own rules (EOS, a stop id, `max_tokens`)
+  used, an EWMA bounded to [MIN_FILL, 1] and 1 until one ended. Aborted and failed requests say nothing
+  about output length and are left out; a short request's share counts as much as a long one's, so
+  neither can drag the estimate toward zero.
+- The slots generate one token each per decode step; `token_s` is the device time from one decode call
+  to the next, the prefill calls between them included (an EWMA over decode calls).
+- A request that joins behind `waiting` requests with `free` slots free starts at once if
+  `waiting < free`, and otherwise once the work ahead of it drains: `work x fill x token_s / slots`.
+- That is an average: requests admitted together start in waves, their prefills take steps too, so a
+  request is admitted only if its expected wait is within ADMIT_SHARE of the bound.
+
+`Backlog` carries those figures; it is picklable and sums across replicas (`Backlog.pooled`), so the
+replica pool judges a request against the whole pool's work and slots. Pure functions of the figures, so
+a test can drive them with any numbers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from app.backends.base import DecodeBatch
+from app.engine.types import FinishReason
+from app.errors import OverloadedError
+
+if TYPE_CHECKING:
+    from app.engine.core import CallTiming
+    from app.engine.request import Request
+
+EWMA_WEIGHT = 0.1
+MIN_FILL = 1 / 32  # a request is expected to use at least this share of its max_tokens
+DEFAULT_STEP_S = 0.05  # Retry-After estimates before any decode step was measured
+ADMIT_SHARE = 0.9  # of max_queue_wait_s that an admitted request's expected wait may take
+_OWN_END = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceRate:
-    """How fast the slots free up: `num_slots` slots, each held `slot_s` seconds per request."""
+class Backlog:
+    """What an engine (or a pool of them) holds, as admission sees it."""
 
     num_slots: int
-    slot_s: float
-    measured: bool = True  # False: a guess (nothing ran yet), no ground to refuse a request on
+    free_slots: int
+    num_waiting: int
+    work_tokens: int  # tokens the held requests may still generate (their budgets left)
+    fill: float  # the expected share of that budget they use
+    token_s: float  # seconds per decode step of every running slot (0.0: not measured yet)
+
+    @property
+    def measured(self) -> bool:
+        """False: nothing was measured, no ground to refuse a request on (Retry-After is a guess)."""
+        return self.token_s > 0
+
+    @property
+    def step_s(self) -> float:
+        return self.token_s or DEFAULT_STEP_S
+
+    def wait_s(self) -> float:
+        """Expected queue wait of a request that joins now."""
+        if self.num_waiting < self.free_slots:
+            return 0.0
+        return self.work_tokens * self.fill * self.step_s / self.num_slots
+
+    def expected_time_s(self, max_tokens: int) -> float:
+        """Seconds a request joining now with `max_tokens` is expected to take, at most: its wait plus
+        one step per token."""
+        return self.wait_s() + max_tokens * self.step_s
+
+    def check(self, max_waiting: int, max_queue_wait_s: float | None) -> None:
+        """Raise OverloadedError for a request that would exceed the queue bound or, as measured, wait
+        longer than `max_queue_wait_s` for a slot; its Retry-After is when it would fit."""
+        waiting = self.num_waiting
+        if waiting >= max_waiting:
+            excess = waiting - max_waiting + 1  # requests that must start before one more can queue
+            raise OverloadedError(
+                f"the waiting queue is full ({waiting} requests, limit max_waiting={max_waiting})",
+                retry_after_s=max(self.step_s, self.wait_s() * excess / waiting),
+            )
+        if max_queue_wait_s is None or not self.measured:
+            return
+        wait, bound = self.wait_s(), ADMIT_SHARE * max_queue_wait_s
+        if wait > bound:
+            raise OverloadedError(
+                f"the server is overloaded: {waiting} requests wait for {self.num_slots} slots with "
+                f"{self.work_tokens} tokens to generate, an expected {wait:.1f} s, over "
+                f"max_queue_wait_s={max_queue_wait_s}",
+                retry_after_s=max(self.step_s, wait - bound),
+            )
 
     @classmethod
-    def estimate(
-        cls, num_slots: int, slot_s: float, step_s: float, request_tokens: float, measured: bool
-    ) -> ServiceRate:
-        """From the measured slot time, or before any request finished, from step time x tokens."""
-        return cls(num_slots, slot_s if slot_s > 0 else step_s * request_tokens, measured or slot_s > 0)
+    def pooled(cls, parts: Sequence[Backlog]) -> Backlog:
+        """Several engines as one: their slots, queues and work add up; the work drains at their summed
+        rate (an engine not measured yet is taken to run as fast as the measured ones, on average)."""
+        measured = [p for p in parts if p.measured]
+        slots = sum(p.num_slots for p in parts)
+        work = sum(p.work_tokens for p in parts)
+        expected = sum(p.work_tokens * p.fill for p in parts)
+        token_s = 0.0
+        if measured:
+            token_s = sum(p.num_slots for p in measured) / sum(p.num_slots / p.token_s for p in measured)
+        return cls(
+            slots,
+            sum(p.free_slots for p in parts),
+            sum(p.num_waiting for p in parts),
+            work,
+            expected / work if work else max((p.fill for p in parts), default=1.0),
+            token_s,
+        )
 
-    def wait_s(self, ahead: int, free_slots: int) -> float:
-        """Expected queue wait of a request that joins now behind `ahead` waiting requests."""
-        if ahead < free_slots:
-            return 0.0
-        return (ahead - free_slots + 1) * self.slot_s / self.num_slots
 
-    def retry_after_s(self, ahead: int, free_slots: int, max_wait_s: float) -> float:
-        """When a request refused now could expect to start within `max_wait_s`: once the queue ahead
-        has drained enough (at least one slot time's share)."""
-        excess = self.wait_s(ahead, free_slots) - max_wait_s
-        return max(excess, self.slot_s / self.num_slots)
+class ServiceEstimator:
+    """The measured figures behind a `Backlog`, kept by the engine core as steps complete (read from any
+    thread: plain floats)."""
+
+    def __init__(self) -> None:
+        self.token_s = 0.0
+        self.fill = 1.0
+        self._since_decode_s = 0.0  # device time of the calls since the last decode
+
+    def observe(self, calls: Iterable[CallTiming]) -> None:
+        for call in calls:
+            self._since_decode_s += call.seconds
+            if isinstance(call.batch, DecodeBatch):
+                sample, self._since_decode_s = self._since_decode_s, 0.0
+                self.token_s += (sample - self.token_s) * (EWMA_WEIGHT if self.token_s else 1.0)
+
+    def finished(self, request: Request) -> None:
+        if request.finish_reason not in _OWN_END or request.error is not None:
+            return
+        budget = request.token_limit - request.num_prompt_tokens
+        share = min(1.0, max(MIN_FILL, request.num_output_tokens / budget)) if budget > 0 else 1.0
+        self.fill += EWMA_WEIGHT * (share - self.fill)
+
+    def backlog(self, num_slots: int, free_slots: int, num_waiting: int, work_tokens: int) -> Backlog:
+        return Backlog(num_slots, free_slots, num_waiting, work_tokens, self.fill, self.token_s)

@@ -1,23 +1,16 @@
-"""`LLMEngine`: the continuous-batching engine behind the HTTP layer (`EngineClient`).
+"""`LLMEngine`: the threaded driver of the engine core behind the HTTP layer and each replica process.
 
-Three threads meet here. The caller's (the uvicorn event loop) runs `generate` and `abort`, which only
-validate, admit into an inbox and return at once. The engine thread runs the step loop, schedule ->
-launch -> complete, calling the backend inline so that nothing but the scheduler sits between two device
-steps. The output thread (`app/engine/output.py`) detokenizes, matches stop strings, reports each step's
-statistics (`StepStats`) to the stats sink and hands each request's deltas to the event loop that asked
-for them, while the next step runs.
+Three threads meet here. The caller's (the uvicorn event loop, or a replica's pipe reader) runs
+`generate`, `submit` and `abort`, which only validate, admit into an inbox and return at once. The engine
+thread runs the core (`app/engine/core.py`): between two steps it moves the inbox, the aborts and the
+stops handed back by the output side into the core, then calls `step()`, so that nothing but the
+scheduler sits between two device steps, and hands each `StepRecord` to the output thread. The output
+thread (`app/engine/output.py`) detokenizes, matches stop strings, reports each step's statistics
+(`StepStats`) to the stats sink and hands each request's deltas to the event loop that asked for them,
+while the next step runs. The threads share no mutable engine state: requests cross in the inbox,
+records cross in the output queue, and ids to abort or stop cross back in deques.
 
-Two step loops, picked once at start:
-- `_loop` (the default): schedule -> run -> apply. Each call is waited for as soon as it is launched, so a
-  backend that runs its calls inside `launch` has each one timed alone. A backend whose library runs the
-  next decode step ahead inside each call (`Backend.runs_ahead_in_call`: NxD Inference's async mode) also
-  runs here, with each step's decode before its prefills: a prefill resets the library's run-ahead, so
-  the first decode after it starts from the rows the host gives, new sequences included (`calls_in_order`).
-- `_loop_ahead` (`EngineConfig.run_ahead`, on backends that queue calls and feed tokens back on the
-  device, `Backend.feeds_back_tokens`): each iteration schedules and launches step n+1, then completes
-  step n (waits for its tokens, applies them, reports them). The device starts step n+1 as soon as step n
-  ends, so the host's work between steps overlaps the device instead of idling it; the cost is a dropped
-  row for each request that step n ends and a slot refilled one step later (`scheduler`).
+Whether a step runs in step or running ahead is the core's (picked once, `EngineConfig.run_ahead`).
 """
 
 from __future__ import annotations
@@ -28,30 +21,20 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from app.backends.base import Backend, PrefillBatch, SampledToken, Tokens
-from app.engine.admission import ServiceRate
-from app.engine.blocks import prefix_cache
+from app.backends.base import Backend
+from app.engine.admission import Backlog
 from app.engine.clock import SYSTEM_CLOCK, Clock
 from app.engine.config import EngineConfig
+from app.engine.core import EngineCore
 from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
-from app.engine.output import (
-    CallTiming,
-    OutputProcessor,
-    OutputState,
-    Relay,
-    RequestStream,
-    SloTargets,
-    StepReport,
-)
-from app.engine.request import FINISHED, Request
-from app.engine.scheduler import BatchPlan, DecodeGroup, PrefillGroup, Scheduler
+from app.engine.output import OutputProcessor, OutputState, Relay, RequestStream, SloTargets
+from app.engine.request import Request
 from app.engine.stats import StatsSink, discard_stats
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
-from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError, OverloadedError
+from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError
 from app.shapes import ShapeGrid
 from app.structured.grammar import with_host_state
 
@@ -63,27 +46,8 @@ __all__ = ["EngineConfig", "LLMEngine"]
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
-DEFAULT_STEP_S = 0.05  # retry-after estimates before any step was measured
-
-
-# Built every step: not frozen, as a frozen dataclass's __init__ costs 3x.
-@dataclass(slots=True)
-class LaunchedCall:
-    """A backend call under way: `tokens` waits for its result (None when the launch itself raised)."""
-
-    group: PrefillGroup | DecodeGroup
-    tokens: Tokens | None
-    error: Exception | None
-    launched: float  # clock.perf_counter()
-
-
-@dataclass(slots=True)
-class CallOutcome(CallTiming):
-    """One backend call: its tokens, or the exception it raised; its timing goes on to the step report."""
-
-    requests: tuple[Request, ...]
-    samples: Sequence[SampledToken]
-    error: Exception | None
+STALL_STEPS = 100  # steps' worth of time without progress, with work pending, that make the engine stalled
+STALL_FLOOR_S = 10.0  # ... and never less than this (a long prefill, a slow first step)
 
 
 class LLMEngine:
@@ -106,14 +70,14 @@ class LLMEngine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(backend.model.eos_token_ids)
         self._decode_rules = DecodeRules.of(tokenizer)
         self._decode_rules_with_special = DecodeRules.of(tokenizer, skip_special_tokens=False)
-        self._scheduler = Scheduler(self.grid, self.config, prefix_cache(backend, self.config))
-        self._reset_prefix_cache = False  # asked for, applied before the next admission (under _lock)
-        self._run_ahead = self.config.run_ahead and backend.feeds_back_tokens
-        self._last_done = 0.0  # when the last call's tokens were back (clock.perf_counter())
+        self.core = EngineCore(backend, self.config, clock)
+        self._stops: deque[str] = deque()  # ended by the output side, for the core to stop
         slo = SloTargets(self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3)
-        self._output = OutputProcessor(stats_sink or discard_stats, slo, relay)
-        self._lock = threading.Lock()  # guards admission: _inbox, the waiting count
+        self._output = OutputProcessor(stats_sink or discard_stats, slo, relay, self._stops.append)
+        self._lock = threading.Lock()  # guards admission: the inbox and its work
         self._inbox: deque[Request] = deque()
+        self._inbox_work = 0  # tokens the inbox's requests may generate
+        self._reset_prefix_cache = False  # asked for, applied before the next admission (under _lock)
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -178,8 +142,9 @@ class LLMEngine:
             matcher = StopStringMatcher.of(params.stop_strings, params.include_stop_str_in_output)
             output = OutputState(stream, detokenizer, matcher)
             request = Request(request_id, prompt, params, now, stop_ids, deadline, output)
-            self._output.admit(request)
+            self._output.admit(request_id)
             self._inbox.append(request)
+            self._inbox_work += min(request.token_limit, self.grid.max_positions) - request.num_tokens
         self._wake.set()
 
     def reset_prefix_cache(self) -> None:
@@ -196,44 +161,56 @@ class LLMEngine:
 
     @property
     def is_alive(self) -> bool:
+        """The step loop runs (started, not stopping, not failed)."""
         thread = self._thread
         return thread is not None and thread.is_alive() and not self._stopping and self._failure is None
 
     @property
+    def is_ready(self) -> bool:
+        """Alive, and not stalled: with work pending, a step made progress within a bounded multiple of
+        the expected step time (a wedged device call fails this)."""
+        return self.is_alive and self.stalled_s() <= self.stall_limit_s
+
+    def stalled_s(self) -> float:
+        """Seconds since the last step made progress, while work is pending (0.0 with none)."""
+        if not (self.core.has_unfinished or self._inbox):
+            return 0.0
+        return max(0.0, self.clock.monotonic() - self.core.last_progress)
+
+    @property
+    def stall_limit_s(self) -> float:
+        """How long the engine may make no progress with work pending and still count as ready."""
+        return max(STALL_FLOOR_S, STALL_STEPS * self.backlog().step_s)
+
+    @property
+    def last_progress(self) -> float:
+        """The engine clock's time (`clock.monotonic()`) when a step last applied something or found no
+        work: the engine's heartbeat."""
+        return self.core.last_progress
+
+    @property
     def num_running(self) -> int:
-        return self._scheduler.num_running
+        return self.core.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
-        return self._scheduler.num_waiting + len(self._inbox)
+        return self.core.scheduler.num_waiting + len(self._inbox)
 
     @property
     def num_unfinished(self) -> int:
-        """Admitted requests whose final delta has not been handed out yet (drain waits for 0)."""
+        """Admitted requests whose final delta has not been handed out yet."""
         return self._output.num_unfinished
 
-    @property
-    def step_time_estimate_s(self) -> float:
-        """Recent device time of one engine step (0.0 before the first step)."""
-        return self._output.step_s
+    def backlog(self) -> Backlog:
+        """The work the engine holds, for admission (`app/engine/admission.py`); a replica pool sums
+        its replicas' (`Backlog.pooled`)."""
+        return self.core.backlog(len(self._inbox), self._inbox_work)
 
     def expected_time_s(self, max_tokens: int) -> float | None:
         """Seconds a request admitted now with `max_tokens` is expected to take: its queue wait plus one
         measured step per token (None before anything was measured)."""
-        rate, step_s = self.service_rate(), self._output.step_s
-        if not rate.measured or not step_s:
-            return None
-        free = self.grid.num_slots - self.num_running
-        return rate.wait_s(self.num_waiting, free) + max_tokens * step_s
-
-    def service_rate(self) -> ServiceRate:
-        """How fast slots free up, as measured (`app/engine/admission.py`); before any step was
-        measured, a guess from DEFAULT_STEP_S, used for Retry-After only (`measured` is False)."""
-        output = self._output
-        step_s = output.step_s or DEFAULT_STEP_S
-        return ServiceRate.estimate(
-            self.grid.num_slots, output.slot_s, step_s, output.request_tokens, output.step_s > 0
-        )
+        backlog = self.backlog()
+        return backlog.expected_time_s(max_tokens) if backlog.measured else None
 
     def check_request(self, prompt: Sequence[int], params: GenerationParams) -> None:
         """What the engine and its backend can run (`EngineClient.check_request`)."""
@@ -244,224 +221,67 @@ class LLMEngine:
         """Under the lock."""
         if self._thread is None or self._stopping or self._failure is not None:
             raise NotReadyError("the engine is not running")
-        waiting = self._scheduler.num_waiting + len(self._inbox)
-        free = self._scheduler.num_free_slots
-        rate, limit, max_wait = self.service_rate(), self.config.max_waiting, self.config.max_queue_wait_s
-        if waiting >= limit:
-            raise OverloadedError(
-                f"the waiting queue is full ({waiting} requests, limit max_waiting={limit})",
-                retry_after_s=rate.retry_after_s(waiting, free, 0.0),
-            )
-        if max_wait is not None and rate.measured and rate.wait_s(waiting, free) > max_wait:
-            raise OverloadedError(
-                f"the server is overloaded: {waiting} requests wait for {self.grid.num_slots} slots, an "
-                f"expected {rate.wait_s(waiting, free):.1f} s, over max_queue_wait_s={max_wait}",
-                retry_after_s=rate.retry_after_s(waiting, free, max_wait),
-            )
+        self.backlog().check(self.config.max_waiting, self.config.max_queue_wait_s)
 
     # --- the engine thread ---
 
     def _run(self) -> None:
         try:
-            self._loop_ahead() if self._run_ahead else self._loop()
+            while not self._stopping:
+                self._take_commands()
+                record = self.core.step()
+                if record.has_news:
+                    self._output.submit(record)
+                if record.idle:
+                    self._idle()
         except Exception as exc:  # an engine bug: fail every request rather than leave it hanging
             logger.exception("the engine loop failed")
             self._failure = exc
         finally:
             self._shut_down()
 
-    def _loop(self) -> None:
-        """Schedule a step, run its calls one by one (each waited for as it is launched), apply them."""
-        while not self._stopping:
-            plan = self._plan()
-            calls = calls_in_order(plan, decode_first=self.backend.runs_ahead_in_call)
-            self._finish([self._wait(self._launch(group)) for group in calls])
-            if not plan.has_work:
-                self._idle()
+    def _take_commands(self) -> None:
+        """Stops (ended by the output side), new requests, aborts, in that order: a stopped request's id
+        may already be reused by a new one, and an abort may be for a request still in the inbox."""
+        core = self.core
+        if self._inbox or self._reset_prefix_cache:
+            with self._lock:  # with the stops: any stop handed back before the inbox filled goes first
+                self._apply_stops()
+                if self._reset_prefix_cache:  # asked for before a request's admission: applies before it
+                    self._reset_prefix_cache = False
+                    core.scheduler.reset_prefix_cache()
+                while self._inbox:
+                    core.add(self._inbox.popleft())
+                self._inbox_work = 0
+        self._apply_stops()
+        aborts = self._aborts
+        while aborts:
+            core.abort(aborts.popleft())
 
-    def _loop_ahead(self) -> None:
-        """Schedule step n+1 and launch it, then complete step n; the device's last step is completed
-        before the loop ends (and the backend is closed)."""
-        in_flight: list[LaunchedCall] = []
-        while not self._stopping:
-            if in_flight and self._scheduler.holds_host_rows():  # their next logits need their last token
-                self._complete(in_flight)
-                in_flight = []
-            plan = self._plan()
-            launched = [self._launch(group) for group in plan.groups]
-            self._complete(in_flight)
-            if any(call.error is not None for call in launched):  # applied before anything else is planned
-                self._complete(launched)
-                launched = []
-            if not plan.has_work and not in_flight:
-                self._idle()
-            in_flight = launched
-        self._complete(in_flight)
-
-    def _plan(self) -> BatchPlan:
-        """Take the inbox, schedule the next step and report what ended before it ran."""
-        ended = [*self._take_inbox()]
-        plan = self._scheduler.schedule(self.clock.monotonic())
-        ended += plan.expired
-        if ended or plan.preempted:
-            self._report(_final_records(ended), (), self.clock.monotonic(), len(plan.preempted))
-        return plan
+    def _apply_stops(self) -> None:
+        stops = self._stops
+        while stops:
+            self.core.stop(stops.popleft())
 
     def _idle(self) -> None:
         self.clock.idle(self._wake, IDLE_WAIT_S)
         self._wake.clear()  # not every step: whoever set it had filled the inbox first
 
-    def _take_inbox(self) -> list[Request]:
-        """Admit new requests; apply aborts and stop-string stops. Returns the requests it finished."""
-        if self._inbox or self._reset_prefix_cache:
-            with self._lock:  # a reset asked for before a request's admission applies before it
-                if self._reset_prefix_cache:
-                    self._reset_prefix_cache = False
-                    self._scheduler.reset_prefix_cache()
-                while self._inbox:
-                    self._scheduler.add(self._inbox.popleft())
-        finished: list[Request] = []
-        now = self.clock.monotonic()
-        while self._aborts:
-            request = self._output.find(self._aborts.popleft())
-            if request is not None and not request.is_finished:
-                self._scheduler.finish(request, FinishReason.ABORT, now)
-                finished.append(request)
-        for request in self._output.take_stopped():
-            if not request.is_finished:
-                self._scheduler.finish(request, FinishReason.STOP, now)
-        return finished
-
-    def _launch(self, group: PrefillGroup | DecodeGroup) -> LaunchedCall:
-        launched = self.clock.perf_counter()
-        try:
-            return LaunchedCall(group, self.backend.launch(group.batch), None, launched)
-        except Exception as exc:
-            logger.exception("launching a %s failed", type(group.batch).__name__)
-            return LaunchedCall(group, None, exc, launched)
-
-    def _complete(self, calls: list[LaunchedCall]) -> None:
-        """Wait for each call's tokens in launch order, then finish the step."""
-        self._finish([self._wait(call) for call in calls])
-
-    def _finish(self, outcomes: list[CallOutcome]) -> None:
-        """Hand every request its token (or its call's error), and the step to the output thread."""
-        if not outcomes:
-            return
-        if not self._run_ahead:  # NOTE: running ahead, the next step is in flight on the failed rows
-            outcomes = [part for outcome in outcomes for part in self._isolate(outcome)]
-        now = self.clock.monotonic()
-        records: list[tuple[Request, int, bool]] = []
-        for outcome in outcomes:
-            if outcome.error is None:
-                self._scheduler.observe(outcome.batch, outcome.seconds)
-                self._scheduler.apply(outcome.requests, outcome.samples, now)
-            else:
-                error = GenerationError(f"the device step failed: {outcome.error}")
-                self._scheduler.fail(outcome.requests, error, now)
-            records += [(r, len(r.output_token_ids), r.state is FINISHED) for r in outcome.requests]
-        self._report(records, outcomes, now)
-
-    def _isolate(self, outcome: CallOutcome) -> list[CallOutcome]:
-        """A failed call of several requests, run again one request at a time (nothing else is in
-        flight), so that only a request whose own call fails gets an error: one bad row does not fail the
-        requests that shared its step. A KV write repeated at the same position writes the same values,
-        and a token is a function of (logits, seed, position), so a rerun row gives the tokens it would
-        have."""
-        if outcome.error is None or len(outcome.requests) < 2:
-            return [outcome]
-        logger.warning("a call of %d requests failed; running each alone", len(outcome.requests))
-        return [self._wait(self._launch(group)) for group in _one_per_row(outcome, self.grid)]
-
-    def _wait(self, call: LaunchedCall) -> CallOutcome:
-        """The call's tokens, or why there are none; its device time runs from when it could start (its
-        launch, or the end of the call before it) to when its tokens were back."""
-        batch, samples, error = call.group.batch, [], call.error
-        if call.tokens is not None:
-            try:
-                samples = call.tokens()
-                if len(samples) != len(batch.slots):
-                    error = RuntimeError(
-                        f"the backend returned {len(samples)} tokens for {len(batch.slots)} sequences"
-                    )
-            except Exception as exc:
-                logger.exception("a %s call failed", type(batch).__name__)
-                samples, error = [], exc
-        done = self.clock.perf_counter()
-        seconds, self._last_done = done - max(call.launched, self._last_done), done
-        return CallOutcome(batch, seconds, call.group.requests, samples, error)
-
-    def _report(
-        self,
-        records: list[tuple[Request, int, bool]],
-        calls: Sequence[CallTiming],
-        now: float,
-        preempted: int = 0,
-    ) -> None:
-        if records or calls or preempted:
-            scheduler = self._scheduler
-            report = StepReport(
-                now,
-                records,
-                calls,
-                scheduler.num_running,
-                scheduler.num_waiting,
-                self.grid.num_slots,
-                preempted,
-                scheduler.kv_cache_usage,
-            )
-            self._output.submit(report)
-
     def _shut_down(self) -> None:
         self._stopping = True
-        with self._lock:
-            while self._inbox:
-                self._scheduler.add(self._inbox.popleft())
         error: Inf2ServeError = (
             NotReadyError("the server stopped before this request finished")
             if self._failure is None
             else GenerationError(f"the engine failed: {self._failure}")
         )
         reason = FinishReason.ABORT if self._failure is None else FinishReason.ERROR
-        now = self.clock.monotonic()
         try:
-            self._report(_final_records(self._scheduler.finish_all(reason, now, error)), (), now)
+            with self._lock:
+                while self._inbox:
+                    self.core.add(self._inbox.popleft())
+            self._output.submit(self.core.finish_all(error, reason))
         finally:
             self._output.close()
-
-
-def _one_per_row(outcome: CallOutcome, grid: ShapeGrid) -> list[PrefillGroup | DecodeGroup]:
-    batch, requests = outcome.batch, outcome.requests
-    if isinstance(batch, PrefillBatch):
-        return [
-            PrefillGroup(
-                (r,),
-                replace(
-                    batch,
-                    slots=batch.slots[i : i + 1],
-                    prompts=batch.prompts[i : i + 1],
-                    sampling=batch.sampling[i : i + 1],
-                    cached=batch.cached[i : i + 1],
-                    block_tables=batch.block_tables[i : i + 1],
-                ),
-            )
-            for i, r in enumerate(requests)
-        ]
-    return [
-        DecodeGroup(
-            (r,),
-            replace(
-                batch,
-                slots=batch.slots[i : i + 1],
-                last_tokens=batch.last_tokens[i : i + 1],
-                positions=batch.positions[i : i + 1],
-                sampling=batch.sampling[i : i + 1],
-                batch_bucket=grid.decode_batch_bucket(batch.slots[i : i + 1]),
-                block_tables=batch.block_tables[i : i + 1],
-            ),
-        )
-        for i, r in enumerate(requests)
-    ]
 
 
 def check_limits(prompt: Sequence[int], params: GenerationParams, vocab: int, grid: ShapeGrid) -> None:
@@ -494,16 +314,3 @@ def check_limits(prompt: Sequence[int], params: GenerationParams, vocab: int, gr
             f"tokens, more than the {grid.max_positions} positions the model was compiled for",
             param="max_tokens",
         )
-
-
-def _final_records(requests: list[Request]) -> list[tuple[Request, int, bool]]:
-    return [(r, r.num_output_tokens, True) for r in requests]
-
-
-def calls_in_order(plan: BatchPlan, decode_first: bool) -> tuple[PrefillGroup | DecodeGroup, ...]:
-    """The plan's calls in the order the plain loop runs them: prefills first (a new sequence's first token
-    sooner), or the decode first for a backend whose library runs ahead inside each call (module
-    docstring)."""
-    if decode_first and plan.decode is not None:
-        return (plan.decode, *plan.prefills)
-    return plan.groups

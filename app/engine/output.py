@@ -1,15 +1,15 @@
-"""The output side of the engine, on its own thread so that the step loop never waits for it: turns each
-step's new tokens into `RequestOutput` deltas (incremental detokenization, stop strings), hands them to
-each request's asyncio queue on the loop that called `generate`, and reports each step's statistics as a
-`StepStats` record to the engine's sink (app/engine/stats.py).
+"""The output side of the engine: a consumer of the core's `StepRecord`s, on its own thread so that the
+step loop never waits for it. It turns each record's new tokens into `RequestOutput` deltas (incremental
+detokenization, stop strings), hands them to each request's asyncio queue on the loop that called
+`generate` (or to the engine's relay), and reports each step's statistics as a `StepStats` record to the
+engine's sink (app/engine/stats.py).
 
-Every delta goes out in order and exactly once: the engine hands over (request, token count, finished)
-snapshots in step order, and this thread alone tracks what each request has published. The output side
-owns the per-request bookkeeping that outlives the engine's part of a request: the table of live requests
-(admitted, final delta not yet out), and the requests a stop string ended. A stop string is found here,
-after the engine may already have run the next step: the request is finished at once (its final delta
-goes out) and queued for the engine, which frees its slot at its next step (`take_stopped`), dropping
-the token that step produced. Nothing here calls into the engine.
+Every delta goes out in order and exactly once: the core's records hold (request, token count, finished)
+in step order, and this side alone tracks what each request has published (`OutputState`). It never
+calls into the engine or reads its state: what it ends itself (a stop string matched, or building a
+delta failed) it hands back as data, request ids for the engine to stop (vLLM's `reqs_to_abort`). Such a
+request is finished here at once (its final delta goes out); the engine frees its slot at its next step,
+dropping the token that step produced.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import asyncio
 import logging
 import queue
 import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.backends.base import DecodeBatch, PrefillBatch
+from app.backends.base import DecodeBatch
+from app.engine.core import StepRecord
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.padding import batch_usage
 from app.engine.request import Request
@@ -35,9 +34,8 @@ from app.errors import GenerationError, Inf2ServeError, InvalidRequestError
 logger = logging.getLogger(__name__)
 
 Relay = Callable[[list[RequestOutput]], None]  # a step's deltas of the requests admitted without a stream
+Stop = Callable[[str], None]  # a request the output side ended, for the engine to stop (any thread)
 BUSY_WINDOW_S = 1.0
-EWMA_WEIGHT = 0.1
-DEFAULT_REQUEST_TOKENS = 128
 
 
 class RequestStream:
@@ -115,29 +113,6 @@ class OutputState:
         self.done = False
 
 
-# Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
-@dataclass(slots=True)
-class CallTiming:
-    """One backend call of a step, for the step metrics."""
-
-    batch: PrefillBatch | DecodeBatch
-    seconds: float
-
-
-@dataclass(slots=True)
-class StepReport:
-    """What one engine step hands the output thread."""
-
-    time: float  # time.monotonic() when the step's tokens arrived
-    records: list[tuple[Request, int, bool]]  # (request, output tokens so far, finished)
-    calls: Sequence[CallTiming] = ()
-    num_running: int = 0
-    num_waiting: int = 0
-    num_slots: int = 1
-    preempted: int = 0  # requests evicted from their slots (recompute preemption)
-    kv_cache_usage: float | None = None  # fraction of KV blocks in use (with prefix caching)
-
-
 @dataclass(frozen=True, slots=True)
 class SloTargets:
     """What each finished request is judged by (SLO attainment): TTFT, and its mean time per output
@@ -156,71 +131,69 @@ class SloTargets:
 
 
 class OutputProcessor:
-    def __init__(self, sink: StatsSink, slo: SloTargets | None = None, relay: Relay | None = None) -> None:
+    """`process` turns one record into deltas and statistics; `start` runs it on its own thread, fed by
+    `submit`. A request it ends itself goes to `stop` before its id is released (so the engine stops it
+    before a new request can reuse the id)."""
+
+    def __init__(
+        self,
+        sink: StatsSink,
+        slo: SloTargets | None = None,
+        relay: Relay | None = None,
+        stop: Stop = lambda request_id: None,
+    ) -> None:
         self._sink = sink
         self._slo = slo
         self._relay = relay
-        self._reports: queue.SimpleQueue[StepReport | None] = queue.SimpleQueue()
+        self._stop = stop
+        self._records: queue.SimpleQueue[StepRecord | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="inf2serve-output", daemon=True)
         self._lock = threading.Lock()  # guards _live: admitted from the caller's thread, removed here
-        self._live: dict[str, Request] = {}
-        self._stopped: deque[Request] = deque()  # ended by a stop string; their slots are still held
+        self._live: set[str] = set()
         self._stats: StepStats | None = None  # the record of the step being processed
         self._busy_s = 0.0
-        self._busy_since = time.perf_counter()
-        self.step_s = 0.0  # EWMA of a step's device time (0.0 before the first step)
-        self.request_tokens = float(DEFAULT_REQUEST_TOKENS)  # EWMA of output tokens per finished request
-        self.slot_s = 0.0  # EWMA of the seconds a finished request held its slot (0.0 before the first)
+        self._busy_since: float | None = None  # the engine clock's time the busy window opened
 
     def start(self) -> None:
         self._thread.start()
 
-    def admit(self, request: Request) -> None:
+    def admit(self, request_id: str) -> None:
         """Track a new request until its final delta is out; its id must not be live."""
         with self._lock:
-            if request.request_id in self._live:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-            self._live[request.request_id] = request
-
-    def find(self, request_id: str) -> Request | None:
-        return self._live.get(request_id)
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._live.add(request_id)
 
     @property
     def num_unfinished(self) -> int:
         """Admitted requests whose final delta has not been handed out yet."""
         return len(self._live)
 
-    def take_stopped(self) -> list[Request]:
-        """The requests a stop string ended since the last call (any thread; the engine's step loop)."""
-        stopped = []
-        while self._stopped:
-            stopped.append(self._stopped.popleft())
-        return stopped
-
-    def submit(self, report: StepReport) -> None:
-        self._reports.put(report)
+    def submit(self, record: StepRecord) -> None:
+        self._records.put(record)
 
     def close(self, timeout: float | None = None) -> None:
         """Publish what was submitted, then stop the thread."""
-        self._reports.put(None)
+        self._records.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (report := self._reports.get()) is not None:
-            self._process(report)
+        while (record := self._records.get()) is not None:
+            self.process(record)
 
-    def _process(self, report: StepReport) -> None:
+    def process(self, record: StepRecord) -> None:
+        """Deliver one step's deltas and report its statistics."""
         stats = self._stats = StepStats(
-            report.num_running,
-            report.num_waiting,
-            report.num_slots,
-            preempted=report.preempted,
-            kv_cache_usage=report.kv_cache_usage,
+            record.num_running,
+            record.num_waiting,
+            record.num_slots,
+            preempted=record.preempted,
+            kv_cache_usage=record.kv_cache_usage,
         )
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        decode_s = sum([call.seconds for call in report.calls if isinstance(call.batch, DecodeBatch)])
+        decode_s = sum([call.seconds for call in record.calls if isinstance(call.batch, DecodeBatch)])
         relayed: list[RequestOutput] = []
-        for request, num_tokens, finished in report.records:
+        for request, num_tokens, finished in record.updates:
             state = request.output
             if state is None or state.done:
                 continue
@@ -228,7 +201,7 @@ class OutputProcessor:
             if state.num_published and num_tokens > state.num_published:
                 state.decode_s += decode_s
             try:
-                output = self._delta(request, state, num_tokens, finished, report.time)
+                output = self._delta(request, state, num_tokens, finished, record.time)
             except Exception:
                 logger.exception("building the output of %s failed", request.request_id)
                 output = self._internal_error(request, state)
@@ -240,7 +213,7 @@ class OutputProcessor:
             self._deliver(loop, items)
         if relayed and self._relay is not None:
             self._relay(relayed)
-        self._step_stats(report, stats)
+        self._step_stats(record, stats)
         self._sink(stats)
 
     def _delta(
@@ -252,7 +225,7 @@ class OutputProcessor:
         if state.stop_matcher is not None:
             text, hit = state.stop_matcher.push(text)
             if hit and not finished:
-                self._stopped.append(request)
+                self._stop(request.request_id)
             if hit:
                 finished, reason, error = True, FinishReason.STOP, None
             elif finished:
@@ -293,7 +266,7 @@ class OutputProcessor:
         return text + state.detokenizer.flush() if finished else text
 
     def _internal_error(self, request: Request, state: OutputState) -> RequestOutput:
-        self._stopped.append(request)
+        self._stop(request.request_id)
         self._forget(request, state)
         return RequestOutput(
             request_id=request.request_id,
@@ -321,11 +294,7 @@ class OutputProcessor:
         """The request's final delta is going out."""
         state.done = True
         with self._lock:
-            self._live.pop(request.request_id, None)
-        self.request_tokens += EWMA_WEIGHT * (request.num_output_tokens - self.request_tokens)
-        if request.scheduled_time is not None and request.finish_time is not None:
-            held_s = request.finish_time - request.scheduled_time
-            self.slot_s += (held_s - self.slot_s) * (EWMA_WEIGHT if self.slot_s else 1.0)
+            self._live.discard(request.request_id)
 
     def _record_tokens(self, request: Request, state: OutputState, start: int, end: int, now: float) -> None:
         if end == start:
@@ -366,12 +335,9 @@ class OutputProcessor:
             finished.decode_stall_s = max(0.0, last - first - state.decode_s)
         self._stats.finished.append(finished)
 
-    def _step_stats(self, report: StepReport, stats: StepStats) -> None:
-        if report.calls:
-            step_s = sum([call.seconds for call in report.calls])
-            self.step_s += (step_s - self.step_s) * (EWMA_WEIGHT if self.step_s else 1.0)
+    def _step_stats(self, record: StepRecord, stats: StepStats) -> None:
         stall, prefilled = 0.0, 0
-        for call in report.calls:
+        for call in record.calls:
             usage = batch_usage(call.batch)
             stats.calls.append(
                 CallStats(
@@ -387,12 +353,14 @@ class OutputProcessor:
                 stall += call.seconds
                 prefilled += len(call.batch.slots)
             self._busy_s += call.seconds
-        if stall and report.num_running > prefilled:  # some request was decoding meanwhile
+        if stall and record.num_running > prefilled:  # some request was decoding meanwhile
             stats.decode_stall_s = stall
-        elapsed = time.perf_counter() - self._busy_since
+        if self._busy_since is None:
+            self._busy_since = record.time
+        elapsed = record.time - self._busy_since
         if elapsed >= BUSY_WINDOW_S:
             stats.busy_ratio = min(1.0, self._busy_s / elapsed)
-            self._busy_s, self._busy_since = 0.0, time.perf_counter()
+            self._busy_s, self._busy_since = 0.0, record.time
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -13,8 +13,9 @@ One step:
 3. Decode: every request holding a slot decodes one token, in one batch padded to the batch bucket of
    its size and the token bucket of its longest sequence. A request admitted in this step decodes from
    the next one on (its first token comes from its prefill).
-The engine runs the prefill calls, then the decode (or the decode first, `BatchPlan.decode_first`), in
-one engine step, and reports each call's device time back (`observe`) for policies that learn costs.
+The engine runs the prefill calls, then the decode (or the decode first, `BatchPlan.decode_first`: the
+policy's choice, or every step for a backend that needs it), in one engine step, and reports each call's
+device time back (`observe`) for policies that learn costs.
 
 Running ahead: the engine may schedule step n+1 before step n's tokens are applied (`Request.pending`
 counts a request's launched, unapplied tokens). A decode row then continues one position further from the
@@ -30,7 +31,8 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from app.backends.base import FED_BACK, BlockTables, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.engine.blocks import BlockManager, SequenceBlocks, salt_of
@@ -43,6 +45,7 @@ from app.errors import DeadlineExceededError, GenerationError, Inf2ServeError
 from app.shapes import ShapeGrid
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # Built every step, between two device calls: not frozen, as a frozen dataclass's __init__ costs 3x.
@@ -50,6 +53,21 @@ logger = logging.getLogger(__name__)
 class PrefillGroup:
     requests: tuple[Request, ...]
     batch: PrefillBatch
+
+    def select(self, rows: tuple[int, ...], grid: ShapeGrid) -> PrefillGroup:
+        """The same call for some of its rows (indices)."""
+        batch = self.batch
+        return PrefillGroup(
+            tuple([self.requests[i] for i in rows]),
+            replace(
+                batch,
+                slots=tuple([batch.slots[i] for i in rows]),
+                prompts=tuple([batch.prompts[i] for i in rows]),
+                sampling=tuple([batch.sampling[i] for i in rows]),
+                cached=_pick(batch.cached, rows),
+                block_tables=_pick(batch.block_tables, rows),
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +84,33 @@ class DecodeRows:
 class DecodeGroup:
     requests: tuple[Request, ...]
     batch: DecodeBatch
+
+    def select(self, rows: tuple[int, ...], grid: ShapeGrid) -> DecodeGroup:
+        """The same call for some of its rows (indices), padded to their batch bucket. A row that
+        continued from the token the device kept (`FED_BACK`) gets the host's copy of it: the device may
+        have moved on since (called only once that token was applied)."""
+        batch, requests = self.batch, tuple([self.requests[i] for i in rows])
+        slots = tuple([batch.slots[i] for i in rows])
+        last = [batch.last_tokens[i] for i in rows]
+        return DecodeGroup(
+            requests,
+            replace(
+                batch,
+                slots=slots,
+                last_tokens=tuple(
+                    [r.last_token_id if t == FED_BACK else t for r, t in zip(requests, last, strict=True)]
+                ),
+                positions=tuple([batch.positions[i] for i in rows]),
+                sampling=tuple([batch.sampling[i] for i in rows]),
+                batch_bucket=grid.decode_batch_bucket(slots),
+                block_tables=_pick(batch.block_tables, rows),
+            ),
+        )
+
+
+def _pick(values: tuple[T, ...], rows: tuple[int, ...]) -> tuple[T, ...]:
+    """Some rows of a per-row field (empty stays empty: the field is off)."""
+    return tuple([values[i] for i in rows]) if values else ()
 
 
 @dataclass(slots=True)
@@ -91,12 +136,21 @@ class BatchPlan:
 
 
 class Scheduler:
-    def __init__(self, grid: ShapeGrid, config: EngineConfig, blocks: BlockManager | None = None) -> None:
+    def __init__(
+        self,
+        grid: ShapeGrid,
+        config: EngineConfig,
+        blocks: BlockManager | None = None,
+        decode_first: bool = False,
+    ) -> None:
         """`blocks`: the prefix cache's block manager, where the backend keeps KV in blocks and caching
-        is on; each batch then carries block tables, and a prefill starts past its cached prefix."""
+        is on; each batch then carries block tables, and a prefill starts past its cached prefix.
+        `decode_first`: every step's decode runs before its prefills (a backend whose library runs
+        ahead inside each call needs it: `Backend.runs_ahead_in_call`); otherwise the policy decides."""
         self.grid = grid
         self.config = config
         self.blocks = blocks
+        self.decode_first = decode_first
         self.policy = POLICIES[config.policy](grid, config)
         self._waiting: deque[Request] = deque()  # FIFO; finished entries are dropped lazily
         self._num_waiting = 0
@@ -158,7 +212,8 @@ class Scheduler:
             self._preempt(request)
         decode = self._decode_group() if decision.decode else None
         prefills = self._admit(decision.prefills, now)
-        return BatchPlan(prefills, decode, expired, decision.decode_first, decision.preempt)
+        decode_first = decision.decode_first or self.decode_first
+        return BatchPlan(prefills, decode, expired, decode_first, decision.preempt)
 
     def _fail_unplannable(self, error: Exception, now: float) -> list[Request]:
         """After planning raised: fail the requests no prefill can hold (their context outgrew the largest
@@ -185,6 +240,12 @@ class Scheduler:
             reason = token_stop_reason(request)
             if reason is not None:
                 self.finish(request, reason, now)
+
+    def discard(self, requests: Sequence[Request]) -> None:
+        """Drop the pending token of each request's row in a call whose result is not applied (it was
+        built on a failed call's token); an unfinished request decodes that position again."""
+        for request in requests:
+            request.pending -= 1
 
     def fail(self, requests: Sequence[Request], error: Inf2ServeError, now: float) -> None:
         for request in requests:

@@ -64,7 +64,7 @@ def check_idle(engine: LLMEngine) -> None:
     while (engine.num_unfinished or engine.num_running) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert (engine.num_running, engine.num_waiting, engine.num_unfinished) == (0, 0, 0)
-    assert engine._scheduler.num_free_slots == engine.grid.num_slots
+    assert engine.core.scheduler.num_free_slots == engine.grid.num_slots
     assert engine.is_alive
 
 
@@ -320,13 +320,9 @@ def test_the_engine_serves_on_after_a_failing_decode(tokenizer: Tokenizer, run_a
         failed = run(main(engine))
         served = run(collect(engine, "after", [9, 9], params(4)))
         check_idle(engine)
-    for i, outputs in enumerate(failed):
-        check_stream(outputs)
-        if run_ahead:
-            assert outputs[-1].finish_reason is FinishReason.ERROR and len(joined(outputs)[0]) == 1
-            assert isinstance(outputs[-1].error, GenerationError)
-        else:  # each row run again alone: the device failed once, so every row now succeeds
-            assert joined(outputs)[0] == expected_tokens(backend, [5, i + 6], i, 6)
+    for i, outputs in enumerate(failed):  # each row run again alone (running ahead too: issue 28 item 6)
+        check_stream(outputs)  # the device failed once, so every row now succeeds
+        assert joined(outputs)[0] == expected_tokens(backend, [5, i + 6], i, 6)
     assert served[-1].finish_reason is FinishReason.LENGTH and served[-1].num_generated_tokens == 4
 
 
@@ -465,26 +461,43 @@ def test_in_step_each_call_is_waited_for_before_the_next_is_launched(tokenizer: 
 
 class PoisonSim(SimBackend):
     """A call of kind `poisoned` fails on the device when any of its rows samples with top_k 7 (one bad
-    row, as a value the device cannot represent would be). The first call waits for `gate`, so the test
-    can queue requests that then share one step."""
+    row, as a value the device cannot represent would be): refused at launch, or (`at_wait`) failing
+    when its tokens are waited for, having run nothing. The first call waits for `gate`, so the test can
+    queue requests that then share one step."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.poisoned: type = PrefillBatch
+        self.at_wait = False
         self.entered, self.gate = threading.Event(), threading.Event()
 
     def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
         self.entered.set()
         assert self.gate.wait(TIMEOUT_S)
         if isinstance(batch, self.poisoned) and any(p.top_k == 7 for p in batch.sampling):
+            if self.at_wait:
+                return partial(_fail, "a row the device cannot run")
             raise RuntimeError("a row the device cannot run")
         return super().launch(batch)
 
 
+def _fail(message: str) -> list[SampledToken]:
+    raise RuntimeError(message)
+
+
 @pytest.mark.parametrize("poisoned", [PrefillBatch, DecodeBatch], ids=["prefill", "decode"])
-def test_a_bad_row_fails_only_its_own_request(tokenizer: Tokenizer, poisoned: type) -> None:
+@pytest.mark.parametrize(
+    ("run_ahead", "at_wait"),
+    [(False, False), (False, True), (True, False), (True, True)],
+    ids=["in-step-launch", "in-step-wait", "ahead-launch", "ahead-wait"],
+)
+def test_a_bad_row_fails_only_its_own_request(
+    tokenizer: Tokenizer, poisoned: type, run_ahead: bool, at_wait: bool
+) -> None:
+    """Issue 28 item 6: running ahead too, where the next step was launched on top of the failed call
+    (waited for, its rows of the failed call's requests dropped and decoded again)."""
     backend = make_backend(cls=PoisonSim)
-    backend.poisoned = poisoned
+    backend.poisoned, backend.at_wait = poisoned, at_wait
     prompts = [[5, 6], [7, 8, 9]]  # with "first" and "bad": every slot, one step
     bad = GenerationParams(SamplingParams(seed=9, top_k=7), 6)
 
@@ -499,7 +512,9 @@ def test_a_bad_row_fails_only_its_own_request(tokenizer: Tokenizer, poisoned: ty
         backend.gate.set()
         return await asyncio.gather(first, *others)
 
-    with running_engine(tokenizer, backend, max_prefills_per_step=4, run_ahead=False) as engine:
+    with running_engine(
+        tokenizer, backend, policy="fifo", max_prefills_per_step=4, run_ahead=run_ahead
+    ) as engine:
         first, *good, bad_outputs = run(main(engine))
         check_idle(engine)
     assert bad_outputs[-1].finish_reason is FinishReason.ERROR

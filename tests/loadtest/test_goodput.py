@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from app import metrics
-from app.backends.sim import CostModel
+from app.backends.base import BackendSpec, SamplingParams
+from app.backends.sim import CostModel, SimBackend
+from app.engine.clock import VirtualClock
+from app.engine.core import EngineCore
+from app.engine.detokenizer import DecodeRules, IncrementalDetokenizer
+from app.engine.output import OutputProcessor, OutputState, SloTargets
+from app.engine.request import Request
+from app.engine.types import GenerationParams
 from app.tokenizer import Tokenizer
 from loadtest import goodput, traces
 from loadtest.goodput import TARGET, Preset, Search, Slo
@@ -30,13 +37,13 @@ def tiny_preset(monkeypatch: pytest.MonkeyPatch) -> Preset:
 
 @pytest.mark.parametrize("policy", goodput.POLICIES)
 def test_a_virtual_time_run_of_the_real_engine_charges_exactly_the_device_model(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, policy: str
+    monkeypatch: pytest.MonkeyPatch, policy: str
 ) -> None:
     """Two requests far apart: each alone on the device, so TTFT is one prefill and TPOT one decode step."""
     preset = tiny_preset(monkeypatch)
     trace = traces.Trace("t", (20, 30), (5, 3), (0.0, 10.0))
     config = goodput.engine_config(policy, Slo(1000, 100), len(trace))
-    outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer)
+    outcomes = goodput.run_trace(preset, trace, 1.0, config)
     assert [o.tokens for o in outcomes if o] == [5, 3]
     for outcome in outcomes:
         assert outcome is not None
@@ -44,33 +51,31 @@ def test_a_virtual_time_run_of_the_real_engine_charges_exactly_the_device_model(
 
 
 def test_requests_after_the_scored_ones_keep_arriving_as_load_until_the_scored_ones_finish(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Scored alone, the last requests decode with nothing arriving; with load after them, each load
     request's 100 ms prefill stalls them, as in a steady state."""
     preset = tiny_preset(monkeypatch)
     trace = traces.Trace("t", (20,) * 8, (30,) * 8, (0.2,) * 8)
     config = goodput.engine_config("fifo", Slo(1000, 100), len(trace))
-    alone = goodput.run_trace(preset, trace.head(4), 1.0, config, tokenizer)
-    loaded = goodput.run_trace(preset, trace, 1.0, config, tokenizer, scored=4)
+    alone = goodput.run_trace(preset, trace.head(4), 1.0, config)
+    loaded = goodput.run_trace(preset, trace, 1.0, config, scored=4)
     assert len(loaded) == 4 and all(o is not None for o in loaded)
     assert loaded[:2] == alone[:2]  # the load arrives from 0.8 s, after these two finished
     assert loaded[3].tpot_s > alone[3].tpot_s  # type: ignore[union-attr]
 
 
-def test_a_run_stops_only_once_the_target_is_out_of_reach(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_run_stops_only_once_the_target_is_out_of_reach(monkeypatch: pytest.MonkeyPatch) -> None:
     preset = tiny_preset(monkeypatch)
     trace = traces.Trace("t", (20,) * 50, (40,) * 50, (0.05,) * 50)  # too fast: most wait too long
     strict = Slo(150, 100)
     config = goodput.engine_config("fifo", strict, len(trace))
-    outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer, (strict,))
+    outcomes = goodput.run_trace(preset, trace, 1.0, config, (strict,))
     assert goodput.attainment(outcomes, strict) < TARGET
     # the misses are counted as they stand at each arrival in virtual time: the same stop every run
     missed = sum(o is not None and not strict.met(o.ttft_s, o.tpot_s) for o in outcomes)
     assert None in outcomes and missed > (1 - TARGET) * len(trace)
-    assert goodput.run_trace(preset, trace, 1.0, config, tokenizer, (strict,)) == outcomes
+    assert goodput.run_trace(preset, trace, 1.0, config, (strict,)) == outcomes
 
 
 def test_the_search_brackets_the_highest_rate_meeting_the_target() -> None:
@@ -127,17 +132,34 @@ def test_slo_attainment_and_decode_stall_metrics(
     before = {r: value("request_slo_total", {"result": r}) for r in ("met", "tpot_missed")}
     stall_before = value("request_decode_stall_seconds_sum")
     preset = tiny_preset(monkeypatch)
-    trace = traces.Trace("t", (20, 30), (5, 3), (0.0, 0.105))
-    slo = Slo(1000, 20)
-    config = goodput.engine_config("vllm-neuron", slo, 2)
-    outcomes = goodput.run_trace(preset, trace, 1.0, config, tokenizer, stats_sink=metrics.record_step_stats)
+    clock = VirtualClock()
+    spec = BackendSpec("sim", 1, "bf16", preset.grid)
+    backend = SimBackend.create(spec, TINY, goodput.VOCAB, goodput.EOS_IDS, clock=clock)
+    core = EngineCore(backend, goodput.engine_config("vllm-neuron", Slo(1000, 20), 2), clock)
+    output = OutputProcessor(metrics.record_step_stats, SloTargets(1.0, 0.02))
+    rules = DecodeRules.of(tokenizer)
+
+    def request(index: int, prompt_len: int, max_tokens: int, arrival: float) -> Request:
+        params = GenerationParams(SamplingParams(seed=index), max_tokens, ignore_eos=True)
+        state = OutputState(None, IncrementalDetokenizer(rules, False), None)
+        prompt = tuple(range(3, 3 + prompt_len))
+        return Request(f"r{index}", prompt, params, arrival, frozenset(), None, state)
+
+    r0, r1 = request(0, 20, 5, 0.0), request(1, 30, 3, 0.105)
+    core.add(r0)
+    arriving = [r1]  # while r0 decodes: added after the step during which it came
+    while core.has_unfinished or arriving:
+        output.process(core.step())
+        if arriving and clock.monotonic() >= arriving[0].arrival_time:
+            core.add(arriving.pop())
+    outcomes = [goodput.outcome_of(r0), goodput.outcome_of(r1)]
     assert outcomes[0] is not None and outcomes[0].tpot_s == pytest.approx(0.035)
     assert value("request_slo_total", {"result": "tpot_missed"}) == before["tpot_missed"] + 1
     assert value("request_slo_total", {"result": "met"}) == before["met"] + 1
     assert value("request_decode_stall_seconds_sum") == pytest.approx(stall_before + 0.1)
 
 
-def test_worker_processes_report_what_one_process_does(stories260k: Path, tokenizer: Tokenizer) -> None:
+def test_worker_processes_report_what_one_process_does() -> None:
     """The cells' searches and distribution runs go to worker processes in any order: --jobs 2 reports what
     --jobs 1 (in this process) does, attainment curves included (where a run stops early is deterministic).
     A distribution served by a search's run is the run a distribution would make."""
@@ -145,7 +167,7 @@ def test_worker_processes_report_what_one_process_does(stories260k: Path, tokeni
     trace = traces.Trace("t", (2000,) * 28, (4,) * 28, (1.0,) * 28)  # 24 prefills at once miss both pairs
 
     def measure(jobs: int) -> list[dict[str, Any]]:
-        return goodput.measure_cells([goodput.CellWork(preset, trace, 24, stories260k)], jobs)
+        return goodput.measure_cells([goodput.CellWork(preset, trace, 24)], jobs)
 
     one = measure(1)
     assert all(row["slo"] > 0 for row in goodput.table_rows(one))
@@ -156,13 +178,11 @@ def test_worker_processes_report_what_one_process_does(stories260k: Path, tokeni
     assert cell["runs"] < searched + len(goodput.POLICIES)  # some distribution reused a search's run
     for policy, shown in cell["distributions"].items():
         config = goodput.engine_config(policy, Slo(**cell["slos"]["relaxed"]), len(trace))
-        run = goodput.run_trace(preset, trace, shown["rate_rps"], config, tokenizer, scored=24)
+        run = goodput.run_trace(preset, trace, shown["rate_rps"], config, scored=24)
         assert {"rate_rps": shown["rate_rps"], **goodput.distribution(run)} == shown
 
 
-def test_a_run_that_stopped_its_load_early_serves_no_distribution(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_run_that_stopped_its_load_early_serves_no_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every scored request finished, but the load stopped once the target was out of reach: r1 decoded
     without r2's prefill stalling it, unlike the full run a distribution makes. Only a run that met the
     target for some pair was never stopped."""
@@ -170,21 +190,19 @@ def test_a_run_that_stopped_its_load_early_serves_no_distribution(
     trace = traces.Trace("t", (20, 20, 20), (5, 100, 5), (0.0, 0.01, 0.5))  # r2 (load) arrives at 0.51 s
     strict = Slo(50, 100)  # r0 misses it (a 100 ms prefill) and has finished by 0.51 s
     config = goodput.engine_config("fifo", strict, len(trace))
-    stopped = goodput.run_trace(preset, trace, 1.0, config, tokenizer, (strict,), scored=2)
-    full = goodput.run_trace(preset, trace, 1.0, config, tokenizer, scored=2)
+    stopped = goodput.run_trace(preset, trace, 1.0, config, (strict,), scored=2)
+    full = goodput.run_trace(preset, trace, 1.0, config, scored=2)
     assert None not in stopped and stopped != full
     assert not goodput.passed(stopped, [strict]) and goodput.passed(full, [Slo(1000, 100)])
 
 
 @pytest.mark.parametrize("policy", goodput.PEER_POLICIES)
-def test_a_peer_policy_reads_no_slo(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, policy: str
-) -> None:
+def test_a_peer_policy_reads_no_slo(monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
     """So a peer's search runs under the pair its distribution is shown for, and serves that distribution."""
     preset = tiny_preset(monkeypatch)
     trace = traces.Trace("t", (20, 120, 60, 30), (9, 4, 7, 5), (0.0, 0.05, 0.02, 0.3))
     outcomes = [
-        goodput.run_trace(preset, trace, 1.0, goodput.engine_config(policy, slo, len(trace)), tokenizer)
+        goodput.run_trace(preset, trace, 1.0, goodput.engine_config(policy, slo, len(trace)))
         for slo in (Slo(100, 10), Slo(5000, 500))
     ]
     assert outcomes[0] == outcomes[1]
