@@ -124,7 +124,7 @@ def test_every_block_returns_to_the_pool_after_a_disconnect_storm(
     shared = (1, *tokens(rng, 40))
     requests = [(shared + tokens(rng, 10), 200, None) for _ in range(12)]
     run, engine = serve(stories_backend, tokenizer, requests, EngineConfig(), abort_after=0)
-    blocks = engine._scheduler.blocks
+    blocks = engine.core.scheduler.blocks
     assert blocks is not None
     assert blocks.num_free == blocks.num_blocks
     assert run.stats[-1].kv_cache_usage == 0.0
@@ -157,6 +157,6 @@ def test_caching_off_runs_without_block_tables(stories_backend: TorchBackend, to
     prompt = (1, *tokens(random.Random(5), 40))
     config = EngineConfig(enable_prefix_caching=False)
     run, engine = serve(stories_backend, tokenizer, [(prompt, 3, None), (prompt, 3, None)], config)
-    assert engine._scheduler.blocks is None
+    assert engine.core.scheduler.blocks is None
     assert [run.finals[f"r{i}"].num_cached_tokens for i in range(2)] == [0, 0]
     assert all(s.kv_cache_usage is None for s in run.stats)
