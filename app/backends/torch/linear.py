@@ -36,10 +36,6 @@ class QuantizedWeight:
     def build(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
         return cls(data, scale, dtype, scale.to(dtype))
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
     def dequantized(self) -> torch.Tensor:
         return dequantize(self.data, self.scale, self.dtype)
 

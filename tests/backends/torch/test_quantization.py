@@ -122,3 +122,15 @@ def test_modules_to_not_convert_must_keep_a_fused_group_together(stories260k: Pa
     with safe_open(str(tmp_path / "rank-0.safetensors"), framework="pt") as handle:
         assert handle.get_tensor("layers.1.down_proj").dtype == torch.float32
         assert handle.get_tensor("layers.1.gate_up_proj").dtype == torch.int8
+
+
+@pytest.mark.gpu
+def test_int8_linear_on_cuda_is_gpt_fasts_path() -> None:
+    """gpt-fast's WeightOnlyInt8Linear: the int8 weight cast in the matmul, the output scaled per row."""
+    generator = torch.Generator().manual_seed(2)
+    data, scale = quantize(torch.randn(96, 64, generator=generator), INT8)
+    x = torch.randn(3, 64, generator=generator).to(torch.bfloat16)
+    weight = QuantizedWeight.build(data.cuda(), scale.cuda(), torch.bfloat16)
+    got = linear(x.cuda(), weight).float().cpu()
+    expected = F.linear(x.float(), dequantize(data, scale, torch.float32))
+    assert torch.allclose(got, expected, rtol=0.05, atol=0.5)
