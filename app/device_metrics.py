@@ -1,14 +1,17 @@
 """Device metrics in the server's own `/metrics`: per-NeuronCore utilization, device memory used,
-execution errors and latency.
+execution errors and latency, each under the `replica` label of the engine whose runtime reported it.
 
 Where `neuron-monitor` is on PATH, the server runs it as a child process with a config limited to its own
-runtime (`tag_filter` on this process's `NEURON_PROCESS_TAG`, else its PID, which is what the runtime
-reports when no tag is set) and parses the JSON report it prints once per period, labelling utilization
-`source="neuron-monitor"`. Elsewhere, or if the monitor exits, the same utilization gauge carries the
-engine's busy fraction (`inf2serve_engine_busy_ratio`) as core "all", `source="engine"`.
+runtimes (`tag_filter`) and parses the JSON report it prints once per period, labelling utilization
+`source="neuron-monitor"`. A runtime names itself by its process's `NEURON_PROCESS_TAG`, else its PID.
+The single engine runs in the server's process: its tag is that process's (`runtime_tag`). Each replica
+process sets its own tag before its runtime starts (`replica_tag`: the server's tag and the replica's
+index), so the monitor tells the replicas' NeuronCores apart (`runtime_tags`). Elsewhere, or if the
+monitor exits, the same utilization gauge carries each engine's busy fraction
+(`inf2serve_engine_busy_ratio`) as core "all", `source="engine"`.
 
-For the server: `DeviceMetrics.for_backend(spec.backend).start()` inside the running event loop (the
-lifespan), and `await device_metrics.stop()` at shutdown, which also ends the child process.
+For the server: `DeviceMetrics.for_backend(spec.backend, runtime_tags).start()` inside the running event
+loop (the lifespan), and `await device_metrics.stop()` at shutdown, which also ends the child process.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 
 from app import metrics
 
+RuntimeTags = Mapping[str, str]  # a runtime's NEURON_PROCESS_TAG (or PID) -> its engine's replica label
+
 log = logging.getLogger(__name__)
 
 MONITOR = "neuron-monitor"
@@ -37,6 +42,7 @@ ENGINE_CORE = "all"
 RUNTIME_GROUPS = ("neuroncore_counters", "memory_used", "execution_stats")
 MAX_REPORT_BYTES = 16 * 1024 * 1024  # one report is one line; a 24-core host's is well under this
 STOP_TIMEOUT_S = 5.0
+TAG_VARIABLE = "NEURON_PROCESS_TAG"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,31 +56,47 @@ class RuntimeReport:
     latency: dict[str, float] = field(default_factory=dict)  # percentile -> seconds
 
 
-def monitor_config(tag: str, period_s: float) -> dict[str, Any]:
-    """A neuron-monitor config that collects only this runtime's groups, nothing system-wide."""
+def runtime_tag() -> str:
+    """How this process's Neuron runtime names itself to neuron-monitor."""
+    return os.environ.get(TAG_VARIABLE) or str(os.getpid())
+
+
+def replica_tag(server_tag: str, index: int) -> str:
+    """The tag a replica process gives its runtime (set in its environment before the runtime starts)."""
+    return f"{server_tag}-replica{index}"
+
+
+def monitor_config(tags: RuntimeTags, period_s: float) -> dict[str, Any]:
+    """A neuron-monitor config that collects only these runtimes' groups, nothing system-wide."""
+    names = "|".join(re.escape(tag) for tag in sorted(tags))
     return {
         "period": f"{period_s:g}s",
         "neuron_runtimes": [
-            {"tag_filter": f"^{re.escape(tag)}$", "metrics": [{"type": group} for group in RUNTIME_GROUPS]}
+            {"tag_filter": f"^({names})$", "metrics": [{"type": group} for group in RUNTIME_GROUPS]}
         ],
         "system_metrics": [],
     }
 
 
-def parse_report(document: Mapping[str, Any], tag: str) -> RuntimeReport | None:
-    """This runtime's counters from one neuron-monitor report, or None when the report has none for it.
-    A metric group whose `error` is set is left out."""
+def parse_report(document: Mapping[str, Any], tags: RuntimeTags) -> dict[str, RuntimeReport]:
+    """Our runtimes' counters from one neuron-monitor report, by replica label (none: the report has
+    none of them). A runtime, or a metric group, whose `error` is set is left out."""
+    reports = {}
     for runtime in document.get("neuron_runtime_data") or ():
         names = (str(runtime.get("neuron_runtime_tag")), str(runtime.get("pid")))
-        if tag in names and not runtime.get("error"):
-            report = runtime.get("report") or {}
-            groups = {name: group for name, group in report.items() if not group.get("error")}
-            return RuntimeReport(
-                **_cores(groups.get("neuroncore_counters", {})),
-                memory=_memory(groups.get("memory_used", {})),
-                **_execution(groups.get("execution_stats", {})),
-            )
-    return None
+        replica = next((tags[name] for name in names if name in tags), None)
+        if replica is not None and not runtime.get("error"):
+            reports[replica] = _runtime_report(runtime.get("report") or {})
+    return reports
+
+
+def _runtime_report(report: Mapping[str, Any]) -> RuntimeReport:
+    groups = {name: group for name, group in report.items() if not group.get("error")}
+    return RuntimeReport(
+        **_cores(groups.get("neuroncore_counters", {})),
+        memory=_memory(groups.get("memory_used", {})),
+        **_execution(groups.get("execution_stats", {})),
+    )
 
 
 def _cores(counters: Mapping[str, Any]) -> dict[str, dict[str, float]]:
@@ -103,22 +125,17 @@ def _execution(stats: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     return {"errors": errors, "latency": {p: float(s) for p, s in latency.items() if s is not None}}
 
 
-def record_report(report: RuntimeReport) -> None:
+def record_report(report: RuntimeReport, replica: str) -> None:
     for core, ratio in report.utilization.items():
-        metrics.record_core_utilization(core, ratio, SOURCE_MONITOR)
+        metrics.record_core_utilization(core, ratio, SOURCE_MONITOR, replica)
     for core, flops in report.flops.items():
-        metrics.record_core_flops(core, flops)
+        metrics.record_core_flops(core, flops, replica)
     for (core, category), size in report.memory.items():
-        metrics.record_device_memory(core, category, size)
+        metrics.record_device_memory(core, category, size, replica)
     for kind, count in report.errors.items():
-        metrics.record_execution_errors(kind, count)
+        metrics.record_execution_errors(kind, count, replica)
     for percentile, seconds in report.latency.items():
-        metrics.record_execution_latency(percentile, seconds)
-
-
-def runtime_tag() -> str:
-    """How this process's Neuron runtime names itself to neuron-monitor."""
-    return os.environ.get("NEURON_PROCESS_TAG") or str(os.getpid())
+        metrics.record_execution_latency(percentile, seconds, replica)
 
 
 class DeviceMetrics:
@@ -128,20 +145,22 @@ class DeviceMetrics:
         self,
         monitor_path: str | None,
         period_s: float = 5.0,
-        tag: str | None = None,
-        busy_fraction: Callable[[], float] = metrics.engine_busy_ratio,
+        tags: RuntimeTags | None = None,
+        busy_fractions: Callable[[], Mapping[str, float]] = metrics.engine_busy_ratios,
     ) -> None:
+        """`tags`: the runtimes to report (default: this process's, as replica "0"); `busy_fractions`:
+        each engine's busy fraction by replica label, for the fallback."""
         self.monitor_path = monitor_path
         self.period_s = period_s
-        self.tag = tag or runtime_tag()
-        self.busy_fraction = busy_fraction
+        self.tags = tags or {runtime_tag(): metrics.SINGLE_REPLICA}
+        self.busy_fractions = busy_fractions
         self._process: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
-    def for_backend(cls, backend: str) -> DeviceMetrics:
+    def for_backend(cls, backend: str, tags: RuntimeTags | None = None) -> DeviceMetrics:
         """neuron-monitor for a Neuron backend on a host that has it; the engine's busy time otherwise."""
-        return cls(shutil.which(MONITOR) if backend.startswith("neuron-") else None)
+        return cls(shutil.which(MONITOR) if backend.startswith("neuron-") else None, tags=tags)
 
     def start(self) -> None:
         """Begin in the background; call from inside the running event loop."""
@@ -159,13 +178,15 @@ class DeviceMetrics:
             await self._follow_monitor(self.monitor_path)
             log.warning("neuron-monitor exited; NeuronCore utilization now comes from the engine's busy time")
         while True:
-            metrics.record_core_utilization(ENGINE_CORE, self.busy_fraction(), SOURCE_ENGINE)
+            ratios = self.busy_fractions()
+            for replica in self.tags.values():
+                metrics.record_core_utilization(ENGINE_CORE, ratios.get(replica, 0.0), SOURCE_ENGINE, replica)
             await asyncio.sleep(self.period_s)
 
     async def _follow_monitor(self, path: str) -> None:
         with tempfile.TemporaryDirectory(prefix="inf2serve-monitor-") as scratch:
             config = Path(scratch) / "neuron-monitor.json"
-            config.write_text(json.dumps(monitor_config(self.tag, self.period_s)))
+            config.write_text(json.dumps(monitor_config(self.tags, self.period_s)))
             try:
                 self._process = await asyncio.create_subprocess_exec(
                     path,
@@ -185,12 +206,12 @@ class DeviceMetrics:
 
     def _consume(self, line: bytes) -> None:
         try:
-            report = parse_report(json.loads(line), self.tag)
+            reports = parse_report(json.loads(line), self.tags)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             log.warning("skipping an unreadable neuron-monitor report: %s", error)
             return
-        if report is not None:
-            record_report(report)
+        for replica, report in reports.items():
+            record_report(report, replica)
 
     async def _end_monitor(self) -> None:
         process, self._process = self._process, None

@@ -175,31 +175,35 @@ CLIENT_DISCONNECTS = Counter(
 )
 
 # Device level (neuron-monitor on inf2, the engine's own busy fraction elsewhere: see `source`).
+# Each under the `replica` label of the engine whose runtime reported it ("0" without replicas).
 CORE_UTILIZATION = Gauge(
     _name("neuroncore_utilization_ratio"),
     "NeuronCore utilization (0..1).",
-    ["core", "source"],
+    ["core", "source", "replica"],
     registry=REGISTRY,
 )
 DEVICE_MEMORY = Gauge(
-    _name("device_memory_used_bytes"), "Device memory used.", ["core", "category"], registry=REGISTRY
+    _name("device_memory_used_bytes"),
+    "Device memory used.",
+    ["core", "category", "replica"],
+    registry=REGISTRY,
 )
 EXECUTION_ERRORS = Counter(
     _name("neuron_execution_errors"),
     "NeuronCore execution errors by type.",
-    ["error_type"],
+    ["error_type", "replica"],
     registry=REGISTRY,
 )
 EXECUTION_LATENCY = Gauge(
     _name("neuron_execution_latency_seconds"),
     "Runtime execution latency percentile.",
-    ["percentile"],
+    ["percentile", "replica"],
     registry=REGISTRY,
 )
 CORE_FLOPS = Gauge(
     _name("neuroncore_flops"),
     "Floating-point operations per second on the core over neuron-monitor's last period (its `flops`).",
-    ["core"],
+    ["core", "replica"],
     registry=REGISTRY,
 )
 
@@ -321,26 +325,27 @@ def forget_replica(replica: str) -> None:
 
 
 # Helpers for the device metrics (app/device_metrics.py).
-def record_core_utilization(core: str, ratio: float, source: str) -> None:
-    CORE_UTILIZATION.labels(core, source).set(ratio)
+def record_core_utilization(core: str, ratio: float, source: str, replica: str) -> None:
+    CORE_UTILIZATION.labels(core, source, replica).set(ratio)
 
 
-def record_core_flops(core: str, flops: float) -> None:
-    CORE_FLOPS.labels(core).set(flops)
+def record_core_flops(core: str, flops: float, replica: str) -> None:
+    CORE_FLOPS.labels(core, replica).set(flops)
 
 
-def record_device_memory(core: str, category: str, size: float) -> None:
-    DEVICE_MEMORY.labels(core, category).set(size)
+def record_device_memory(core: str, category: str, size: float, replica: str) -> None:
+    DEVICE_MEMORY.labels(core, category, replica).set(size)
 
 
-def record_execution_errors(error_type: str, count: float) -> None:
-    EXECUTION_ERRORS.labels(error_type).inc(count)
+def record_execution_errors(error_type: str, count: float, replica: str) -> None:
+    EXECUTION_ERRORS.labels(error_type, replica).inc(count)
 
 
-def record_execution_latency(percentile: str, seconds: float) -> None:
-    EXECUTION_LATENCY.labels(percentile).set(seconds)
+def record_execution_latency(percentile: str, seconds: float, replica: str) -> None:
+    EXECUTION_LATENCY.labels(percentile, replica).set(seconds)
 
 
-def engine_busy_ratio() -> float:
-    """The engines' mean busy fraction as they last recorded it (0 before a first window closes)."""
-    return sum(_engine_busy.values()) / len(_engine_busy) if _engine_busy else 0.0
+def engine_busy_ratios() -> dict[str, float]:
+    """Each engine's busy fraction as it last recorded it, by replica label (none before a first window
+    closes)."""
+    return dict(_engine_busy)

@@ -1,4 +1,5 @@
-"""NeuronCore metrics from neuron-monitor, and the engine-busy fallback.
+"""NeuronCore metrics from neuron-monitor, each under its engine's `replica` label, and the engine-busy
+fallback.
 
 Reports are built from neuron-monitor's documented schema (neuron-monitor user guide; the constructed
 inf2.48xlarge example in ../shared/research/neuron-api.md section 6a), in both per-core variants: the
@@ -10,18 +11,29 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import multiprocessing
 import os
 import re
 import stat
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from app import metrics
-from app.device_metrics import DeviceMetrics, monitor_config, parse_report, record_report
+from app.device_metrics import (
+    TAG_VARIABLE,
+    DeviceMetrics,
+    monitor_config,
+    parse_report,
+    record_report,
+    replica_tag,
+)
+from app.replicas import worker
+from app.settings import ServerSettings
 
 TAG = "llama-r0"
 LATENCY = {
@@ -140,8 +152,7 @@ def sample(name: str, **labels: str) -> float | None:
 
 @pytest.mark.parametrize("flops_key", ["flops", "effective_flops"])
 def test_parse_reads_our_runtime_in_either_flops_variant(flops_key: str) -> None:
-    parsed = parse_report(report(flops_key), TAG)
-    assert parsed is not None
+    parsed = parse_report(report(flops_key), {TAG: "0"})["0"]
     assert parsed.utilization == pytest.approx({"0": 0.71, "1": 0.72})
     assert parsed.flops == {"0": 910_000_000_000.0, "1": 910_000_000_001.0}
     assert parsed.memory[("all", "total")] == 21474836480
@@ -152,8 +163,8 @@ def test_parse_reads_our_runtime_in_either_flops_variant(flops_key: str) -> None
 
 def test_parse_matches_the_pid_when_no_tag_is_set() -> None:
     document = report(tag="")
-    assert parse_report(document, "41873") is not None
-    assert parse_report(document, "99999") is None
+    assert set(parse_report(document, {"41873": "0"})) == {"0"}
+    assert parse_report(document, {"99999": "0"}) == {}
 
 
 def test_parse_skips_groups_with_errors_and_idle_latency() -> None:
@@ -161,26 +172,69 @@ def test_parse_skips_groups_with_errors_and_idle_latency() -> None:
     ours = document["neuron_runtime_data"][0]["report"]
     ours["memory_used"]["error"] = "failed to read memory usage"
     ours["execution_stats"]["latency_stats"]["total_latency"] = None
-    parsed = parse_report(document, TAG)
+    parsed = parse_report(document, {TAG: "0"})["0"]
     assert parsed.memory == {} and parsed.latency == {}
     assert parsed.utilization
 
 
 def test_record_exports_through_our_metrics() -> None:
-    before = sample("neuron_execution_errors_total", error_type="numerical") or 0.0
-    record_report(parse_report(report(utilization=40.0, errors=2), TAG))
-    record_report(parse_report(report(utilization=50.0, errors=3), TAG))
-    assert sample("neuroncore_utilization_ratio", core="1", source="neuron-monitor") == pytest.approx(0.51)
-    assert sample("device_memory_used_bytes", core="0", category="tensors") == 92274688
-    assert sample("neuron_execution_errors_total", error_type="numerical") == before + 5
-    assert sample("neuron_execution_latency_seconds", percentile="p99") == pytest.approx(0.154)
-    assert sample("neuroncore_flops", core="0") == 910_000_000_000
+    before = sample("neuron_execution_errors_total", error_type="numerical", replica="0") or 0.0
+    record_report(parse_report(report(utilization=40.0, errors=2), {TAG: "0"})["0"], "0")
+    record_report(parse_report(report(utilization=50.0, errors=3), {TAG: "0"})["0"], "0")
+    utilization = sample("neuroncore_utilization_ratio", core="1", source="neuron-monitor", replica="0")
+    assert utilization == pytest.approx(0.51)
+    assert sample("device_memory_used_bytes", core="0", category="tensors", replica="0") == 92274688
+    assert sample("neuron_execution_errors_total", error_type="numerical", replica="0") == before + 5
+    assert sample("neuron_execution_latency_seconds", percentile="p99", replica="0") == pytest.approx(0.154)
+    assert sample("neuroncore_flops", core="0", replica="0") == 910_000_000_000
+
+
+def test_each_replicas_runtime_is_reported_under_its_replica_label() -> None:
+    """With replicas, each replica process tags its runtime (`replica_tag`); the monitor's report of
+    both runtimes lands under the two replica labels, each with its own counters."""
+    tags = {replica_tag("srv", 0): "0", replica_tag("srv", 1): "1"}
+    document = report(tag=replica_tag("srv", 0))
+    document["neuron_runtime_data"][1]["neuron_runtime_tag"] = replica_tag("srv", 1)
+    parsed = parse_report(document, tags)
+    assert parsed["0"].utilization == pytest.approx({"0": 0.71, "1": 0.72})
+    assert parsed["1"].utilization == pytest.approx({"0": 0.05, "1": 0.06})
+    assert parsed["1"].errors["numerical"] == 7
+    for replica, runtime in parsed.items():
+        record_report(runtime, replica)
+    for replica, ratio in (("0", 0.71), ("1", 0.05)):
+        labels = {"core": "0", "source": "neuron-monitor", "replica": replica}
+        assert sample("neuroncore_utilization_ratio", **labels) == pytest.approx(ratio)
+    (runtime,) = monitor_config(tags, 1.0)["neuron_runtimes"]
+    assert re.fullmatch(runtime["tag_filter"], "srv-replica1") and not re.fullmatch(
+        runtime["tag_filter"], "srv"
+    )
+
+
+def test_a_replica_names_its_runtime_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica process sets NEURON_PROCESS_TAG before its backend (and so its runtime) starts."""
+    seen = []
+
+    def start_engine(*args: Any, **kwargs: Any) -> None:
+        seen.append(os.environ.get(TAG_VARIABLE))
+        raise RuntimeError("no device here")
+
+    monkeypatch.setenv(TAG_VARIABLE, "the-servers")  # restored after the test
+    monkeypatch.setattr(worker, "start_engine", start_engine)
+    monkeypatch.setattr(worker, "configure_logging", lambda level: None)
+    monkeypatch.setattr(worker.signal, "signal", lambda *args: None)  # this is not a replica process
+    monkeypatch.setattr(worker.Tokenizer, "from_dir", lambda path: None)
+    ours, theirs = multiprocessing.Pipe()
+    worker.run_replica(theirs, 1, SimpleNamespace(root=tmp_path), ServerSettings(), replica_tag("srv", 1))  # type: ignore[arg-type]
+    assert seen == ["srv-replica1"]
+    assert ours.recv()[0] == "failed"
 
 
 def test_monitor_config_limits_collection_to_our_runtime() -> None:
-    config = monitor_config("inf2serve.r0", 2.0)
+    config = monitor_config({"inf2serve.r0": "0"}, 2.0)
     (runtime,) = config["neuron_runtimes"]
-    assert runtime["tag_filter"] == r"^inf2serve\.r0$"
+    assert runtime["tag_filter"] == r"^(inf2serve\.r0)$"
     assert {m["type"] for m in runtime["metrics"]} == {
         "neuroncore_counters",
         "memory_used",
@@ -216,15 +270,14 @@ def test_monitor_child_is_limited_to_our_runtime_and_stopped(tmp_path: Path) -> 
     script = fake_monitor(tmp_path, [report("effective_flops", utilization=88.0)], then="sleep")
 
     async def scenario() -> int:
-        device = DeviceMetrics(str(script), period_s=1.0, tag=TAG)
+        device = DeviceMetrics(str(script), period_s=1.0, tags={TAG: "0"})
         device.start()
-        await wait_for(
-            lambda: sample("neuroncore_utilization_ratio", core="0", source="neuron-monitor") == 0.88
-        )
+        labels = {"core": "0", "source": "neuron-monitor", "replica": "0"}
+        await wait_for(lambda: sample("neuroncore_utilization_ratio", **labels) == 0.88)
         await wait_for(lambda: (tmp_path / "args.json").exists())
         args, pid = json.loads((tmp_path / "args.json").read_text())
         config = json.loads(Path(args[1]).read_text())
-        assert args[0] == "-c" and config["neuron_runtimes"][0]["tag_filter"] == f"^{re.escape(TAG)}$"
+        assert args[0] == "-c" and config["neuron_runtimes"][0]["tag_filter"] == f"^({re.escape(TAG)})$"
         await device.stop()
         return pid
 
@@ -235,9 +288,10 @@ def test_monitor_child_is_limited_to_our_runtime_and_stopped(tmp_path: Path) -> 
 
 def test_engine_busy_fraction_fills_the_gauge_without_a_monitor() -> None:
     async def scenario() -> None:
-        device = DeviceMetrics(None, period_s=0.05, busy_fraction=lambda: 0.37)
+        device = DeviceMetrics(None, period_s=0.05, busy_fractions=lambda: {"0": 0.37})
         device.start()
-        await wait_for(lambda: sample("neuroncore_utilization_ratio", core="all", source="engine") == 0.37)
+        labels = {"core": "all", "source": "engine", "replica": "0"}
+        await wait_for(lambda: sample("neuroncore_utilization_ratio", **labels) == 0.37)
         await device.stop()
 
     asyncio.run(scenario())
@@ -247,9 +301,12 @@ def test_engine_takes_over_when_the_monitor_exits(tmp_path: Path) -> None:
     script = fake_monitor(tmp_path, [copy.deepcopy(report())], then="exit")
 
     async def scenario() -> None:
-        device = DeviceMetrics(str(script), period_s=0.05, tag=TAG, busy_fraction=lambda: 0.61)
+        device = DeviceMetrics(
+            str(script), period_s=0.05, tags={TAG: "0"}, busy_fractions=lambda: {"0": 0.61}
+        )
         device.start()
-        await wait_for(lambda: sample("neuroncore_utilization_ratio", core="all", source="engine") == 0.61)
+        labels = {"core": "all", "source": "engine", "replica": "0"}
+        await wait_for(lambda: sample("neuroncore_utilization_ratio", **labels) == 0.61)
         await device.stop()
 
     asyncio.run(scenario())
@@ -266,5 +323,5 @@ def test_for_backend_uses_the_monitor_only_for_neuron_backends(
 
 def test_without_a_monitor_the_gauge_reads_the_engines_last_busy_window() -> None:
     metrics.record_engine_busy(0.42)
-    assert DeviceMetrics(None).busy_fraction() == 0.42
+    assert DeviceMetrics(None).busy_fractions()["0"] == 0.42
     assert sample("engine_busy_ratio", replica="0") == 0.42

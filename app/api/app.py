@@ -102,7 +102,7 @@ async def _start(
             on_fatal()
         return
     app.state.serving = Serving(runtime, settings, stop_at=lambda: state.stop_at)
-    state.device_metrics = DeviceMetrics.for_backend(runtime.backend_name)
+    state.device_metrics = DeviceMetrics.for_backend(runtime.backend_name, runtime.runtime_tags)
     state.device_metrics.start()
     state.runtime = runtime
     metrics.record_ready(not state.draining)

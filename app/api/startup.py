@@ -70,7 +70,9 @@ async def start_replicas(
         pool.close()
         remove_view(artifact.root)
 
-    return _runtime(artifact, tokenizer, settings, pool, close, caveats)
+    return replace(
+        _runtime(artifact, tokenizer, settings, pool, close, caveats), runtime_tags=pool.runtime_tags
+    )
 
 
 def _runtime(

@@ -34,6 +34,9 @@ class Runtime:
     """What the operator allowed to serve anyway: `random_weights`, `validation_failed`."""
     quantization: str | None = None
     """The weights' quantization scheme (`int8-per_channel`); None: full precision."""
+    runtime_tags: dict[str, str] | None = None
+    """The replicas' Neuron runtime tags, by replica label (`app/device_metrics.py`); None: this
+    process's runtime, replica "0"."""
 
 
 class ServerState:

@@ -32,6 +32,7 @@ from multiprocessing.process import BaseProcess
 
 from app import metrics
 from app.artifacts.loader import LocalArtifact
+from app.device_metrics import replica_tag, runtime_tag
 from app.engine.engine import check_limits
 from app.engine.output import RequestStream
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
@@ -116,6 +117,8 @@ class ReplicaPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving = False  # every replica started once: from now on a dead one is restarted
         self._closing = False
+        self._server_tag = runtime_tag()
+        self.runtime_tags = {self._runtime_tag(r): r.label for r in self.replicas}
 
     # --- lifecycle ---
 
@@ -226,7 +229,7 @@ class ReplicaPool:
         settings = self.settings.model_copy(update={"device": replica.device})
         process = self._context.Process(
             target=worker.run_replica,
-            args=(theirs, replica.index, self.artifact, settings),
+            args=(theirs, replica.index, self.artifact, settings, self._runtime_tag(replica)),
             name=f"inf2serve-replica-{replica.index}",
             daemon=True,
         )
@@ -243,6 +246,9 @@ class ReplicaPool:
             daemon=True,
         )
         reader.start()
+
+    def _runtime_tag(self, replica: Replica) -> str:
+        return replica_tag(self._server_tag, replica.index)
 
     def _read(self, replica: Replica, conn: Connection, incarnation: int) -> None:
         """A reader thread: hands each message to the event loop, then the pipe's end."""

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from multiprocessing.connection import Connection
 
 from app.artifacts.loader import LocalArtifact
+from app.device_metrics import TAG_VARIABLE
 from app.engine.engine import LLMEngine
 from app.engine.stats import StepStats
 from app.engine.types import FinishReason, RequestOutput
@@ -55,8 +57,12 @@ class Sender:
             self.send(("stats", stats))
 
 
-def run_replica(conn: Connection, index: int, artifact: LocalArtifact, settings: ServerSettings) -> None:
-    """The process entry point (multiprocessing, spawn)."""
+def run_replica(
+    conn: Connection, index: int, artifact: LocalArtifact, settings: ServerSettings, runtime_tag: str
+) -> None:
+    """The process entry point (multiprocessing, spawn). `runtime_tag` names its Neuron runtime to
+    neuron-monitor (`NEURON_PROCESS_TAG`), so that its NeuronCores are reported as this replica's."""
+    os.environ[TAG_VARIABLE] = runtime_tag  # before the runtime starts, which reads it once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(settings.log_level)

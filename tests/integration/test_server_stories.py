@@ -190,7 +190,7 @@ def test_metrics_parse_and_pass_promtool(sagemaker_server):
     assert families["inf2serve_ready"].samples[0].value == 1
     # Without a Neuron device the utilization gauge carries the engine's busy fraction, labelled so.
     utilization = families["inf2serve_neuroncore_utilization_ratio"].samples
-    assert [s.labels for s in utilization] == [{"core": "all", "source": "engine"}]
+    assert [s.labels for s in utilization] == [{"core": "all", "source": "engine", "replica": "0"}]
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: `make system-deps` installs Debian's prometheus package"
     check = subprocess.run(

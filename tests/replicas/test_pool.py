@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -21,9 +22,15 @@ from app.errors import ConfigError, InvalidRequestError, NotReadyError, ReplicaL
 from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
 from app.settings import ServerSettings
-from tests.engine.helpers import run
 
 PROMPT = (5, 6, 7, 8)
+SPAWN_TIMEOUT_S = 120.0  # a bound on a hang: spawning replicas takes tens of seconds on a loaded host
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(asyncio.wait_for(coro, SPAWN_TIMEOUT_S))
 
 
 def params(max_tokens: int) -> GenerationParams:
