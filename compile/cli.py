@@ -24,7 +24,8 @@ from app.backends.quantization import (
     QUANT_DTYPES,
     QuantScheme,
 )
-from app.errors import Inf2ServeError
+from app.errors import ConfigError, Inf2ServeError
+from compile.prefix_caching import DEFAULT_KV_BLOCK_SIZE, PrefixCachingOptions
 from compile.publish import promote
 
 Handler = Callable[[argparse.Namespace], int]
@@ -99,6 +100,24 @@ def register_compile(subparsers: Any) -> None:
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="neuron-nxdi: quantize the KV cache"
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="neuron-nxdi: compile NxD Inference's prefix caching (KV in blocks, prefill x prefix buckets)",
+    )
+    parser.add_argument(
+        "--kv-block-size",
+        type=int,
+        help=f"with --enable-prefix-caching: positions per KV block (default {DEFAULT_KV_BLOCK_SIZE})",
+    )
+    parser.add_argument(
+        "--kv-blocks", type=int, help="with --enable-prefix-caching: KV blocks (default: the minimum)"
+    )
+    parser.add_argument(
+        "--prefix-buckets",
+        type=int_list,
+        help="with --enable-prefix-caching: cached-prefix lengths compiled (default: the token buckets)",
+    )
+    parser.add_argument(
         "--allow-failed-validation",
         action="store_true",
         help="publish even if the validation gate fails, recording it (the server then needs the same flag)",
@@ -114,6 +133,18 @@ def quantization_scheme(args: argparse.Namespace) -> QuantScheme | None:
     if args.quantize is None:
         return None
     return QuantScheme(args.quantize, args.quantization_type, args.modules_to_not_convert)
+
+
+def prefix_caching_options(args: argparse.Namespace) -> PrefixCachingOptions | None:
+    if not args.enable_prefix_caching:
+        named = [flag for flag in ("kv_block_size", "kv_blocks", "prefix_buckets") if getattr(args, flag)]
+        if named:
+            flags = ", ".join("--" + name.replace("_", "-") for name in named)
+            raise ConfigError(f"{flags} apply only with --enable-prefix-caching")
+        return None
+    return PrefixCachingOptions(
+        args.kv_block_size or DEFAULT_KV_BLOCK_SIZE, args.kv_blocks, args.prefix_buckets
+    )
 
 
 @reports_errors("compile")
@@ -139,6 +170,7 @@ def run_compile(args: argparse.Namespace) -> None:
         async_mode=args.async_mode,
         quantization=quantization_scheme(args),
         kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching=prefix_caching_options(args),
         allow_failed_validation=args.allow_failed_validation,
     )
     print(compile_artifact(options).uri, flush=True)

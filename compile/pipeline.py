@@ -39,6 +39,7 @@ from app.llama import LlamaSpec
 from app.shapes import ShapeGrid, powers_of_two
 from compile.builders import builder_for
 from compile.golden import record_golden, validate
+from compile.prefix_caching import PrefixCachingOptions
 from compile.publish import check_name, publish, published
 from compile.random_checkpoint import is_random_source, preset_from_source, write_random_llama
 
@@ -74,6 +75,7 @@ class CompileOptions:
     async_mode: bool = False  # neuron-nxdi: NxD Inference's async_mode (one decode batch size only)
     quantization: QuantScheme | None = None  # weight-only quantization of the linear layers
     kv_cache_dtype: str | None = None  # the KV cache's dtype where the backend can quantize it
+    prefix_caching: PrefixCachingOptions | None = None  # neuron-nxdi: compile NxD Inference's prefix caching
     allow_failed_validation: bool = False  # publish an artifact that fails the gate, saying so
 
 
@@ -105,6 +107,7 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
             options.async_mode,
             options.quantization,
             options.kv_cache_dtype,
+            options.prefix_caching.compiled(grid) if options.prefix_caching is not None else None,
         )
         builder.check(llama, spec)
         name = check_name("model name", options.name or default_name(options.model))

@@ -152,6 +152,28 @@ class KvBlocks:
 
 
 @dataclass(frozen=True, slots=True)
+class CompiledPrefixCaching:
+    """An artifact compiled for prefix caching (neuron-nxdi): its KV cache in `blocks`, and context
+    encoding compiled over every (context bucket, prefix bucket) pair, a prefix bucket being how many
+    cached positions a prefill attends (0 and `prefix_buckets`)."""
+
+    blocks: KvBlocks
+    prefix_buckets: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "block_size": self.blocks.block_size,
+            "num_blocks": self.blocks.num_blocks,
+            "prefix_buckets": list(self.prefix_buckets),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> CompiledPrefixCaching:
+        buckets = tuple(int(b) for b in data["prefix_buckets"])  # type: ignore[attr-defined]
+        return cls(KvBlocks(int(data["block_size"]), int(data["num_blocks"])), buckets)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillBatch:
     """New sequences entering `slots`; every prompt's uncached part fits `context_bucket` (chosen by the
     scheduler). With prefix caching (`block_tables` given), row i's first `cached[i]` prompt tokens are
@@ -211,6 +233,9 @@ class BackendSpec:
     kv_cache_dtype: str | None = None
     """The KV cache's storage dtype where it differs from `dtype` (neuron-nxdi: fp8); recorded only when
     set."""
+    prefix_caching: CompiledPrefixCaching | None = None
+    """neuron-nxdi: compiled with NxD Inference's prefix caching (block KV layout); recorded only when
+    set. The other backends keep KV in blocks without compiling for it (`Backend.kv_blocks`)."""
 
     @property
     def scheme(self) -> str:
@@ -226,6 +251,7 @@ class BackendSpec:
             **({"async_mode": True} if self.async_mode else {}),
             **({"quantization": self.quantization.to_dict()} if self.quantization is not None else {}),
             **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype is not None else {}),
+            **({"prefix_caching": self.prefix_caching.to_dict()} if self.prefix_caching is not None else {}),
         }
 
     @classmethod
@@ -238,6 +264,11 @@ class BackendSpec:
             async_mode=bool(data.get("async_mode", False)),
             quantization=QuantScheme.from_dict(data["quantization"]) if "quantization" in data else None,  # type: ignore[arg-type]
             kv_cache_dtype=str(data["kv_cache_dtype"]) if "kv_cache_dtype" in data else None,
+            prefix_caching=(
+                CompiledPrefixCaching.from_dict(data["prefix_caching"])  # type: ignore[arg-type]
+                if "prefix_caching" in data
+                else None
+            ),
         )
 
 

@@ -21,6 +21,7 @@ from app.backends.neuron.nxdi import (
     COMPILED_FILES,
     MODELING,
     check_inf2_release,
+    check_prefix_caching,
     check_quantization,
     installed_library_version,
     neuron_config_kwargs,
@@ -45,6 +46,7 @@ def check(llama: LlamaSpec, spec: BackendSpec) -> None:
             f"tp_degree {spec.tp_degree} is not one Inf2 supports: choose one of {list(INF2_TP_DEGREES)}"
         )
     check_quantization(spec)
+    check_prefix_caching(spec, llama.vocab_size)
 
 
 def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:

@@ -19,6 +19,11 @@ def check(llama: LlamaSpec, spec: BackendSpec) -> None:
             f"kv_cache_dtype {spec.kv_cache_dtype!r}: the torch backend keeps its KV cache in the model "
             f"dtype ({spec.dtype}); only neuron-nxdi quantizes it"
         )
+    if spec.prefix_caching is not None:
+        raise ConfigError(
+            "--enable-prefix-caching compiles NxD Inference's block KV layout (neuron-nxdi); the torch "
+            "backend keeps its KV in blocks whatever the artifact: serve with --enable-prefix-caching"
+        )
 
 
 def build(checkpoint_dir: Path, staging_dir: Path, spec: BackendSpec, llama: LlamaSpec) -> None:

@@ -11,7 +11,7 @@ prompt, and the call for the decode rows with the reading back of the batch's ow
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -24,9 +24,8 @@ from app.backends.base import (
     ModelInfo,
     PrefillBatch,
     SampledToken,
-    SamplingParams,
 )
-from app.backends.batches import check_decode, check_prefill
+from app.backends.batches import check_block_tables, check_decode, check_prefill
 from app.backends.neuron.runtime import RUNTIME_PACKAGE, apply_placement, runtime_version, visible_cores
 from app.backends.neuron.steps import DecodeRows, LeftOutRows, check_grid
 from app.llama import read_llama_config, read_model_info
@@ -54,16 +53,20 @@ class NeuronBackend(Backend):
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
         check_prefill(batch, self.spec.grid, self.model.vocab_size)
+        if self.kv_blocks is not None:
+            check_block_tables(batch.block_tables, [len(p) for p in batch.prompts], self.kv_blocks)
         tokens: list[SampledToken] = []
-        for slot, prompt, params in zip(batch.slots, batch.prompts, batch.sampling, strict=True):
+        for row, (slot, prompt) in enumerate(zip(batch.slots, batch.prompts, strict=True)):
             with torch.inference_mode():  # as the libraries' own guides run their steps
-                tokens.append(self._prefill_one(slot, prompt, params, batch.context_bucket))
+                tokens.append(self._prefill_one(batch, row))
             self._left_out.prefilled(slot, len(prompt))
         return tokens
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
         check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
+        if self.kv_blocks is not None:
+            check_block_tables(batch.block_tables, [p + 1 for p in batch.positions], self.kv_blocks)
         rows = self._left_out.lay_out(batch, grid)
         try:
             with torch.inference_mode():
@@ -89,10 +92,8 @@ class NeuronBackend(Backend):
         """Import the library and load the compiled model (the placement is already exported)."""
 
     @abstractmethod
-    def _prefill_one(
-        self, slot: int, prompt: Sequence[int], params: SamplingParams, context_bucket: int
-    ) -> SampledToken:
-        """Context encoding of one checked prompt into `slot`."""
+    def _prefill_one(self, batch: PrefillBatch, row: int) -> SampledToken:
+        """Context encoding of the checked batch's row `row` into its slot."""
 
     @abstractmethod
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:

@@ -24,6 +24,12 @@ token differs from the device's, a token the host chose) first drops the run-ahe
 does after a prefill (`prior_outputs`, `prior_seq_ids`, async_execution.py:216-218), so the library runs
 the caller's rows in sync and starts running ahead again from them.
 
+Prefix caching (`--enable-prefix-caching` at compile, `prefix_caching_kwargs`): the KV cache in blocks
+(`kv_blocks`, the artifact's `pa_block_size` and `pa_num_blocks`, which the engine's block manager then
+uses), and every call carries its rows' block tables, slot mappings and context lengths
+(`block_kv.py`); a prefill computes from its first uncached position. What 0.8 does not combine with it
+is refused at compile in one error (`refuse_prefix_caching_conflicts`).
+
 Artifact layout: `compiled/` holds `neuron_config.json` and `model.pt`, `weights/` the library's
 `tp{rank}_sharded_checkpoint.safetensors`. The library reads all three from one directory, so loading
 goes through a private directory of symlinks; nothing is compiled at load.
@@ -49,12 +55,14 @@ from app.backends.base import (
     BackendSpec,
     DecodeBatch,
     ModelInfo,
+    PrefillBatch,
     SampledToken,
     SamplingParams,
 )
 from app.backends.neuron.backend import NeuronBackend
+from app.backends.neuron.block_kv import BlockKvInputs, BlockLayout
 from app.backends.neuron.runtime import NXDI_PINS, import_library
-from app.backends.neuron.steps import DecodeRows, device_tokens, global_topk, sampling_row
+from app.backends.neuron.steps import DecodeRows, decode_rows, device_tokens, global_topk, sampling_row
 from app.backends.sampling import sample_tokens
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
 from app.shapes import BucketRule
@@ -97,9 +105,15 @@ def neuron_config_kwargs(
     """NxD Inference `NeuronConfig` keys for `spec` (used by the compile step; the compiled directory's
     `neuron_config.json` is what loading reads). A quantized spec also needs where the compile step has
     `save_quantized_state_dict` write the quantized checkpoint."""
+    keys = {**quantization_kwargs(spec, quantized_checkpoints), **graph_kwargs(spec, vocab_size)}
+    refuse_prefix_caching_conflicts(keys)
+    return keys
+
+
+def graph_kwargs(spec: BackendSpec, vocab_size: int) -> dict[str, Any]:
+    """Every `NeuronConfig` key but the quantization ones."""
     grid = spec.grid
     return {
-        **quantization_kwargs(spec, quantized_checkpoints),
         "tp_degree": spec.tp_degree,
         "batch_size": grid.num_slots,
         "ctx_batch_size": 1,
@@ -127,7 +141,94 @@ def neuron_config_kwargs(
         "output_logits": True,
         "async_mode": spec.async_mode,
         "token_generation_batches": decode_batches(spec),
+        **prefix_caching_kwargs(spec),
     }
+
+
+def prefix_caching_kwargs(spec: BackendSpec) -> dict[str, Any]:
+    """0.8's prefix caching (`models/config.py:277-282`, `feature-guide.rst:903-999`): the KV cache in
+    `pa_num_blocks` blocks of `pa_block_size` positions, and context encoding compiled for every pair
+    of a context bucket and a prefix bucket, 0 included (`autobucketing.py:45-62, 176-182`; with
+    `context_encoding_buckets` set, `prefix_buckets` must be too). Nothing when not compiled for it."""
+    caching = spec.prefix_caching
+    if caching is None:
+        return {}
+    return {
+        "is_prefix_caching": True,
+        "is_block_kv_layout": True,
+        "pa_num_blocks": caching.blocks.num_blocks,
+        "pa_block_size": caching.blocks.block_size,
+        "prefix_buckets": list(caching.prefix_buckets),
+    }
+
+
+# `NeuronConfig` keys that do not go with prefix caching: (key, what it is, why).
+PREFIX_CACHING_CONFLICTS = (
+    ("token_generation_batches", "decode batch buckets (--decode-batches)", "models/config.py:610-655"),
+    ("is_eagle3", "EAGLE3 speculation", "models/model_base.py:1698-1700"),
+    ("k_cache_transposed", "k_cache_transposed", "models/config.py:495-506"),
+    (
+        "async_mode",
+        "async mode (--async-mode)",
+        "inf2serve's: the library's run-ahead step reuses the call's block tables one position further, "
+        "past the blocks the engine has handed out (model_base.py:3305-3309, 3903-3926)",
+    ),
+)
+
+
+def refuse_prefix_caching_conflicts(keys: dict[str, Any]) -> None:
+    """One error naming every option in `keys` that NxD Inference 0.8 (or this adapter) does not run
+    with prefix caching."""
+    if not keys.get("is_prefix_caching"):
+        return
+    named = [f"{what} ({why})" for key, what, why in PREFIX_CACHING_CONFLICTS if keys.get(key)]
+    if named:
+        raise ConfigError(
+            "neuron-nxdi: --enable-prefix-caching cannot be compiled with "
+            + "; ".join(named)
+            + "; drop them or compile without prefix caching"
+        )
+
+
+# A query shorter than this with a cached prefix is taken for token generation
+# (modules/attention/attention_base.py:2367-2372): the smallest context and prefix bucket.
+MIN_PREFIX_CACHING_BUCKET = 128
+
+
+def check_prefix_caching(spec: BackendSpec, vocab_size: int) -> None:
+    """What NxD Inference 0.8 cannot run as compiled for prefix caching: the conflicting options; a context
+    or prefix bucket below 128; a token or prefix bucket that is not whole blocks (the library cuts each
+    row's table to its bucket's blocks, `model_wrapper.py:1101-1131`); fewer blocks than every slot's
+    whole sequence needs (its minimum, `feature-guide.rst:932-933`, and the engine's block manager's);
+    a cached prefix longer than the largest prefix bucket (0.8 raises at request time,
+    `model_wrapper.py:1037-1038`)."""
+    caching, grid = spec.prefix_caching, spec.grid
+    if caching is None:
+        return
+    refuse_prefix_caching_conflicts(graph_kwargs(spec, vocab_size))
+    size, prefix = caching.blocks.block_size, caching.prefix_buckets
+    per_sequence = -(-grid.max_positions // max(size, 1))
+    longest_prefix = (grid.max_positions - 1) // max(size, 1) * size
+    problems = {
+        f"pa_block_size {size} must be at least 1": size < 1,
+        f"prefix_buckets {list(prefix)} must be an increasing list": list(prefix) != sorted(set(prefix)),
+        f"context and prefix buckets must be at least {MIN_PREFIX_CACHING_BUCKET} (context "
+        f"{list(grid.context_buckets)}, prefix {list(prefix)})": min((grid.context_buckets[0], *prefix))
+        < MIN_PREFIX_CACHING_BUCKET,
+        f"token and prefix buckets must be whole blocks of {size} positions (token "
+        f"{list(grid.token_buckets)}, prefix {list(prefix)})": any(
+            b % max(size, 1) for b in (*grid.token_buckets, *prefix)
+        ),
+        f"{caching.blocks.num_blocks} KV blocks hold fewer than num_slots x ceil(max_positions / "
+        f"block size) = {grid.num_slots * per_sequence}": caching.blocks.num_blocks
+        < grid.num_slots * per_sequence,
+        f"the largest prefix bucket must hold the longest cached prefix, {longest_prefix} positions": (
+            max(prefix, default=0) < longest_prefix
+        ),
+    }
+    wrong = [problem for problem, failed in problems.items() if failed]
+    if wrong:
+        raise ConfigError(f"neuron-nxdi prefix caching: {'; '.join(wrong)}")
 
 
 def quantization_kwargs(spec: BackendSpec, quantized_checkpoints: Path | None) -> dict[str, Any]:
@@ -193,6 +294,16 @@ def decode_batches(spec: BackendSpec) -> list[int] | None:
     return list(buckets) if buckets != (spec.grid.num_slots,) else None
 
 
+def bucket_rule(spec: BackendSpec) -> BucketRule:
+    """How 0.8 picks buckets for this artifact. With prefix caching it picks a context bucket at least
+    as large as the tokens computed, not strictly larger (`get_target_2d_bucket_for_prefix_caching`,
+    model_wrapper.py:1000-1010), and decodes as without (the first token bucket above the largest
+    position, lines 962-974); it compiles one decode batch size."""
+    if spec.prefix_caching is not None:
+        return BucketRule.INCLUSIVE
+    return BucketRule.NXDI_ASYNC if spec.async_mode else BucketRule.NXDI
+
+
 def read_compiled_config(artifact_dir: Path) -> dict[str, Any]:
     """The `neuron_config` section of the compiled model's `neuron_config.json`."""
     path = artifact_dir / "compiled" / CONFIG_FILE
@@ -216,6 +327,8 @@ def check_compiled(config: dict[str, Any], spec: BackendSpec) -> None:
         "async_mode": spec.async_mode,
         "token_generation_batches": decode_batches(spec),
         "quantized": spec.quantization is not None,
+        "is_prefix_caching": spec.prefix_caching is not None,
+        **prefix_caching_kwargs(spec),
     }
     wrong = {key: config.get(key) for key, value in expected.items() if config.get(key) != value}
     if config.get("on_device_sampling_config") is None:
@@ -277,9 +390,11 @@ class NxdiBackend(NeuronBackend):
         info: ModelInfo,
         view: tempfile.TemporaryDirectory[str],
     ) -> None:
-        rule = BucketRule.NXDI_ASYNC if spec.async_mode else BucketRule.NXDI
-        super().__init__(neuron_model, replace(spec, grid=replace(spec.grid, rule=rule)), info)
+        super().__init__(neuron_model, replace(spec, grid=replace(spec.grid, rule=bucket_rule(spec))), info)
         self.runs_ahead_in_call = spec.async_mode
+        caching = spec.prefix_caching
+        self.kv_blocks = caching.blocks if caching is not None else None
+        self._blocks = BlockLayout(caching.blocks, spec.grid.max_positions) if caching is not None else None
         self._run_ahead = RunAhead()
         self._prepare_sampling_params = prepare_sampling_params
         self.max_top_k = global_topk(info.vocab_size)
@@ -319,25 +434,34 @@ class NxdiBackend(NeuronBackend):
         super().close()
         self._view.cleanup()
 
-    def _prefill_one(
-        self, slot: int, prompt: Sequence[int], params: SamplingParams, context_bucket: int
-    ) -> SampledToken:
+    def _prefill_one(self, batch: PrefillBatch, row: int) -> SampledToken:
         """Unpadded: the library pads to its own context bucket; but a one-token prompt it would pad with
         position ids 1 and read the row of the first largest (model_wrapper.py:764, model_base.py:1012-1016),
         a pad's. That one goes in padded to the largest context bucket with position ids 0, which the
         library runs as given (a prompt equal to the largest bucket runs in it, model_wrapper.py:911; the
-        attention mask inferred from those positions covers the one token, model_base.py:3530-3549)."""
+        attention mask inferred from those positions covers the one token, model_base.py:3530-3549; with
+        prefix caching the library cuts it to the bucket of its one computed token, model_wrapper.py:
+        1104-1110). With prefix caching the whole prompt goes in with its blocks (`block_kv.py`)."""
+        prompt, params = batch.prompts[row], batch.sampling[row]
         ids, positions = list(prompt), list(range(len(prompt)))
         if len(prompt) == 1:
             padding = [0] * (self.spec.grid.context_buckets[-1] - 1)
             ids, positions = ids + padding, positions + padding
-        output = self._step([ids], [slot], [positions], [params])
+        blocks = self._blocks.prefill(batch, row) if self._blocks is not None else None
+        output = self._step([ids], [batch.slots[row]], [positions], [params], blocks)
         return self._tokens(output, [0], [params], [len(prompt)])[0]
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
+        """With prefix caching, a row outside the batch writes nothing (`block_kv.py`), so none is parked:
+        each sits at the smallest live position, which keeps the library's token bucket the engine's."""
         if self.runs_ahead_in_call:
             self._drop_run_ahead_unless_continued(batch)
-        output = self._step(rows.input_ids, range(len(rows.tokens)), rows.position_ids, rows.sampling)
+        blocks = None
+        if self._blocks is not None:
+            rows = decode_rows(batch, len(rows.tokens), self.spec.grid.max_positions, {})
+            blocks = self._blocks.decode(batch, rows.positions)
+        slots = range(len(rows.tokens))
+        output = self._step(rows.input_ids, slots, rows.position_ids, rows.sampling, blocks)
         next_positions = [position + 1 for position in batch.positions]
         tokens = self._tokens(output, list(batch.slots), batch.sampling, next_positions)
         if self.runs_ahead_in_call:
@@ -357,12 +481,14 @@ class NxdiBackend(NeuronBackend):
         slots: Sequence[int],
         positions: Sequence[Sequence[int]],
         sampling: Sequence[SamplingParams],
+        blocks: BlockKvInputs | None = None,
     ) -> Any:
         return self._neuron(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             seq_ids=torch.tensor(list(slots), dtype=torch.int64),
             position_ids=torch.tensor(positions, dtype=torch.int64),
             sampling_params=self._sampling_params(sampling),
+            **(blocks.kwargs() if blocks is not None else {}),
         )
 
     def _sampling_params(self, sampling: Sequence[SamplingParams]) -> torch.Tensor:

@@ -44,12 +44,18 @@ DEFAULT_GLOBAL_TOPK = 256
 
 
 def check_grid(spec: BackendSpec) -> None:
-    """transformers-neuronx compiles the full decode batch only. NxD Inference compiles several
-    (`token_generation_batches`) but then not `async_mode`: its second-fit bucket raises under batch
-    bucketing and its fed-back tokens are reshaped to the full batch (research: neuron-signatures (a))."""
+    """transformers-neuronx compiles the full decode batch only, and no prefix caching. NxD Inference
+    compiles several (`token_generation_batches`) but then not `async_mode`: its second-fit bucket raises
+    under batch bucketing and its fed-back tokens are reshaped to the full batch (research:
+    neuron-signatures (a))."""
     grid = spec.grid
     if spec.async_mode and spec.backend != "neuron-nxdi":
         raise ConfigError(f"async_mode is an NxD Inference option; {spec.backend} has none")
+    if spec.prefix_caching is not None and spec.backend != "neuron-nxdi":
+        raise ConfigError(
+            f"prefix caching is an NxD Inference option: {spec.backend} has no block KV cache "
+            "(transformers-neuronx keeps one contiguous cache line per slot); compile for neuron-nxdi"
+        )
     if grid.batch_buckets != (grid.num_slots,) and (spec.backend != "neuron-nxdi" or spec.async_mode):
         reason = "with async_mode" if spec.async_mode else ""
         raise ConfigError(

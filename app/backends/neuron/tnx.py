@@ -37,8 +37,8 @@ from app.backends.base import (
     BackendSpec,
     DecodeBatch,
     ModelInfo,
+    PrefillBatch,
     SampledToken,
-    SamplingParams,
 )
 from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.runtime import TNX_PINS, import_library
@@ -135,12 +135,11 @@ class TnxBackend(NeuronBackend):
             ) from error
         return cls(neuron_model, spec, info)
 
-    def _prefill_one(
-        self, slot: int, prompt: Sequence[int], params: SamplingParams, context_bucket: int
-    ) -> SampledToken:
-        padding = [0] * (context_bucket - len(prompt))
-        logits = self._step([[*prompt, *padding]], [[*range(len(prompt)), *padding]], [slot])
-        return sample_tokens(logits, [params], [len(prompt)], self.model.vocab_size)[0]
+    def _prefill_one(self, batch: PrefillBatch, row: int) -> SampledToken:
+        prompt = batch.prompts[row]
+        padding = [0] * (batch.context_bucket - len(prompt))
+        logits = self._step([[*prompt, *padding]], [[*range(len(prompt)), *padding]], [batch.slots[row]])
+        return sample_tokens(logits, [batch.sampling[row]], [len(prompt)], self.model.vocab_size)[0]
 
     def _decode(self, rows: DecodeRows, batch: DecodeBatch) -> list[SampledToken]:
         logits = self._step(rows.input_ids, rows.position_ids, range(self.spec.grid.num_slots))

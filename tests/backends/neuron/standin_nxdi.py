@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from app.backends.quantization import LINEAR_MODULES, QuantScheme, quantize
 
+from .standin_block_kv import BlockDevice, check_inputs, execute
 from .standin_common import (
     DTYPE_NAMES,
     StandInDevice,
@@ -115,6 +116,10 @@ class NeuronConfig(_KwargsConfig):
         "tp_degree": 1,
         "allow_input_truncation": False,
         "quantized": False,
+        "is_prefix_caching": False,
+        "is_block_kv_layout": False,
+        "k_cache_transposed": False,
+        "is_eagle3": False,
     }
 
     def __init__(self, **kwargs: Any) -> None:
@@ -125,6 +130,10 @@ class NeuronConfig(_KwargsConfig):
         for derived in ("max_context_length", "max_length", "n_positions"):
             if getattr(self, derived) is None:
                 setattr(self, derived, self.seq_len)
+        # models/config.py:277-279: one block per sequence of the whole length by default
+        self.pa_num_blocks = self.batch_size if self.pa_num_blocks is None else self.pa_num_blocks
+        self.pa_block_size = self.seq_len if self.pa_block_size is None else self.pa_block_size
+        self._check_block_kv_conflicts()
         dtype = kwargs.get("torch_dtype", torch.bfloat16)
         self.torch_dtype = TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
         if isinstance(self.on_device_sampling_config, dict):
@@ -143,6 +152,27 @@ class NeuronConfig(_KwargsConfig):
             "per_channel" if per_channel else "per_tensor",
             tuple(self.modules_to_not_convert or ()) if per_channel else (),
         )
+
+    def _check_block_kv_conflicts(self) -> None:
+        """models/config.py:495-506 (a transposed K cache asserts against the block KV cache) and
+        610-655 (`_validate_batch_bucketing_compatibility`: one ValueError naming every feature)."""
+        if self.k_cache_transposed and self.is_block_kv_layout:
+            raise AssertionError("Transposed K cache is not yet supported by block KV cache feature.")
+        if self.token_generation_batches is None:
+            return
+        named = [
+            name
+            for name, on in (
+                ("prefix caching (is_prefix_caching=True)", self.is_prefix_caching),
+                ("block KV layout (is_block_kv_layout=True)", self.is_block_kv_layout),
+            )
+            if on
+        ]
+        if named:
+            raise ValueError(
+                f"Batch bucketing (token_generation_batches={self.token_generation_batches}) is not "
+                f"currently supported with the following features: {', '.join(named)}."
+            )
 
     def _check_buckets(self) -> None:
         for key, limit in (
@@ -372,13 +402,11 @@ class NeuronApplicationBase(torch.nn.Module):
                 source if source and os.path.exists(source) else compiled_model_path
             )
         hf_fields = {k: v for k, v in vars(self.config).items() if k not in ("neuron_config", "metadata")}
-        self.device = StandInDevice(
-            spec_from_hf_fields(hf_fields),
-            ranks,
-            DTYPE_NAMES[config.torch_dtype],
-            config.kv_cache_batch_size,
-            config.max_length,
-        )
+        llama, dtype = spec_from_hf_fields(hf_fields), DTYPE_NAMES[config.torch_dtype]
+        if config.is_prefix_caching:
+            self.device = BlockDevice(llama, ranks, dtype, config.max_length, config)
+        else:
+            self.device = StandInDevice(llama, ranks, dtype, config.kv_cache_batch_size, config.max_length)
 
     def _hf_rank_tensors(self, checkpoint: str) -> list[dict[str, torch.Tensor]]:
         """Quantized: the shards come from the quantized checkpoint, which must have been written (the
@@ -395,6 +423,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         super().__init__(*args, **kwargs)
         if self.neuron_config.chunked_prefill_config is not None:
             raise NotImplementedError("Chunked Prefill is not available in NxD Inference for now")
+        if self.neuron_config.is_eagle3 and self.neuron_config.is_prefix_caching:
+            # model_base.py:1698-1700 (where the library builds its fused speculation model)
+            raise AssertionError("We do not yet support integration of EAGLE3 and prefix caching")
         self.kv_cache_populated = False
         self.default_sampling_params = prepare_sampling_params(self.neuron_config.batch_size)
         # async state (model_base.py:3077-3088)
@@ -447,13 +478,23 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         seq_ids = torch.arange(rows) if seq_ids is None else seq_ids
         sampling_params = self.default_sampling_params[:rows] if sampling_params is None else sampling_params
         inputs = {"input_ids": input_ids, "seq_ids": seq_ids, "position_ids": position_ids}
+        blocks = {
+            "slot_mapping": slot_mapping,
+            "block_table": block_table,
+            "full_context_lens": full_context_lens,
+            "computed_context_lens": computed_context_lens,
+        }
         call = recorded({**inputs, "attention_mask": attention_mask, "sampling_params": sampling_params})
+        if self.neuron_config.is_prefix_caching:
+            call.update(recorded(blocks))
         self.calls.append(call)
         if self.on_device_sampling:
             validate_sampling_params(sampling_params, self.neuron_config.on_device_sampling_config)
         if self.prior_seq_ids is None:  # preprocess_inputs: "self.prior_seq_ids should never be None"
             self.prior_seq_ids = seq_ids
-        if self.async_mode:
+        if self.neuron_config.is_prefix_caching:
+            output = self._execute_blocks(input_ids, position_ids, sampling_params, blocks)
+        elif self.async_mode:
             output = self._forward_async(input_ids, seq_ids, position_ids, sampling_params)
         else:
             output = self._execute(input_ids, seq_ids, position_ids, sampling_params)
@@ -504,6 +545,30 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             self.async_should_stop = True
             self.async_modes.append("stop")
         return returned
+
+    def _execute_blocks(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        sampling: torch.Tensor,
+        blocks: dict[str, torch.Tensor | None],
+    ) -> CausalLMOutputWithPast:
+        """Prefix caching (`standin_block_kv.py`); its async path is not stood in."""
+        if self.async_mode:
+            raise NotImplementedError("STAND-IN: async mode with the block KV layout is not stood in")
+        check_inputs(blocks, input_ids.shape[0])
+        if self.failing_executions:
+            self.failing_executions -= 1
+            raise RuntimeError("STAND-IN: injected device execution failure")
+        pad_id = getattr(self.config, "pad_token_id", None) or 0
+        assert isinstance(self.device, BlockDevice)
+        logits, bucket = execute(self.neuron_config, self.device, pad_id, input_ids, position_ids, blocks)  # type: ignore[arg-type]
+        graph = "context" if isinstance(bucket, tuple) else "token"
+        self.executions.append({"graph": graph, "bucket": bucket, "rows": input_ids.shape[0]})
+        output = self._output(logits, sampling, position_ids.amax(dim=1) + 1)
+        output.standin_logits = logits
+        output.standin_bucket = bucket
+        return output
 
     def _execute(
         self,
