@@ -2,8 +2,10 @@
 back, 2 when it cannot judge (too few samples, an endpoint unreachable, no golden record).
 
 TARGET is a base URL, `alb:<URL>#stable|canary` (one track behind the ALB template's listener) or
-`sagemaker:<endpoint>[/<variant>]` (deploy/canary/targets.py). The verdict's statistics are in
-deploy/canary/verdict.py.
+`sagemaker:<endpoint>[/<variant>][#<inference component>]` (deploy/canary/targets.py). The verdict's
+statistics are in deploy/canary/verdict.py. With `--publish-cloudwatch ENDPOINT/CONFIG` the verdict is
+also put as CloudWatch metrics that a SageMaker guardrail's rollback alarms watch
+(deploy/canary/publish.py). Every platform acts on the exit code: deploy/README.md, "Canary".
 """
 
 from __future__ import annotations
@@ -19,21 +21,21 @@ from app.artifacts.golden import Golden
 from app.artifacts.loader import resolve
 from app.errors import ConfigError, Inf2ServeError
 from deploy import timeouts
+from deploy.canary.publish import publish
 from deploy.canary.replay import GoldenSet, file_prompts, replay, side_by_side, workload
-from deploy.canary.targets import Prompt, Target, open_target
+from deploy.canary.targets import Prompt, Target, is_sagemaker, open_target
 from deploy.canary.verdict import (
     Check,
     Thresholds,
     agreement,
     agreement_check,
     decide,
-    error_check,
-    latency_checks,
     render,
+    statistical_checks,
 )
 
 EXIT = {"PROMOTE": 0, "ROLL BACK": 1, "CANNOT JUDGE": 2}
-DEFAULT_SAMPLES = 64
+DEFAULT_SAMPLES = 128
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,18 +58,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight per side")
     parser.add_argument("--api-key", help="bearer token for both targets (or INF2SERVE_CANARY_API_KEY)")
     parser.add_argument(
-        "--timeout", type=float, default=float(timeouts.alb().client_timeout_s), help="seconds per request"
+        "--timeout",
+        type=float,
+        help="seconds per request (default: the budget's client timeout, 70 on SageMaker, else "
+        f"{timeouts.alb().client_timeout_s})",
     )
     defaults = Thresholds()
     parser.add_argument("--min-agreement", type=float, default=defaults.min_agreement)
-    parser.add_argument("--max-error-rate-increase", type=float, default=defaults.max_error_rate_increase)
     parser.add_argument(
-        "--alpha", type=float, default=defaults.alpha, help="false-alarm rate of the latency test"
+        "--alpha", type=float, default=defaults.alpha, help="false-alarm budget of all statistical checks"
     )
     parser.add_argument(
-        "--min-effect", type=float, default=defaults.min_effect, help="smallest ratio - 1 that fails"
+        "--min-effect", type=float, default=defaults.min_effect, help="median ratio - 1 that fails"
+    )
+    parser.add_argument(
+        "--tail-min-effect",
+        type=float,
+        default=defaults.tail_min_effect,
+        help="inter-token gap p95/p99 ratio - 1 that fails",
+    )
+    parser.add_argument(
+        "--ttft-tail-min-effect",
+        type=float,
+        default=defaults.ttft_tail_min_effect,
+        help="TTFT p95/p99 ratio - 1 that fails",
+    )
+    parser.add_argument(
+        "--min-error-increase",
+        type=float,
+        default=defaults.min_error_increase,
+        help="error-rate increase over the baseline's that fails (absolute)",
     )
     parser.add_argument("--min-samples", type=int, default=defaults.min_samples)
+    parser.add_argument(
+        "--publish-cloudwatch",
+        metavar="ENDPOINT/CONFIG",
+        help="also put the verdict as inf2serve/Canary metrics for this endpoint and endpoint config",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -81,19 +108,37 @@ class Plan:
 
 def run(args: argparse.Namespace) -> int:
     limits = Thresholds(
-        args.min_agreement, args.max_error_rate_increase, args.alpha, args.min_effect, args.min_samples
+        min_agreement=args.min_agreement,
+        alpha=args.alpha,
+        min_effect=args.min_effect,
+        tail_min_effect=args.tail_min_effect,
+        ttft_tail_min_effect=args.ttft_tail_min_effect,
+        min_error_increase=args.min_error_increase,
+        min_samples=args.min_samples,
     )
     api_key = args.api_key or os.environ.get("INF2SERVE_CANARY_API_KEY")
+    checks: list[Check] = []
     try:
         plan = make_plan(args)
-        baseline = open_target(args.baseline, api_key, args.timeout)
-        candidate = open_target(args.candidate, api_key, args.timeout)
+        timeout = args.timeout or client_timeout(args.baseline, args.candidate)
+        baseline = open_target(args.baseline, api_key, timeout)
+        candidate = open_target(args.candidate, api_key, timeout)
         checks = asyncio.run(judge(baseline, candidate, plan, limits))
     except Inf2ServeError as error:
         print(f"inf2serve canary: cannot judge: {error.message}", file=sys.stderr)
-        return EXIT["CANNOT JUDGE"]
-    print(render(checks))
-    return EXIT[decide(checks)]
+        code = EXIT["CANNOT JUDGE"]
+    else:
+        print(render(checks))
+        code = EXIT[decide(checks)]
+    if args.publish_cloudwatch:
+        publish(checks, code, args.publish_cloudwatch)
+    return code
+
+
+def client_timeout(*targets: str) -> float:
+    """The budget's client read timeout: SageMaker's (70 s, AWS's advice) if a target is SageMaker."""
+    budget = timeouts.sagemaker() if any(map(is_sagemaker, targets)) else timeouts.alb()
+    return float(budget.client_timeout_s)
 
 
 def _golden(artifact: str | None, path: Path | None) -> GoldenSet | None:
@@ -133,4 +178,4 @@ async def judge(baseline: Target, candidate: Target, plan: Plan, limits: Thresho
     finally:
         await baseline.aclose()
         await candidate.aclose()
-    return [*checks, error_check(base, cand, limits), *latency_checks(base, cand, limits)]
+    return [*checks, *statistical_checks(base, cand, limits)]

@@ -12,6 +12,7 @@ differ by over 20% in some benchmark runs (loadtest/canary_bench.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
@@ -24,6 +25,7 @@ from app.errors import ConfigError
 from deploy.canary.targets import Prompt, Sample, Target
 
 DEFAULT_MAX_TOKENS = 16
+LATENCY_TOKENS = 32
 JITTER_S = 0.05
 
 
@@ -59,9 +61,16 @@ def file_prompts(path: Path) -> list[Prompt]:
 
 
 def workload(prompts: Sequence[Prompt], samples: int) -> list[Prompt]:
+    """`samples` requests cycling through the prompts, each generating exactly its `max_new_tokens`, at
+    least LATENCY_TOKENS (ignore_eos), so both sides produce as many tokens whatever each model answers,
+    and the inter-token tails rest on enough gaps (128 x 31: a p99 from ~40 of them)."""
     if not prompts:
         raise ConfigError("no prompts for the latency workload: give a golden record or --prompts")
-    return list(itertools.islice(itertools.cycle(prompts), samples))
+    exact = [
+        dataclasses.replace(p, ignore_eos=True, max_new_tokens=max(p.max_new_tokens, LATENCY_TOKENS))
+        for p in prompts
+    ]
+    return list(itertools.islice(itertools.cycle(exact), samples))
 
 
 async def replay(

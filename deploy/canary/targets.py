@@ -9,8 +9,10 @@ this request alone. Targets (`open_target`):
 - `alb:http(s)://balancer#<track>`: the ALB template's listener, which forwards a request carrying
   `X-Inf2serve-Track: <track>` (stable or canary) to that track's target group only (the instances
   themselves take traffic only from the balancer);
-- `sagemaker:<endpoint>[/<variant>]`: InvokeEndpointWithResponseStream through boto3 (its event stream's
-  PayloadPart bytes are the same events), pinned to one production variant with TargetVariant.
+- `sagemaker:<endpoint>[/<variant>][#<component>]`: InvokeEndpointWithResponseStream through boto3 (its
+  event stream's PayloadPart bytes are the same events), pinned to one production variant with
+  TargetVariant, and to one inference component (InferenceComponentName, which an endpoint hosting
+  components requires: deploy/sagemaker/inference-components.yaml).
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ TRACK_HEADER = "X-Inf2serve-Track"
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
+    """One request. `ignore_eos`: generate exactly `max_new_tokens` (the latency workload sets it, so both
+    sides produce the same number of tokens whatever each model answers; golden replays do not)."""
+
     text: str
     max_new_tokens: int
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +47,10 @@ class Sample:
 
     token_ids: tuple[int, ...] = ()
     ttft_s: float | None = None
-    itl_s: float | None = None  # mean gap between consecutive tokens (None with fewer than two)
+    itl_s: float | None = None  # mean gap between consecutive tokens, TPOT (None with fewer than two)
     e2e_s: float | None = None
     error: str | None = None
+    gaps_s: tuple[float, ...] = ()  # every gap between consecutive tokens (for the tail checks)
 
     @property
     def ok(self) -> bool:
@@ -59,7 +66,10 @@ class Target(Protocol):
 
 
 def request_body(prompt: Prompt) -> dict[str, Any]:
-    return {"inputs": prompt.text, "parameters": {"max_new_tokens": prompt.max_new_tokens}, "stream": True}
+    parameters: dict[str, Any] = {"max_new_tokens": prompt.max_new_tokens}
+    if prompt.ignore_eos:
+        parameters["ignore_eos"] = True
+    return {"inputs": prompt.text, "parameters": parameters, "stream": True}
 
 
 class Timer:
@@ -82,12 +92,13 @@ class Timer:
     def sample(self) -> Sample:
         if not self.arrivals:
             return Sample(error="the stream ended without a token")
-        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+        gaps = tuple(b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False))
         return Sample(
             token_ids=tuple(self.token_ids),
             ttft_s=self.arrivals[0] - self.started,
             itl_s=sum(gaps) / len(gaps) if gaps else None,
             e2e_s=time.perf_counter() - self.started,
+            gaps_s=gaps,
         )
 
 
@@ -140,8 +151,11 @@ class SageMakerTarget:
     """InvokeEndpointWithResponseStream on one endpoint (and variant), in a worker thread (boto3 is
     blocking). `client` is a `sagemaker-runtime` client (a test passes one pointed at a local stand-in)."""
 
-    def __init__(self, name: str, endpoint: str, variant: str | None, client: Any) -> None:
+    def __init__(
+        self, name: str, endpoint: str, variant: str | None, component: str | None, client: Any
+    ) -> None:
         self.name, self.endpoint, self.variant, self._client = name, endpoint, variant, client
+        self.component = component
 
     async def send(self, prompt: Prompt) -> Sample:
         return await asyncio.to_thread(self._send, prompt)
@@ -157,6 +171,8 @@ class SageMakerTarget:
         }
         if self.variant:
             arguments["TargetVariant"] = self.variant
+        if self.component:
+            arguments["InferenceComponentName"] = self.component
         try:
             response = self._client.invoke_endpoint_with_response_stream(**arguments)
             for data in sse_data(_lines(response["Body"])):
@@ -198,15 +214,22 @@ def open_target(
             raise ConfigError(f"ALB target {spec!r}: expected alb:<http(s) URL>#stable or #canary")
         return HttpTarget(spec, url, api_key, timeout_s, {TRACK_HEADER: track})
     if spec.startswith("sagemaker:"):
-        endpoint, _, variant = spec.removeprefix("sagemaker:").partition("/")
+        path, _, component = spec.removeprefix("sagemaker:").partition("#")
+        endpoint, _, variant = path.partition("/")
         if not endpoint:
-            raise ConfigError(f"SageMaker target {spec!r}: expected sagemaker:<endpoint>[/<variant>]")
+            raise ConfigError(f"SageMaker target {spec!r}: expected {SAGEMAKER_SPEC}")
         client = sagemaker_client() if sagemaker_client else _runtime_client(timeout_s)
-        return SageMakerTarget(spec, endpoint, variant or None, client)
+        return SageMakerTarget(spec, endpoint, variant or None, component or None, client)
     raise ConfigError(
-        f"target {spec!r}: expected an http(s):// URL, alb:<URL>#stable|canary or "
-        "sagemaker:<endpoint>[/<variant>]"
+        f"target {spec!r}: expected an http(s):// URL, alb:<URL>#stable|canary or {SAGEMAKER_SPEC}"
     )
+
+
+SAGEMAKER_SPEC = "sagemaker:<endpoint>[/<variant>][#<inference component>]"
+
+
+def is_sagemaker(spec: str) -> bool:
+    return spec.startswith("sagemaker:")
 
 
 def _runtime_client(timeout_s: float) -> Any:

@@ -1,7 +1,8 @@
-"""The canary's verdict on canned samples (agreement with each side's own golden, error rate, the
-Mann-Whitney latency test with its effect floor and minimum sample size), its prompt sources, and its
-targets: streamed /invocations parsed into token ids and timings, an API key and the ALB track header
-sent, SageMaker's event stream read across PayloadPart boundaries."""
+"""The canary's verdict on canned samples (agreement with each side's own golden, the exact error test,
+the paired signed-rank test on medians, the bootstrap tail checks, their effect floors and minimum sample
+size), its prompt sources, its targets (streamed /invocations parsed into token ids and timings, an API key
+and the ALB track header sent, SageMaker's event stream read across PayloadPart boundaries) and where a
+verdict is published. Audit references: shared/research/audit-deploy-2026-11-25.md, section 4."""
 
 from __future__ import annotations
 
@@ -10,59 +11,131 @@ import json
 import random
 from pathlib import Path
 
+import boto3
 import httpx
 import pytest
+from botocore.stub import Stubber
 
 from app.artifacts.golden import Golden, GoldenPrompt
 from app.cli import main
 from app.errors import ConfigError
+from deploy.canary.cli import client_timeout
+from deploy.canary.publish import NAMESPACE, metric_data, publish
 from deploy.canary.replay import GoldenSet, file_prompts, workload
-from deploy.canary.targets import TRACK_HEADER, HttpTarget, Prompt, SageMakerTarget, Sample, open_target
-from deploy.canary.verdict import Thresholds, agreement, agreement_check, decide, error_check, latency_checks
+from deploy.canary.targets import (
+    TRACK_HEADER,
+    HttpTarget,
+    Prompt,
+    SageMakerTarget,
+    Sample,
+    open_target,
+    request_body,
+)
+from deploy.canary.verdict import (
+    Thresholds,
+    agreement,
+    agreement_check,
+    decide,
+    error_check,
+    latency_checks,
+    statistical_checks,
+)
 from loadtest.harness.server import free_port
 
-LIMITS = Thresholds()
+LIMITS = Thresholds(seed=0)
 
 
-def samples(scale: float, n: int = 64, seed: int = 0) -> list[Sample]:
-    """Lognormal-ish latencies around 20 ms TTFT, 10 ms per token, 16 tokens, times `scale`."""
+def sample(ttft: float, gaps: list[float]) -> Sample:
+    return Sample((1,) * (len(gaps) + 1), ttft, sum(gaps) / len(gaps), ttft + sum(gaps), None, tuple(gaps))
+
+
+def samples(scale: float, n: int = 64, seed: int = 0, tokens: int = 16) -> list[Sample]:
+    """Lognormal-ish latencies around 20 ms TTFT, 10 ms per token, `tokens` tokens, times `scale`."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        noise = rng.lognormvariate(0, 0.1)
-        ttft, itl = 0.020 * scale * noise, 0.010 * scale * rng.lognormvariate(0, 0.05)
-        out.append(Sample((1,) * 16, ttft, itl, ttft + 15 * itl))
-    return out
+    return [
+        sample(
+            0.020 * scale * rng.lognormvariate(0, 0.1),
+            [0.010 * scale * rng.lognormvariate(0, 0.05) for _ in range(tokens - 1)],
+        )
+        for _ in range(n)
+    ]
 
 
 def verdict(baseline: list[Sample], candidate: list[Sample]) -> str:
-    return decide([error_check(baseline, candidate, LIMITS), *latency_checks(baseline, candidate, LIMITS)])
+    return decide(statistical_checks(baseline, candidate, LIMITS))
 
 
 def test_same_distribution_promotes_and_a_regression_rolls_back() -> None:
     assert verdict(samples(1.0, seed=1), samples(1.0, seed=2)) == "PROMOTE"
     assert verdict(samples(1.0, seed=1), samples(1.5, seed=2)) == "ROLL BACK"
     checks = latency_checks(samples(1.0, seed=1), samples(2.0, seed=2), LIMITS)
-    assert [c.passed for c in checks] == [False, False, False]
+    assert [c.name for c in checks] == [
+        "TTFT median",
+        "TPOT median",
+        "TTFT p95",
+        "TTFT p99",
+        "inter-token gap p95",
+        "inter-token gap p99",
+    ]
+    assert all(c.passed is False for c in checks)
 
 
 def test_a_significant_but_small_difference_is_no_regression() -> None:
-    # 3% slower on 2000 samples: p is tiny, but under the 20% effect floor.
-    baseline, candidate = samples(1.0, n=2000, seed=1), samples(1.03, n=2000, seed=2)
+    # 3% slower on 2000 prompts: the signed-rank p is tiny, but under the 20% effect floor.
+    baseline, candidate = samples(1.0, n=2000, seed=1, tokens=4), samples(1.03, n=2000, seed=2, tokens=4)
     checks = latency_checks(baseline, candidate, LIMITS)
     assert all(c.passed for c in checks)
-    assert "p=" in checks[2].candidate and float(checks[2].candidate.split("p=")[1].split(",")[0]) < 0.001
+    assert float(checks[1].candidate.split("p=")[1].rstrip(")")) < 0.001
+
+
+def test_the_test_is_paired_on_prompts() -> None:
+    # Audit 4.4: prompts of very different lengths; the candidate is 25% slower on every one of them.
+    # Unpaired (the former Mann-Whitney), prompt-to-prompt variance swamps the effect; per-prompt
+    # differences (Wilcoxon signed-rank) see it.
+    rng = random.Random(3)
+    scales = [rng.lognormvariate(0, 1) for _ in range(40)]
+    baseline = [sample(0.02 * k, [0.01 * k] * 3) for k in scales]
+    candidate = [sample(0.02 * k * 1.25 * rng.uniform(0.99, 1.01), [0.01 * k * 1.25] * 3) for k in scales]
+    from scipy.stats import mannwhitneyu
+
+    unpaired = mannwhitneyu(
+        [s.ttft_s for s in candidate], [s.ttft_s for s in baseline], alternative="greater"
+    )
+    assert unpaired.pvalue > 0.05 / 3  # the old check's per-metric alpha: it saw nothing
+    ttft = latency_checks(baseline, candidate, LIMITS)[0]
+    assert ttft.name == "TTFT median" and ttft.passed is False
+
+
+def test_a_tail_regression_does_not_pass() -> None:
+    # Audit 4.5: 10% of requests stall (every gap 3x); the medians barely move, the tail must fail.
+    baseline = samples(1.0, n=128, seed=1, tokens=32)
+    candidate = samples(1.0, n=128, seed=2, tokens=32)
+    candidate = [
+        sample(s.ttft_s, [g * 3 for g in s.gaps_s]) if i % 10 == 0 else s for i, s in enumerate(candidate)
+    ]
+    checks = {c.name: c.passed for c in latency_checks(baseline, candidate, LIMITS)}
+    assert checks["TPOT median"] is True and checks["TTFT median"] is True
+    assert checks["inter-token gap p99"] is False
+    assert verdict(baseline, candidate) == "ROLL BACK"
 
 
 def test_too_few_samples_cannot_be_judged() -> None:
     checks = latency_checks(samples(1.0, n=10), samples(3.0, n=10), LIMITS)
-    assert [c.passed for c in checks] == [None, None, None]
+    assert {c.passed for c in checks} == {None}
     assert decide(checks) == "CANNOT JUDGE"
 
 
+def test_a_shared_background_error_rate_is_no_regression() -> None:
+    # Audit 4.2: one more failed request than the baseline rolled back 21-30% of identical releases.
+    # Exact binomial test against the baseline's rate + 3 points: 2 failures of 64 against 1 pass.
+    base = [*samples(1.0)[:-1], Sample(error="HTTP 429")]
+    cand = samples(1.0)[:-2] + [Sample(error="HTTP 429")] * 2
+    assert error_check(base, cand, LIMITS).passed is True
+
+
 def test_candidate_errors_roll_back() -> None:
-    failed = [Sample(error="HTTP 500: device")] * 2
-    check = error_check(samples(1.0), samples(1.0)[:-2] + failed, LIMITS)
+    failed = [Sample(error="HTTP 500: device")] * 12
+    check = error_check(samples(1.0), samples(1.0)[:-12] + failed, LIMITS)
     assert check.passed is False and check.detail == "candidate's first failed request: HTTP 500: device"
 
 
@@ -81,9 +154,10 @@ def test_prompt_sources(tmp_path: Path) -> None:
     extra = tmp_path / "prompts.txt"
     extra.write_text('The cat\n\n{"prompt": "The dog", "max_tokens": 4}\n')
     assert file_prompts(extra) == [Prompt("The cat", 16), Prompt("The dog", 4)]
-    assert workload(file_prompts(extra), 5) == [Prompt("The cat", 16), Prompt("The dog", 4)] * 2 + [
-        Prompt("The cat", 16)
-    ]
+    # Audit 4.6: the latency workload generates exactly max_new_tokens (at least 32) on both sides.
+    exact = [Prompt("The cat", 32, ignore_eos=True), Prompt("The dog", 32, ignore_eos=True)]
+    assert workload(file_prompts(extra), 5) == exact * 2 + exact[:1]
+    assert request_body(exact[0])["parameters"] == {"max_new_tokens": 32, "ignore_eos": True}
     extra.write_text('{"text": "no prompt key"}\n')
     with pytest.raises(ConfigError, match=r"prompts\.txt:1"):
         file_prompts(extra)
@@ -143,9 +217,50 @@ def test_sagemaker_target_reads_payload_parts_split_anywhere() -> None:
     runtime = Runtime()
     target = open_target("sagemaker:llm/canary", None, 5.0, sagemaker_client=lambda: runtime)
     assert isinstance(target, SageMakerTarget)
-    sample = asyncio.run(target.send(Prompt("Once", 2)))
-    assert sample.token_ids == (11, 12)
+    answer = asyncio.run(target.send(Prompt("Once", 2)))
+    assert answer.token_ids == (11, 12) and len(answer.gaps_s) == 1
     assert runtime.calls[0]["EndpointName"] == "llm" and runtime.calls[0]["TargetVariant"] == "canary"
+    assert "InferenceComponentName" not in runtime.calls[0]
+    # Audit W9: an endpoint hosting inference components needs InferenceComponentName
+    # (InvokeEndpointWithResponseStream API reference).
+    component = open_target("sagemaker:llm#llm-model", None, 5.0, sagemaker_client=lambda: runtime)
+    asyncio.run(component.send(Prompt("Once", 2)))
+    assert (
+        runtime.calls[1]["InferenceComponentName"] == "llm-model" and "TargetVariant" not in runtime.calls[1]
+    )
+
+
+def test_the_client_timeout_is_the_platforms() -> None:
+    # Audit H8: AWS advises a 70 s socket timeout for SageMaker invocations (deploy/timeouts.py).
+    assert client_timeout("http://a", "sagemaker:llm") == 70
+    assert client_timeout("alb:http://a#stable", "alb:http://a#canary") == 310
+
+
+def test_the_verdict_is_published_for_the_new_fleet() -> None:
+    # Issue 26: the canary job publishes the metrics the SageMaker guardrail's alarms watch, per
+    # EndpointConfigName (deployment-guardrails-configuration, "Monitor model latency on the new fleet").
+    checks = latency_checks(samples(1.0, seed=1), samples(1.0, seed=2), LIMITS)
+    data = {m["MetricName"]: m for m in metric_data(checks, 0, "llm", "llm-config-2")}
+    assert {name: m["Value"] for name, m in data.items()} == {
+        "Verdict": 0.0,
+        "TTFTRegression": 0.0,
+        "InterTokenRegression": 0.0,
+    }
+    assert data["Verdict"]["Dimensions"] == [
+        {"Name": "EndpointName", "Value": "llm"},
+        {"Name": "EndpointConfigName", "Value": "llm-config-2"},
+    ]
+    slower = latency_checks(samples(1.0, seed=1), samples(1.5, seed=2), LIMITS)
+    client = boto3.client(
+        "cloudwatch", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    with Stubber(client) as stub:
+        expected = {"Namespace": NAMESPACE, "MetricData": metric_data(slower, 1, "llm", "llm-config-2")}
+        stub.add_response("put_metric_data", {}, expected)
+        publish(slower, 1, "llm/llm-config-2", client)
+        stub.assert_no_pending_responses()
+    values = {m["MetricName"]: m["Value"] for m in expected["MetricData"]}
+    assert values == {"Verdict": 1.0, "TTFTRegression": 1.0, "InterTokenRegression": 1.0}
 
 
 @pytest.mark.parametrize("spec", ["ftp://x", "alb:http://x#blue", "alb:x#canary", "sagemaker:"])

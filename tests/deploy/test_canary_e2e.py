@@ -267,7 +267,8 @@ CANDIDATES = {
 # Latency here is CPU-bound servers of different shapes sharing a loaded machine, so it must not decide:
 # an effect floor no scheduling hiccup reaches. Agreement and errors are the point of this test (the
 # latency test is unit-tested on canned samples and measured in loadtest/canary_bench.py).
-QUICK = ["--samples", "12", "--min-samples", "8", "--min-effect", "1000"]
+QUICK = ["--samples", "12", "--min-samples", "8", "--min-effect", "1000", "--tail-min-effect", "1000"]
+QUICK += ["--ttft-tail-min-effect", "1000"]
 
 
 @pytest.mark.parametrize("candidate", CANDIDATES)
