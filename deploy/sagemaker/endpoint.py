@@ -39,9 +39,9 @@ class Release:
     instance_type: str = "ml.inf2.xlarge"
     instance_count: int = 2
     canary_instances: int = 1
-    bake_s: int = 600
+    bake_s: int = 3600  # long enough for deploy/sagemaker/canary_job.py to judge the new fleet
     termination_wait_s: int = 300
-    max_execution_s: int = 7200
+    max_execution_s: int = 14400
     startup_timeout_s: int = 1800
     download_timeout_s: int = 1800
     volume_size_gb: int = 128
@@ -98,6 +98,7 @@ def model_request(release: Release, name: str) -> dict[str, Any]:
             "Environment": {
                 "INF2SERVE_ARTIFACT": _mounted(release.artifact),
                 "INF2SERVE_DEVICE": "neuron",
+                "INF2SERVE_REPLICAS": "auto",  # 24xl/48xl: one engine per NeuronCore group
                 "INF2SERVE_REQUEST_TIMEOUT_S": str(SAGEMAKER_BUDGET.request_timeout_s),
                 "INF2SERVE_KEEP_ALIVE_S": str(SAGEMAKER_BUDGET.keep_alive_s),
                 "INF2SERVE_DRAIN_S": str(release.drain_s),

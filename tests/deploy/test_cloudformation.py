@@ -13,6 +13,7 @@ import pytest
 from cfnlint.decode import decode
 
 from deploy import timeouts
+from deploy.canary.publish import FAMILIES, NAMESPACE
 from deploy.canary.targets import TRACK_HEADER
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -95,7 +96,7 @@ class TestSageMaker:
         }
         _assert_kms_when_given(statements)
         alarms = _granting(statements, "cloudwatch:DescribeAlarms")["Resource"]
-        assert alarms == [{"Fn::GetAtt": ["ErrorRateAlarm", "Arn"]}, {"Fn::GetAtt": ["LatencyAlarm", "Arn"]}]
+        assert alarms["Fn::Sub"].endswith(":alarm:${AWS::StackName}-*")  # this stack's alarms only
         granted = {a for s in _plain(statements) for a in _actions(s)}
         assert "cloudwatch:PutMetricData" not in granted
         unscoped = {a for s in _plain(statements) if s["Resource"] == "*" for a in _actions(s)}
@@ -113,19 +114,63 @@ class TestSageMaker:
         # Neuron load + warmup takes minutes: far above the 4-minute historical default.
         assert params["StartupHealthCheckTimeoutSeconds"]["Default"] >= 900
 
-    def test_endpoint_rolls_back_on_both_alarms(self, resources: dict) -> None:
+    def test_rollback_alarms_judge_the_new_fleet_on_ttft_and_inter_token_time(self, resources: dict) -> None:
+        # Audit W2: deployment-guardrails-configuration, "Monitor model latency on the new fleet": a
+        # new-fleet alarm adds the EndpointConfigName dimension; an alarm the old fleet trips ends the
+        # deployment. Latency is judged per token by the canary job (TTFT, inter-token), not by
+        # ModelLatency, which is the whole generation and grows with max_tokens.
         config = resources["Endpoint"]["Properties"]["DeploymentConfig"]
         routing = config["BlueGreenUpdatePolicy"]["TrafficRoutingConfiguration"]
         assert routing["Type"] == "CANARY"
-        alarms = [a["AlarmName"] for a in config["AutoRollbackConfiguration"]["Alarms"]]
-        assert alarms == [{"Ref": "ErrorRateAlarm"}, {"Ref": "LatencyAlarm"}]
-        metrics = [
-            m["MetricStat"]["Metric"]["MetricName"]
-            for m in resources["ErrorRateAlarm"]["Properties"]["Metrics"]
-            if "MetricStat" in m
-        ]
-        assert metrics == ["Invocation5XXErrors", "Invocations"]
-        assert resources["LatencyAlarm"]["Properties"]["MetricName"] == "ModelLatency"
+        alarms = [a["AlarmName"]["Ref"] for a in config["AutoRollbackConfiguration"]["Alarms"]]
+        assert alarms == ["ErrorRateAlarm", "CanaryVerdictAlarm", "TTFTAlarm", "InterTokenAlarm"]
+        new_fleet = {
+            "Name": "EndpointConfigName",
+            "Value": {"Fn::GetAtt": ["EndpointConfig", "EndpointConfigName"]},
+        }
+        for metric in resources["ErrorRateAlarm"]["Properties"]["Metrics"]:
+            if "MetricStat" in metric:
+                assert new_fleet in metric["MetricStat"]["Metric"]["Dimensions"]
+        published = {m: f for f, ms in FAMILIES.items() for m in ms}
+        for name, metric in (
+            ("CanaryVerdictAlarm", "Verdict"),
+            ("TTFTAlarm", "TTFTRegression"),
+            ("InterTokenAlarm", "InterTokenRegression"),
+        ):
+            alarm = resources[name]["Properties"]
+            assert alarm["Namespace"] == NAMESPACE and alarm["MetricName"] == metric
+            assert new_fleet in alarm["Dimensions"]
+            assert alarm["Threshold"] == 1 and alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+        assert (
+            set(FAMILIES) == {"TTFTRegression", "InterTokenRegression"}
+            and published["TTFT"] == "TTFTRegression"
+        )
+        assert not any(r["Properties"].get("MetricName") == "ModelLatency" for r in resources.values())
+
+    def test_large_instances_run_a_replica_per_core_group(self, resources: dict) -> None:
+        # Audit W10: INF2SERVE_REPLICAS defaults to 1 (app/settings.py).
+        assert (
+            resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]["INF2SERVE_REPLICAS"]
+            == "auto"
+        )
+
+    def test_exit_code_3_is_counted_from_the_endpoint_log(self, resources: dict) -> None:
+        metric_filter = resources["ResponsesCutFilter"]
+        assert metric_filter["Properties"]["LogGroupName"] == {
+            "Fn::Sub": "/aws/sagemaker/Endpoints/${EndpointName}"
+        }
+        assert (
+            metric_filter["Properties"]["FilterPattern"] == '{ $.msg = "stopped with responses cut short" }'
+        )
+        assert metric_filter["DependsOn"] == "Endpoint"
+
+    def test_the_stack_tells_what_it_deployed(self) -> None:
+        # Audit W6: one owner per endpoint; after a stack update DescribeEndpoint must name this config.
+        outputs = _load(SAGEMAKER)["Outputs"]
+        assert outputs["EndpointConfigName"]["Value"] == {
+            "Fn::GetAtt": ["EndpointConfig", "EndpointConfigName"]
+        }
+        assert outputs["ExecutionRoleArn"]["Value"] == {"Fn::GetAtt": ["ExecutionRole", "Arn"]}
 
     def test_names_are_generated_so_updates_can_replace(self, resources: dict) -> None:
         assert "ModelName" not in resources["Model"]["Properties"]

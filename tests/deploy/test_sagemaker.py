@@ -71,6 +71,7 @@ def _expect_model_and_config(stubber: Stubber) -> None:
             "Environment": {
                 "INF2SERVE_ARTIFACT": "/opt/ml/model",
                 "INF2SERVE_DEVICE": "neuron",
+                "INF2SERVE_REPLICAS": "auto",
                 "INF2SERVE_REQUEST_TIMEOUT_S": "55",
                 "INF2SERVE_KEEP_ALIVE_S": "65",
                 "INF2SERVE_DRAIN_S": "10",
@@ -130,10 +131,10 @@ def test_update_goes_through_the_canary_and_alarms(client) -> None:
             "TrafficRoutingConfiguration": {
                 "Type": "CANARY",
                 "CanarySize": {"Type": "INSTANCE_COUNT", "Value": 1},
-                "WaitIntervalInSeconds": 600,
+                "WaitIntervalInSeconds": 3600,
             },
             "TerminationWaitInSeconds": 300,
-            "MaximumExecutionTimeoutInSeconds": 7200,
+            "MaximumExecutionTimeoutInSeconds": 14400,
         },
         "AutoRollbackConfiguration": {"Alarms": [{"AlarmName": "llm-5xx"}, {"AlarmName": "llm-latency"}]},
     }
@@ -165,7 +166,7 @@ def test_update_without_alarms_is_refused_before_anything_is_created(client) -> 
         ({"instance_type": "ml.g5.xlarge"}, "ml.inf2"),
         ({"instance_count": 1}, "at most half"),
         ({"drain_s": 20}, "SIGKILL"),
-        ({"bake_s": 7000}, "exceed the bake"),
+        ({"bake_s": 14200}, "exceed the bake"),
     ],
 )
 def test_release_is_checked_before_any_call(change: dict, message: str) -> None:

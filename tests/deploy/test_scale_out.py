@@ -73,6 +73,100 @@ def test_inference_components_are_replicas_scaled_by_copies_and_instances(
     assert policy["ScalingTargetId"] == {"Ref": "CopyScalingTarget"}
 
 
+# Inferentia2 chips and host memory per size (aws-neuron-sdk about-neuron/arch/neuron-hardware/inf2-arch.rst;
+# shared/research/deploy.md, section 1.7).
+INF2 = {"xlarge": (1, 16), "8xlarge": (1, 128), "24xlarge": (6, 384), "48xlarge": (12, 768)}
+
+
+def _components() -> dict:
+    template, problems = decode(str(COMPONENTS))
+    assert not problems
+    return template
+
+
+def _rule_allows(template: dict, size: str, devices: str) -> bool:
+    """The template's Rules, evaluated for one choice (they only use Or, Equals and Contains)."""
+
+    def value(node: object) -> object:
+        if isinstance(node, dict) and "Ref" in node:
+            return {"InstanceSize": size, "AcceleratorDevicesPerCopy": devices}[node["Ref"]]
+        if isinstance(node, dict) and "Fn::Equals" in node:
+            return value(node["Fn::Equals"][0]) == value(node["Fn::Equals"][1])
+        if isinstance(node, dict) and "Fn::Or" in node:
+            return any(value(n) for n in node["Fn::Or"])
+        if isinstance(node, dict) and "Fn::Contains" in node:
+            return value(node["Fn::Contains"][1]) in node["Fn::Contains"][0]
+        return node
+
+    return all(
+        value(assertion["Assert"])
+        for rule in template["Rules"].values()
+        if value(rule["RuleCondition"])
+        for assertion in rule["Assertions"]
+    )
+
+
+def test_every_allowed_placement_fits_its_instance() -> None:
+    # Audit D4: 4 devices and 64 GiB per copy could be chosen with ml.inf2.xlarge (1 chip, 16 GiB). Now a
+    # copy's devices are at most the instance's chips (Rules) and its memory comes from a mapping whose
+    # whole copies fit the host memory.
+    template = _components()
+    params = template["Parameters"]
+    memory = template["Mappings"]["CopyMemoryMb"]
+    assert set(params["InstanceSize"]["AllowedValues"]) == set(INF2)
+    for size, (chips, gib) in INF2.items():
+        for devices in map(str, params["AcceleratorDevicesPerCopy"]["AllowedValues"]):
+            allowed = _rule_allows(template, size, devices)
+            assert allowed == (devices in memory[size]), (size, devices)
+            if allowed:
+                assert int(devices) <= chips and chips % int(devices) == 0
+                assert chips // int(devices) * memory[size][devices] <= gib * 1024
+    default = (params["InstanceSize"]["Default"], str(params["AcceleratorDevicesPerCopy"]["Default"]))
+    assert _rule_allows(template, *default) and default[1] in memory[default[0]]
+
+
+def test_components_read_a_kms_artifact_on_their_prefix_only() -> None:
+    # Audit D4 and H1: template.yaml's statements (prefix-conditioned ListBucket, kms:Decrypt via S3).
+    from tests.deploy.test_cloudformation import (
+        _actions,
+        _assert_kms_when_given,
+        _granting,
+        _plain,
+        _statements,
+    )
+
+    statements = _statements(_components()["Resources"]["ExecutionRole"])
+    assert _granting(statements, "s3:ListBucket")["Condition"] == {
+        "StringLike": {"s3:prefix": {"Fn::Sub": "${ArtifactPrefix}*"}}
+    }
+    _assert_kms_when_given(statements)
+    unscoped = {a for s in _plain(statements) if s["Resource"] == "*" for a in _actions(s)}
+    assert unscoped == {"ecr:GetAuthorizationToken"}  # the one action IAM cannot scope
+
+
+def test_components_carry_the_timeout_budget_a_pin_and_a_rollback() -> None:
+    # Audit W9: no deadline (non-streamed requests over 60 s ended as ModelError), no pin, no
+    # AutoRollbackConfiguration, and 7200 s for a rolling update that may need 6 x (1800 + 300) s.
+    from deploy import timeouts
+
+    resources = _components()["Resources"]
+    env = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
+    budget = timeouts.sagemaker()
+    assert float(env["INF2SERVE_REQUEST_TIMEOUT_S"]) == budget.request_timeout_s
+    assert float(env["INF2SERVE_DRAIN_S"]) == budget.drain_s
+    assert float(env["INF2SERVE_SHUTDOWN_TIMEOUT_S"]) == budget.shutdown_timeout_s
+    assert float(env["INF2SERVE_KEEP_ALIVE_S"]) == budget.keep_alive_s
+    assert env["INF2SERVE_ARTIFACT"] == {
+        "Fn::If": ["Pinned", {"Fn::Sub": "/opt/ml/model@${ArtifactDigest}"}, "/opt/ml/model"]
+    }
+    deployment = resources["InferenceComponent"]["Properties"]["DeploymentConfig"]
+    assert deployment["AutoRollbackConfiguration"]["Alarms"] == [{"AlarmName": {"Ref": "ErrorRateAlarm"}}]
+    rolling = deployment["RollingUpdatePolicy"]
+    params = _components()["Parameters"]
+    worst = params["MaxCopies"]["Default"] * (budget.startup_s + rolling["WaitIntervalInSeconds"])
+    assert worst <= rolling["MaximumExecutionTimeoutInSeconds"] <= 28800  # the API's maximum
+
+
 @pytest.fixture(scope="module")
 def inference_docs() -> dict[str, dict]:
     out = subprocess.run(
