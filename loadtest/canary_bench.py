@@ -14,12 +14,11 @@ identical candidate and a candidate whose cost model is 1.5x (`INF2SERVE_SIM_COS
     errors 1% both            both sides fail 1 % of requests at random (false alarms of the error test);
     +50% median TPOT          every candidate inter-token gap x1.5;
     +30% p99 inter-token      candidate gaps above their own p97 x1.3 (p99 +30 %, median unchanged);
-    +10% (under the floor)    every candidate gap and TTFT x1.1 (informational: below the 20 % floor);
     candidate errors +10%     the candidate fails 10 % more of its requests.
 Goals (issue 26): false alarms with the interval's upper bound <= 5 %; detection >= 95 % at +50 % median
 TPOT and +30 % p99 inter-token time.
 
-    .venv/bin/python -m loadtest.canary_bench [--live-runs 20] [--runs 400] [--samples 64]
+    .venv/bin/python -m loadtest.canary_bench [--live-runs 16] [--runs 300] [--samples 128]
 """
 
 from __future__ import annotations
@@ -126,7 +125,6 @@ SCENARIOS: dict[str, tuple[Injection, str]] = {
     "errors 1% both": (fail(0.01, both=True), "false alarm"),
     "+50% median TPOT": (scale_all(1.5), "detection"),
     "+30% p99 inter-token": (scale_tail(0.97, 1.3), "detection"),
-    "+10% (under the floor)": (scale_all(1.1, 1.1), "informational"),
     "candidate errors +10%": (fail(0.10, both=False), "detection"),
 }
 
@@ -234,8 +232,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--live-runs", type=int, default=20, help="live paired runs of identical servers")
-    parser.add_argument("--runs", type=int, default=400, help="simulated canary runs per scenario")
+    parser.add_argument("--live-runs", type=int, default=16, help="live paired runs of identical servers")
+    parser.add_argument("--runs", type=int, default=300, help="simulated canary runs per scenario")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="prompts per side per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -53,7 +53,7 @@ class Thresholds:
     ttft_tail_min_effect: float = 0.50  # TTFT percentile ratio - 1 that counts
     min_error_increase: float = 0.03  # error-rate increase (absolute) that counts
     min_samples: int = 30  # successful pairs needed to judge latency
-    bootstrap: int = 500  # resamples for the tail intervals
+    bootstrap: int = 400  # resamples for the tail intervals
     seed: int | None = None  # of the bootstrap (None: a fresh one per verdict)
 
     @property

@@ -271,3 +271,65 @@ def test_production_deploys_a_pinned_artifact(rendered: dict[str, list[dict]]) -
 
     uri, digest = split_pin(_env(rendered["overlays/production"])["INF2SERVE_ARTIFACT"])
     assert uri.startswith("s3://") and digest is not None
+
+
+def _steps(docs: list[dict]) -> list[dict]:
+    return _one(docs, "Rollout")["spec"]["strategy"]["canary"]["steps"]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_the_canary_job_judges_paired_requests_on_the_release(
+    rendered: dict[str, list[dict]], tree: str
+) -> None:
+    # Issue 26: an AnalysisTemplate whose metric is a Job running `inf2serve canary` (Argo Rollouts
+    # docs/analysis/job.md: a successful Job is a successful measurement, a failed one a failure).
+    from app.cli import build_parser
+
+    docs = rendered[tree]
+    job = _one(docs, "AnalysisTemplate", "inf2serve-canary-job")
+    (metric,) = job["spec"]["metrics"]
+    assert metric["failureLimit"] == 0 and metric["provider"]["job"]["spec"]["backoffLimit"] == 0
+    pod = metric["provider"]["job"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == _container(docs)["image"]  # the overlay's image, via kustomizeconfig.yaml
+    assert (
+        pod["serviceAccountName"] == _one(docs, "Rollout")["spec"]["template"]["spec"]["serviceAccountName"]
+    )
+    (step,) = [s["analysis"] for s in _steps(docs) if "analysis" in s]
+    assert step["templates"] == [{"templateName": "inf2serve-canary-job"}]
+    values = {a["name"]: a["value"] for a in step["args"]}
+    assert values["candidate-artifact"] == _env(docs)["INF2SERVE_ARTIFACT"]  # judges what it deploys
+    argv = [a.replace("{{args.candidate-artifact}}", values["candidate-artifact"]) for a in container["args"]]
+    args = build_parser(argv).parse_args(argv)  # every flag is one `inf2serve canary` takes
+    canary = _one(docs, "Rollout")["spec"]["strategy"]["canary"]
+    assert (
+        args.baseline == f"http://{canary['stableService']}"
+        and args.candidate == f"http://{canary['canaryService']}"
+    )
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_the_verdict_is_taken_under_equal_load(rendered: dict[str, list[dict]], tree: str) -> None:
+    # Audit 4.1: one canary pod at weight 100 / (replicas + 1) carries what each stable pod carries; the
+    # Job runs only after that step, and only its pass reaches 50 %.
+    docs = rendered[tree]
+    steps = _steps(docs)
+    replicas = _one(docs, "Rollout")["spec"]["replicas"]
+    assert steps[0] == {"setCanaryScale": {"replicas": 1}}
+    assert steps[1] == {"setWeight": round(100 / (replicas + 1))}
+    judged = next(i for i, s in enumerate(steps) if "analysis" in s)
+    later = [s["setWeight"] for s in steps[judged:] if "setWeight" in s]
+    assert judged > 1 and later and min(later) >= steps[1]["setWeight"]
+    assert _one(docs, "Rollout")["spec"]["progressDeadlineAbort"] is True  # audit W11: a stuck canary aborts
+
+
+def test_background_analysis_compares_canary_with_stable(rendered: dict[str, list[dict]]) -> None:
+    # Audit W11: absolute thresholds (TTFT p99 <= 2.5 s) depend on prompt length and load; the error rate
+    # is judged against the stable pods' (podTemplateHashValue: Stable).
+    docs = rendered["base"]
+    analysis = _one(docs, "Rollout")["spec"]["strategy"]["canary"]["analysis"]
+    hashes = {a["name"]: a["valueFrom"]["podTemplateHashValue"] for a in analysis["args"]}
+    assert hashes == {"canary-hash": "Latest", "stable-hash": "Stable"}
+    (metric,) = _one(docs, "AnalysisTemplate", "inf2serve-canary")["spec"]["metrics"]
+    query = metric["provider"]["prometheus"]["query"]
+    assert "{{args.canary-hash}}" in query and "{{args.stable-hash}}" in query

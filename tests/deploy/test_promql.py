@@ -49,10 +49,14 @@ def _dashboard_queries() -> list[str]:
 
 
 def _analysis_queries() -> list[str]:
-    spec = yaml.safe_load(ANALYSIS.read_text())["spec"]
-    args = {a["name"]: a.get("value", "0123abcd") for a in spec["args"]}
-    queries = [m["provider"]["prometheus"]["query"] for m in spec["metrics"]]
-    return [re.sub(r"\{\{args\.([\w-]+)\}\}", lambda m: args[m.group(1)], q) for q in queries]
+    queries = []
+    for template in yaml.safe_load_all(ANALYSIS.read_text()):
+        args = {a["name"]: a.get("value", "0123abcd") for a in template["spec"]["args"]}
+        for metric in template["spec"]["metrics"]:
+            if "prometheus" in metric["provider"]:
+                query = metric["provider"]["prometheus"]["query"]
+                queries.append(re.sub(r"\{\{args\.([\w-]+)\}\}", lambda m, a=args: a[m.group(1)], query))
+    return queries
 
 
 QUERIES = {"dashboard": _dashboard_queries(), "analysis": _analysis_queries()}
