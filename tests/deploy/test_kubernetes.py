@@ -27,6 +27,9 @@ CUSTOM_KINDS = {
     "Rollout": "rollout",
     "AnalysisTemplate": "analysistemplate",
     "ServiceMonitor": "servicemonitor",
+    "InferencePool": "inferencepool",
+    "Gateway": "gateway",
+    "HTTPRoute": "httproute",
 }
 
 
@@ -59,6 +62,7 @@ def _crd_validator(kind: str) -> jsonschema.Validator:
     crd = json.loads((EKS / "crds" / f"{CUSTOM_KINDS[kind]}.json").read_text())
     schema = _strict(crd["openAPIV3Schema"])
     schema["properties"]["apiVersion"]["enum"] = [f"{crd['group']}/{crd['version']}"]
+    schema["properties"]["kind"]["enum"] = [crd["kind"]]
     return jsonschema.Draft7Validator(schema)
 
 

@@ -24,7 +24,6 @@ from tests.deploy.test_kubernetes import KUBERNETES_VERSION, _render, _strict
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPONENTS = DEPLOY / "sagemaker" / "inference-components.yaml"
-INFERENCE = DEPLOY / "eks" / "inference"
 KUBECTL = Path(sys.executable).parent / "kubectl"
 CFN_LINT = Path(sys.executable).parent / "cfn-lint"
 # The core-metrics-extractor's engine config fields (engineConfigParams, gateway-api-inference-extension
@@ -167,12 +166,76 @@ def test_components_carry_the_timeout_budget_a_pin_and_a_rollback() -> None:
     assert worst <= rolling["MaximumExecutionTimeoutInSeconds"] <= 28800  # the API's maximum
 
 
+GATEWAY_OVERLAY = "overlays/production-gateway"
+
+
 @pytest.fixture(scope="module")
-def inference_docs() -> dict[str, dict]:
-    out = subprocess.run(
-        [str(KUBECTL), "kustomize", str(INFERENCE)], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    return {doc["kind"]: doc for doc in yaml.safe_load_all(out) if doc}
+def gateway_docs() -> list[dict]:
+    return _render(GATEWAY_OVERLAY)
+
+
+@pytest.fixture(scope="module")
+def inference_docs(gateway_docs: list[dict]) -> dict[str, dict]:
+    """The component's kinds, rendered inside the overlay that includes it (one of each)."""
+    kinds = ("InferencePool", "ConfigMap", "HorizontalPodAutoscaler", "Gateway", "HTTPRoute")
+    return {doc["kind"]: doc for doc in gateway_docs if doc["kind"] in kinds}
+
+
+def test_the_gateway_overlay_validates(gateway_docs: list[dict]) -> None:
+    # Audit D2: core kinds against the Kubernetes schemas, Gateway/HTTPRoute/InferencePool/Rollout/... against
+    # their vendored CRDs (deploy/eks/crds/SOURCES.md), strict.
+    from tests.deploy.test_kubernetes import _validate
+
+    for doc in gateway_docs:
+        _validate(doc)
+    assert {d["kind"] for d in gateway_docs} >= {"Gateway", "HTTPRoute", "InferencePool", "Deployment"}
+
+
+def test_the_gateway_routes_to_the_pool_and_its_picker(gateway_docs: list[dict]) -> None:
+    # Audit D2 (a): a Gateway and an HTTPRoute whose backendRef is the InferencePool (GIE guides: the route
+    # names group inference.networking.k8s.io, kind InferencePool); (c) the picker is llm-d's, configured
+    # with llm-d.ai/v1alpha1 (llm-d-inference-scheduler pkg/epp/config/loader/configloader.go).
+    def one(kind: str) -> dict:
+        (doc,) = [d for d in gateway_docs if d["kind"] == kind]
+        return doc
+
+    gateway, route, pool = one("Gateway"), one("HTTPRoute"), one("InferencePool")
+    assert route["spec"]["parentRefs"] == [{"name": gateway["metadata"]["name"]}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+    from deploy import timeouts
+
+    assert rule["timeouts"]["request"] == f"{timeouts.eks().idle_timeout_s}s"
+    picker = pool["spec"]["endpointPickerRef"]
+    (service,) = [
+        d for d in gateway_docs if d["kind"] == "Service" and d["metadata"]["name"] == picker["name"]
+    ]
+    assert picker["port"]["number"] in {p["port"] for p in service["spec"]["ports"]}
+    (deployment,) = [d for d in gateway_docs if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("ghcr.io/llm-d/llm-d-inference-scheduler:")
+    assert container["args"][container["args"].index("--pool-name") + 1] == pool["metadata"]["name"]
+    config = yaml.safe_load(one("ConfigMap")["data"]["inf2serve-plugins.yaml"])
+    assert config["apiVersion"] == "llm-d.ai/v1alpha1"
+    # The Gateway implementation is an overlay value with a documented default (Istio passes GIE's
+    # conformance suite: conformance/reports/v1.5.0/gateway/istio).
+    assert gateway["spec"]["gatewayClassName"] == "istio"
+    assert "`gatewayClassName`" in (DEPLOY / "README.md").read_text()
+
+
+def test_the_pool_is_in_the_overlays_namespace_and_skips_canary_pods(gateway_docs: list[dict]) -> None:
+    # Audit D2 (d): the namespace was fixed; W11: the pool selected canary pods too, bypassing the steps,
+    # and every apply re-set the replicas the HPA manages.
+    namespaces = {d["metadata"].get("namespace") for d in gateway_docs if d["kind"] != "Namespace"}
+    (namespace,) = [d["metadata"]["name"] for d in gateway_docs if d["kind"] == "Namespace"]
+    assert namespaces == {namespace}
+    (rollout,) = [d for d in gateway_docs if d["kind"] == "Rollout"]
+    (pool,) = [d for d in gateway_docs if d["kind"] == "InferencePool"]
+    stable = rollout["spec"]["strategy"]["canary"]["stableMetadata"]["labels"]
+    assert stable.items() <= pool["spec"]["selector"]["matchLabels"].items()
+    assert "replicas" not in rollout["spec"]
 
 
 def pool_validator() -> jsonschema.Validator:
@@ -183,15 +246,19 @@ def pool_validator() -> jsonschema.Validator:
     return jsonschema.Draft7Validator(schema)
 
 
-def test_inference_pool_validates_and_selects_the_server_pods(inference_docs: dict[str, dict]) -> None:
+def test_inference_pool_validates_and_selects_the_server_pods(
+    inference_docs: dict[str, dict], gateway_docs: list[dict]
+) -> None:
     pool = inference_docs["InferencePool"]
     pool_validator().validate(pool)
     broken = copy.deepcopy(pool)
     broken["spec"]["targetPort"] = [{"number": 8080}]
     with pytest.raises(jsonschema.ValidationError, match="targetPort"):
         pool_validator().validate(broken)
-    (rollout,) = [d for d in _render("base") if d["kind"] == "Rollout"]
+    (rollout,) = [d for d in gateway_docs if d["kind"] == "Rollout"]
+    # A stable pod's labels: its template's and the stableMetadata Argo adds.
     pod_labels = rollout["spec"]["template"]["metadata"]["labels"]
+    pod_labels |= rollout["spec"]["strategy"]["canary"]["stableMetadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert pool["spec"]["targetPorts"] == [{"number": ServerSettings.model_fields["port"].default}]
 
