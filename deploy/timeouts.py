@@ -100,7 +100,8 @@ def eks(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAU
 
 def sagemaker(startup_s: int = DEFAULT_STARTUP_S) -> Budget:
     """SageMaker's limits decide: the deadline answers before the 60 s cut (a clear 504 rather than a
-    ModelError), and drain + in-flight end before the SIGKILL. Longer generations must stream."""
+    ModelError), and drain + in-flight + the server's cut end before the SIGKILL. The deadline holds for
+    streams too (the server has one per request), so SageMaker generations are bounded to it."""
     request = SAGEMAKER_INVOCATION_LIMIT_S - MARGIN_S
     return Budget(
         request_timeout_s=request,

@@ -129,23 +129,27 @@ def release(
     return 0
 
 
-def main(argv: Sequence[str] | None = None, clients: tuple[Any, Any] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(
         prog="python -m deploy.alb.release",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--stack", required=True, help="the deploy/alb/template.yaml stack")
-    parser.add_argument(
+    out.add_argument("--stack", required=True, help="the deploy/alb/template.yaml stack")
+    out.add_argument(
         "--steps",
         default=f"{EQUAL},50",
         help="canary weights in order ('equal': the equal per-instance share)",
     )
-    parser.add_argument("--soak", type=float, default=300.0, help="seconds at each weight before judging")
-    parser.add_argument("--region", help="AWS Region (default: the environment's)")
-    parser.add_argument("--dry-run", action="store_true", help="print the steps and the canary command")
-    parser.add_argument("extra", nargs="*", help="after --: more `inf2serve canary` flags")
-    args = parser.parse_args(argv)
+    out.add_argument("--soak", type=float, default=300.0, help="seconds at each weight before judging")
+    out.add_argument("--region", help="AWS Region (default: the environment's)")
+    out.add_argument("--dry-run", action="store_true", help="print the steps and the canary command")
+    out.add_argument("extra", nargs="*", help="after --: more `inf2serve canary` flags")
+    return out
+
+
+def main(argv: Sequence[str] | None = None, clients: tuple[Any, Any] | None = None) -> int:
+    args = parser().parse_args(argv)
     if clients is None:
         import boto3
 

@@ -122,17 +122,21 @@ def _cleanup(delete: Any, **name: str) -> None:
         print(f"canary job: could not delete {name}: {error}", file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None, sagemaker: Any | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(
         prog="python -m deploy.sagemaker.canary_job",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--endpoint", required=True, help="the endpoint whose blue/green bake to judge")
-    parser.add_argument("--region", help="AWS Region (default: the environment's)")
-    parser.add_argument("--dry-run", action="store_true", help="print what would be done, call nothing")
-    parser.add_argument("extra", nargs="*", help="after --: more `inf2serve canary` flags")
-    args = parser.parse_args(argv)
+    out.add_argument("--endpoint", required=True, help="the endpoint whose blue/green bake to judge")
+    out.add_argument("--region", help="AWS Region (default: the environment's)")
+    out.add_argument("--dry-run", action="store_true", help="print what would be done, call nothing")
+    out.add_argument("extra", nargs="*", help="after --: more `inf2serve canary` flags")
+    return out
+
+
+def main(argv: Sequence[str] | None = None, sagemaker: Any | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.dry_run:
         planned = Deployment(args.endpoint, "<live config>", "<pending config>")
         for suffix, config in zip(EVALUATION_SUFFIXES, ("<live config>", "<pending config>"), strict=True):
