@@ -118,6 +118,9 @@ def register_compile(subparsers: Any) -> None:
         help="with --enable-prefix-caching: cached-prefix lengths compiled (default: the token buckets)",
     )
     parser.add_argument(
+        "--chat-template", type=Path, help="a Jinja chat template served instead of the checkpoint's"
+    )
+    parser.add_argument(
         "--allow-failed-validation",
         action="store_true",
         help="publish even if the validation gate fails, recording it (the server then needs the same flag)",
@@ -172,6 +175,7 @@ def run_compile(args: argparse.Namespace) -> None:
         kv_cache_dtype=args.kv_cache_dtype,
         prefix_caching=prefix_caching_options(args),
         allow_failed_validation=args.allow_failed_validation,
+        chat_template=args.chat_template,
     )
     print(compile_artifact(options).uri, flush=True)
 

@@ -54,6 +54,7 @@ MODEL_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the tokenizer reads it before tokenizer_config.json's
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")
 
 
@@ -77,6 +78,7 @@ class CompileOptions:
     kv_cache_dtype: str | None = None  # the KV cache's dtype where the backend can quantize it
     prefix_caching: PrefixCachingOptions | None = None  # neuron-nxdi: compile NxD Inference's prefix caching
     allow_failed_validation: bool = False  # publish an artifact that fails the gate, saying so
+    chat_template: Path | None = None  # a Jinja chat template served instead of the checkpoint's
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +113,7 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
         )
         builder.check(llama, spec)
         name = check_name("model name", options.name or default_name(options.model))
-        source_sha256 = checkpoint_sha256(checkpoint, hashed)
+        source_sha256 = with_chat_template(checkpoint_sha256(checkpoint, hashed), options.chat_template)
         versions = stack_versions(options.backend)
         digest = config_hash(source_sha256, spec, versions)
         dest = open_store(options.output).child(name, digest[:HASH_PREFIX_LENGTH])
@@ -125,6 +127,8 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
         staging = Path(scratch) / "artifact"
         log(f"staging {name} ({spec.backend}, tp {spec.tp_degree}, {spec.scheme}) from {options.model}")
         stage_model_files(checkpoint, staging / "model")
+        if options.chat_template is not None:
+            shutil.copyfile(options.chat_template, staging / "model" / CHAT_TEMPLATE_FILE)
         builder.build(checkpoint, staging, spec, llama)
         log("recording the reference outputs (transformers, fp32, CPU)")
         golden = record_golden(checkpoint, spec.grid)
@@ -253,6 +257,18 @@ def checkpoint_sha256(checkpoint: Path, known: Mapping[str, FileEntry] | None = 
     ]
     listing = [[entry.path, entry.sha256] for entry in entries]
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def with_chat_template(source_sha256: str, chat_template: Path | None) -> str:
+    """The source checksum, covering a chat template given apart from the checkpoint (so an artifact
+    with another template gets another key)."""
+    if chat_template is None:
+        return source_sha256
+    try:
+        template = hashlib.sha256(chat_template.read_bytes()).hexdigest()
+    except OSError as error:
+        raise ConfigError(f"cannot read the chat template {chat_template}: {error}") from error
+    return hashlib.sha256(f"{source_sha256}:{template}".encode()).hexdigest()
 
 
 def stage_model_files(checkpoint: Path, model_dir: Path) -> None:
