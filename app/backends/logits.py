@@ -80,9 +80,9 @@ class HostLogits:
         self.stop_ids = tuple(stop_ids)
         self.num_output = 0
         self._mask = mask
-        self._seen = torch.zeros(vocab_size, dtype=torch.bool)
-        self._seen[list(prompt)] = True
-        self._counts = torch.zeros(vocab_size, dtype=torch.float32)
+        # Sparse (token ids, not vocabulary-wide rows): a step costs the tokens seen, not the vocabulary.
+        self._seen = dict.fromkeys(prompt, 0)  # prompt and output token -> times generated
+        self._counts: dict[int, int] = {}
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
         self._tail = list(prompt[len(prompt) - self._keep :]) if self._keep else []
@@ -114,8 +114,8 @@ class HostLogits:
     def accept(self, token_id: int) -> None:
         """A token of this request was applied."""
         self.num_output += 1
-        self._seen[token_id] = True
-        self._counts[token_id] += 1
+        self._seen[token_id] = self._seen.get(token_id, 0) + 1
+        self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if self._keep:
             self._tail = [*self._tail, token_id][-self._keep :]
         if self._mask is not None:
@@ -126,14 +126,15 @@ class HostLogits:
         params = self.params
         vocab = row.shape[0]
         if params.repetition_penalty != 1.0:
-            seen = self._seen[:vocab]
+            seen = torch.tensor(list(self._seen))
             scores = row[seen]
             row[seen] = torch.where(
                 scores < 0, scores * params.repetition_penalty, scores / params.repetition_penalty
             )
-        if params.frequency_penalty or params.presence_penalty:
-            counts = self._counts[:vocab]
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if (params.frequency_penalty or params.presence_penalty) and self._counts:
+            generated = torch.tensor(list(self._counts))
+            counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
+            row.index_add_(0, generated, -(params.frequency_penalty * counts + params.presence_penalty))
         if self._bias is not None:
             row.index_add_(0, self._bias[0], self._bias[1])
         banned = list(self._banned) + self._word_ends()
@@ -145,7 +146,8 @@ class HostLogits:
             row.masked_fill_(~self._only[:vocab], -torch.inf)
         if self._mask is not None:
             row.masked_fill_(~self._mask.allowed(vocab), -torch.inf)
-        if self.stop_ids and not bool(torch.isfinite(row).any()):
+        masked = self._only is not None or self._mask is not None
+        if masked and self.stop_ids and not bool(torch.isfinite(row).any()):
             row[self.stop_ids[0]] = 0.0
 
     def _word_ends(self) -> list[int]:

@@ -13,8 +13,9 @@ spins the rest (`spin_s`), so sleep overshoot is not reported as host overhead b
 keeps each slot's last sampled token, so a decode row may leave its last token to it (`FED_BACK`) and the
 engine may launch a step before the previous one's tokens are back. A row on the host logits path
 (penalties, a grammar, ...: `SamplingParams.host`) is drawn instead by the portable sampler from made-up
-logits, a hash of (seed, position, previous token) per vocabulary entry, adjusted as the torch backend
-adjusts real ones; it costs the host what such a row costs on a device that returns logits. Presets
+logits (a fixed hash per vocabulary entry, rotated by a hash of seed, position and previous token),
+adjusted as the torch backend adjusts real ones; it costs the host what such a row costs on a device that
+returns logits. Presets
 come from published inf2 numbers (research/perf-anchors.md sections 2 and 3).
 
 The sim also checks what it is given, as a strict device would: shapes from the grid, distinct slots, and
@@ -214,6 +215,8 @@ class SimBackend(Backend):
             )
         self._clear_slots()
         self._busy_until = 0.0  # when the last queued call ends
+        ids = torch.arange(self.model.vocab_size, dtype=torch.int64)  # a host row's logits, rolled per token
+        self._made_up_logits = mix32(ids).float() * (SIM_LOGIT_SCALE / MASK32)
         self._check_positions = True
 
     def warmup(self) -> None:
@@ -339,9 +342,8 @@ class SimBackend(Backend):
     def _host_token(self, params: SamplingParams, position: int, previous_token: int) -> SampledToken:
         """A host-logits row (never fed back: its state needs the token before it): made-up logits,
         adjusted and sampled on the host."""
-        h = sim_hash(params.seed, position, previous_token) & MASK32
-        vocab = torch.arange(self.model.vocab_size, dtype=torch.int64)
-        logits = (mix32(vocab ^ h).float() * (SIM_LOGIT_SCALE / MASK32))[None, :]
+        h = sim_hash(params.seed, position, previous_token)
+        logits = self._made_up_logits.roll(h % self.model.vocab_size)[None, :]
         return sample_tokens(logits, [params], [position], self.model.vocab_size)[0]
 
     def _scores(self, h: int, token: int, num_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -29,6 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 import llguidance
+import numpy
 import torch
 
 from app.backends.logits import Grammar, HostLogits
@@ -49,7 +50,6 @@ LIMITS = llguidance.LLParserLimits(
     max_lexer_states=100_000,
     max_grammar_size=200_000,
 )
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inf2serve-grammar")
 
 
@@ -146,12 +146,15 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
-        self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self._bits = numpy.zeros((vocab_size + 31) // 32, dtype="<u4")
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         bits = self._bits
-        self._matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
-        allowed = ((bits[:, None] >> _SHIFTS) & 1).flatten().bool()
+        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
+        allowed = torch.from_numpy(numpy.unpackbits(bits.view(numpy.uint8), bitorder="little")).view(
+            torch.bool
+        )
         if allowed.numel() < vocab_size:
             return torch.cat([allowed, torch.zeros(vocab_size - allowed.numel(), dtype=torch.bool)])
         return allowed[:vocab_size]
