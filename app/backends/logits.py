@@ -13,8 +13,8 @@ repetition penalty over the prompt and the output (`RepetitionPenaltyLogitsProce
 presence penalties over the output (logit - frequency * count - presence * [count > 0]), `logit_bias`
 added, then the masks: stop ids under `min_tokens` (`MinNewTokensLengthLogitsProcessor`), `bad_words`
 (`NoBadWordsLogitsProcessor`: a word's last token after its other tokens), tokens outside
-`allowed_token_ids`, tokens the grammar does not allow next. If the masks leave nothing (a grammar in an
-error state), the first stop id is allowed, so the request ends.
+`allowed_token_ids`, tokens the grammar does not allow next. If the grammar allows nothing (its error
+state), the first stop id is allowed, so the request ends.
 """
 
 from __future__ import annotations
@@ -145,10 +145,10 @@ class HostLogits:
         if self._only is not None:
             row.masked_fill_(~self._only[:vocab], -torch.inf)
         if self._mask is not None:
-            row.masked_fill_(~self._mask.allowed(vocab), -torch.inf)
-        masked = self._only is not None or self._mask is not None
-        if masked and self.stop_ids and not bool(torch.isfinite(row).any()):
-            row[self.stop_ids[0]] = 0.0
+            allowed = self._mask.allowed(vocab)
+            row.masked_fill_(~allowed, -torch.inf)
+            if self.stop_ids and not bool(allowed.any()):  # a grammar in its error state: end the request
+                row[self.stop_ids[0]] = 0.0
 
     def _word_ends(self) -> list[int]:
         """The last token of each bad word whose other tokens end the sequence so far."""
