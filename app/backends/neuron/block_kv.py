@@ -6,7 +6,8 @@ table and slot mapping (`feature-guide.rst:910-913`), which here come from the e
 (`app/engine/blocks.py`). Per call, as vllm-neuron 0.2 passes them (`neuronx_distributed_model_runner.py`
 lines 739-763 for a prefill, 798-832 for a decode, 845-931 for the tensors), all int64:
 - `block_table` [rows, ceil(max_positions / block_size)]: the row's blocks in position order, padded with
-  0 (the library itself pads or cuts it to its bucket's blocks with 0, `model_wrapper.py:1042-1131`);
+  0 (the library itself pads or cuts it to its bucket's blocks with 0, `model_wrapper.py:1118-1122,
+  1134-1138`);
 - `slot_mapping`: where each computed token's KV goes, `block * block_size + offset`; -1 writes nothing
   (the library sends it to a reserved block, `block_kv_cache_manager.py:268-327`). A prefill's row is
   [1, its uncached tokens]; a decode's [rows, 1], -1 on rows outside the batch (the decode graph makes
@@ -17,7 +18,7 @@ lines 739-763 for a prefill, 798-832 for a decode, 845-931 for the tensors), all
   (`model_base.py:3611-3612`); a decode computes one.
 
 A prefill passes the WHOLE prompt at positions 0.. (the library routes on position 0 and cuts the cached
-part off itself, `model_wrapper.py:1104-1110`), one sequence per call.
+part off itself, `model_wrapper.py:1103-1110`), one sequence per call.
 
 Without the engine's tables (prefix caching off in the engine, warm-up, the compile step's validation
 gate) slot s owns blocks `s * per_sequence ..`, as the contiguous cache gives each slot a line.

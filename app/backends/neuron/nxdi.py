@@ -197,10 +197,10 @@ MIN_PREFIX_CACHING_BUCKET = 128
 
 def check_prefix_caching(spec: BackendSpec, vocab_size: int) -> None:
     """What NxD Inference 0.8 cannot run as compiled for prefix caching: the conflicting options; a context
-    or prefix bucket below 128; a token or prefix bucket that is not whole blocks (the library cuts each
-    row's table to its bucket's blocks, `model_wrapper.py:1101-1131`); fewer blocks than every slot's
-    whole sequence needs (its minimum, `feature-guide.rst:932-933`, and the engine's block manager's);
-    a cached prefix longer than the largest prefix bucket (0.8 raises at request time,
+    or prefix bucket below 128; a token or prefix bucket that is not whole blocks (the library cuts
+    each row's table to its bucket's blocks, `model_wrapper.py:1118-1122, 1134-1138`); fewer blocks
+    than every slot's whole sequence needs (its minimum, `feature-guide.rst:932-933`, and the engine's
+    block manager's); a cached prefix longer than the largest prefix bucket (0.8 raises at request time,
     `model_wrapper.py:1037-1038`)."""
     caching, grid = spec.prefix_caching, spec.grid
     if caching is None:
@@ -297,8 +297,8 @@ def decode_batches(spec: BackendSpec) -> list[int] | None:
 def bucket_rule(spec: BackendSpec) -> BucketRule:
     """How 0.8 picks buckets for this artifact. With prefix caching it picks a context bucket at least
     as large as the tokens computed, not strictly larger (`get_target_2d_bucket_for_prefix_caching`,
-    model_wrapper.py:1000-1010), and decodes as without (the first token bucket above the largest
-    position, lines 962-974); it compiles one decode batch size."""
+    model_wrapper.py:1005-1011), and decodes as without (the first token bucket above the largest
+    position, lines 959-980); it compiles one decode batch size."""
     if spec.prefix_caching is not None:
         return BucketRule.INCLUSIVE
     return BucketRule.NXDI_ASYNC if spec.async_mode else BucketRule.NXDI
@@ -441,7 +441,7 @@ class NxdiBackend(NeuronBackend):
         library runs as given (a prompt equal to the largest bucket runs in it, model_wrapper.py:911; the
         attention mask inferred from those positions covers the one token, model_base.py:3530-3549; with
         prefix caching the library cuts it to the bucket of its one computed token, model_wrapper.py:
-        1104-1110). With prefix caching the whole prompt goes in with its blocks (`block_kv.py`)."""
+        1103-1110). With prefix caching the whole prompt goes in with its blocks (`block_kv.py`)."""
         prompt, params = batch.prompts[row], batch.sampling[row]
         ids, positions = list(prompt), list(range(len(prompt)))
         if len(prompt) == 1:

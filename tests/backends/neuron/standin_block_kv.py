@@ -13,7 +13,7 @@ What it follows:
   0 (`_pad_prefix_caching_inputs`, lines 1042-1127); the tokens attend the first `adjusted` positions
   through the table and each other causally;
 - token generation takes the first token bucket above every row's computed length, pads or cuts the
-  tables to its blocks (lines 955-980, 1128-1142), and writes each row whose slot is not -1 at the slot
+  tables to its blocks (lines 959-985, 1128-1142), and writes each row whose slot is not -1 at the slot
   its table gives its position (`generate_tokengen_slot_mapping`, block_kv_cache_manager.py:376-399).
 
 The arithmetic is the portable model's (`LlamaRunner`) over a cache addressed as one flat run of
@@ -65,7 +65,7 @@ def context_bucket(config: Any, prefill_len: int, prefix_len: int) -> tuple[int,
 
 
 def token_bucket(config: Any, computed: torch.Tensor) -> int:
-    """model_wrapper.py:955-980: the first token bucket larger than every row's computed length."""
+    """model_wrapper.py:959-985: the first token bucket larger than every row's computed length."""
     largest = int(computed.max())
     bucket = next((b for b in config.token_buckets() if b > largest), None)
     if bucket is None:
@@ -184,7 +184,7 @@ def execute(
     inputs: Mapping[str, torch.Tensor],
 ) -> tuple[torch.Tensor, tuple[int, int] | int]:
     """One call under prefix caching: logits [rows, vocab] and the bucket that ran (model_base.py:
-    3611-3618 routes a call of more than one token with position 0 to context encoding)."""
+    3611-3616 routes a call of more than one token with position 0 to context encoding)."""
     if input_ids.shape[-1] > 1 and int(position_ids.min()) == 0:
         if input_ids.shape[0] != 1:
             raise NotImplementedError("STAND-IN: context encoding runs one sequence per call (ctx batch 1)")

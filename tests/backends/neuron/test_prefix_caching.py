@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from app.backends.base import GREEDY, Backend, BackendSpec, CompiledPrefixCaching, KvBlocks
+from app.backends.base import (
+    GREEDY,
+    Backend,
+    BackendSpec,
+    CompiledPrefixCaching,
+    DecodeBatch,
+    KvBlocks,
+    PrefillBatch,
+)
 from app.backends.neuron.nxdi import (
     neuron_config_kwargs,
     read_compiled_config,
@@ -32,7 +41,7 @@ from compile.pipeline import CompileOptions, compile_artifact
 from compile.prefix_caching import PrefixCachingOptions
 
 from . import standin_nxdi
-from .helpers import build_artifact, library_calls, load_backend, spec_for, standin_modules
+from .helpers import WITH_LOGPROBS, build_artifact, library_calls, load_backend, spec_for, standin_modules
 from .standin_common import installed
 
 # Context buckets of at least 128: 0.8 takes a shorter query past a prefix for token generation.
@@ -245,3 +254,22 @@ def test_the_cli_takes_the_block_options_only_with_enable_prefix_caching(
         main([*argv, "--enable-prefix-caching", "--max-positions", "256", "--context-buckets", "64,128"]) == 1
     )
     assert "context and prefix buckets must be at least 128" in capsys.readouterr().err
+
+
+def test_a_one_token_prompt_gets_the_first_token_of_that_token(caching: Backend, stories260k: Path) -> None:
+    """Under prefix caching too 0.8 pads position ids with 1 and reads the first largest, and it routes a
+    one-token input to token generation (model_base.py:3616), whose short batch it pads: the adapter's
+    one-token prompt, padded with position ids 0, runs context encoding, cut to its bucket there, and
+    is read at its token."""
+    reference = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([[1]])).logits[0, -1], dim=-1)
+    batch = PrefillBatch((3,), ((1,),), (WITH_LOGPROBS,), GRID.context_buckets[0])
+    (sampled,) = caching.prefill(batch)
+    assert caching._neuron.executions[-1] == {"graph": "context", "bucket": (128, 0), "rows": 1}
+    assert sampled.token_id == int(expected.argmax())
+    assert sampled.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    follow = caching.decode(DecodeBatch((3,), (sampled.token_id,), (1,), (GREEDY,), 4, 256))[0]
+    with torch.no_grad():
+        logits = reference(torch.tensor([[1, sampled.token_id]])).logits[0, -1]
+    assert follow.token_id == int(logits.argmax())
