@@ -5,7 +5,9 @@ library, not a stand-in. NOT RUN when these tests were written (no Inferentia ha
 stories260K is compiled through the real compile step (`neuron-nxdi` by default; set
 INF2SERVE_SMOKE_BACKEND=neuron-tnx on a Neuron 2.25 stack) in bf16 with tp=2, whose validation gate
 replays transformers' fp32 reference within the bf16 tolerance; then the artifact is loaded from another
-directory without recompiling, and served continuous batches must equal each sequence run alone."""
+directory without recompiling, and served continuous batches must equal each sequence run alone. On
+`neuron-nxdi`, stories260K compiled with prefix caching must compute a prefill past cached blocks as the
+whole prefill."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from app.artifacts.loader import load_artifact
 from app.backends import backend_class
 from app.backends.base import Backend, PrefillBatch, SamplingParams
 from compile.pipeline import CompileOptions, CompileResult, compile_artifact
+from compile.prefix_caching import PrefixCachingOptions
 
 from .helpers import GRID, PROMPTS, assert_same_outputs, greedy, greedy_sampled, run_interleaved
 
@@ -104,3 +107,40 @@ def test_one_token_prompt_matches_transformers(backend: Backend, stories260k: Pa
     (sampled,) = backend.prefill(PrefillBatch((1,), ((1,),), (params,), GRID.context_buckets[0]))
     margin = float(logprobs.max() - logprobs[sampled.token_id])
     assert margin <= LOGPROB_TOLERANCE["bf16"]
+
+
+@pytest.mark.skipif(BACKEND != "neuron-nxdi", reason="prefix caching is an NxD Inference option")
+def test_a_prefill_past_cached_blocks_matches_the_whole_prefill(
+    stories260k: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Compiled with prefix caching (128 and 256 prefill buckets, as 0.8 needs): a 200-token prompt
+    prefilled whole into slot 0's own blocks, then again into new blocks past the first 160 positions,
+    which it reads from slot 0's blocks; the first tokens agree within the bf16 tolerance."""
+    options = CompileOptions(
+        model=str(stories260k),
+        output=str(tmp_path_factory.mktemp("neuron-prefix-artifacts")),
+        backend=BACKEND,
+        tp_degree=2,
+        batch_size=4,
+        max_positions=512,
+        context_buckets=(128, 256),
+        token_buckets=(256, 512),
+        dtype="bf16",
+        prefix_caching=PrefixCachingOptions(),
+    )
+    result = compile_artifact(options)
+    assert result.manifest.validation.passed, result.manifest.validation.failures
+    local = load_artifact(result.uri)
+    backend = backend_class(BACKEND).load(local.root, local.manifest.spec, device=f"neuron:{CORES}")
+    try:
+        prompt = (1, *((7 * i) % 500 + 3 for i in range(199)))
+        params = (SamplingParams(num_top_logprobs=5),)
+        (whole,) = backend.prefill(PrefillBatch((0,), (prompt,), params, 256))
+        table = (0, 1, 2, 3, 4, 40, 41)  # slot 0's first five blocks (its own: 0..15), two fresh ones
+        (cached,) = backend.prefill(PrefillBatch((1,), (prompt,), params, 128, (160,), (table,)))
+        assert cached.token_id == whole.token_id or abs(cached.logprob - whole.logprob) <= 0.5
+        mine, theirs = dict(cached.top_logprobs), dict(whole.top_logprobs)
+        shared = set(mine) & set(theirs)
+        assert max(abs(mine[t] - theirs[t]) for t in shared) <= LOGPROB_TOLERANCE["bf16"]
+    finally:
+        backend.close()
