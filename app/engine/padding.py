@@ -25,8 +25,8 @@ class BatchUsage:
 
 def batch_usage(batch: PrefillBatch | DecodeBatch) -> BatchUsage:
     if isinstance(batch, PrefillBatch):
-        tokens = sum(len(p) for p in batch.prompts)
         rows = len(batch.prompts)
+        tokens = sum(len(batch.uncached(row)) for row in range(rows))  # a cached prefix is not computed
         return BatchUsage(
             "prefill", str(batch.context_bucket), rows, 0, tokens, rows * batch.context_bucket - tokens
         )
