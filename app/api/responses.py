@@ -5,7 +5,9 @@ a response object, or as the Responses stream's typed events.
 The stream: `response.created`, `response.in_progress`, `response.output_item.added` and
 `response.content_part.added` for the message, one `response.output_text.delta` per delta of text,
 then `response.output_text.done`, `response.content_part.done`, `response.output_item.done` and
-`response.completed` (`response.incomplete` when `max_output_tokens` cut it) with the usage. Each
+`response.completed` (`response.incomplete` when `max_output_tokens` cut it) with the usage; a function
+call is `response.output_item.added`, `response.function_call_arguments.delta` and `.done`, and
+`response.output_item.done`, once the text is known to be calls. Each
 event is `event: <type>` and `data: <json>` with its `type` and `sequence_number`, as OpenAI sends them.
 """
 
@@ -20,9 +22,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from app.api import streaming
+from app.api.auth import presented_key
+from app.api.openai import ChatRenderer
 from app.api.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,
+    OutputFunctionCall,
+    OutputItem,
     OutputMessage,
     OutputText,
     ResponseObject,
@@ -45,18 +51,21 @@ def usage(job: Job) -> ResponseUsage:
 
 
 class ResponsesRenderer:
+    """With function tools offered, the text is held until it ends (as chat holds it, `ChatRenderer`),
+    then written as `function_call` items when it is calls, else as the message."""
+
     def __init__(self, serving: Serving, request_id: str, validated: Validated, job: Job) -> None:
         assert validated.responses is not None
         self.request: ResponsesRequest = validated.responses
+        self.chat = ChatRenderer(serving, request_id, validated, job)  # its tool-call reading
         self.model = serving.model_name
-        self.job = job
         self.id = f"resp_{request_id}"
         self.message_id = f"msg_{request_id}"
         self.created_at = int(time.time())
         self.sequence = itertools.count()
         self.started = False
 
-    def response(self, status: str, output: list[OutputMessage], job: Job | None) -> ResponseObject:
+    def response(self, status: str, output: list[OutputItem], job: Job | None) -> ResponseObject:
         request = self.request
         text = request.text.model_dump(by_alias=True, exclude_none=True) if request.text else {}
         incomplete = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
@@ -80,60 +89,105 @@ class ResponsesRenderer:
             user=request.user,
         )
 
-    def status(self, job: Job) -> str:
+    @staticmethod
+    def status(job: Job) -> str:
         return "incomplete" if job.choices[0].finish_reason is FinishReason.LENGTH else "completed"
 
     def message(self, status: str, text: str | None) -> OutputMessage:
         content = [] if text is None else [OutputText(text=text)]
         return OutputMessage(id=self.message_id, status=status, content=content)
 
+    def output(self, job: Job) -> tuple[str, list[OutputItem]]:
+        """The status and the output items of a finished job."""
+        text = job.choices[0].text
+        calls = self.chat.tool_calls(text)
+        if calls is None:
+            status = self.status(job)
+            return status, [self.message(status, text)]
+        return "completed", [
+            OutputFunctionCall(
+                id=f"fc_{call.id.removeprefix('call_')}",
+                call_id=call.id,
+                name=call.function.name,
+                arguments=call.function.arguments,
+                status="completed",
+            )
+            for call in calls
+        ]
+
     def body(self, job: Job) -> bytes:
-        status = self.status(job)
-        return (
-            self.response(status, [self.message(status, job.choices[0].text)], job).model_dump_json().encode()
-        )
+        status, output = self.output(job)
+        return self.response(status, output, job).model_dump_json().encode()
+
+    # The stream.
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": next(self.sequence), **fields}
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
 
-    def item(self) -> dict[str, Any]:
+    def part(self) -> dict[str, Any]:
         return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
-        events = b"" if self.started else self.prelude()
+        events = b"" if self.started else self.created()
+        if not self.chat.offers_tools:
+            events += b"" if self.started else self.message_added()
+            if out.text:
+                events += self.event("response.output_text.delta", **self.part(), delta=out.text, logprobs=[])
         self.started = True
-        if out.text:
-            events += self.event("response.output_text.delta", **self.item(), delta=out.text, logprobs=[])
         return events
 
-    def prelude(self) -> bytes:
+    def created(self) -> bytes:
         started = self.response("in_progress", [], None).model_dump(mode="json")
-        empty = OutputText(text="").model_dump(mode="json")
+        return self.event("response.created", response=started) + self.event(
+            "response.in_progress", response=started
+        )
+
+    def message_added(self) -> bytes:
         message = self.message("in_progress", None).model_dump(mode="json")
-        return (
-            self.event("response.created", response=started)
-            + self.event("response.in_progress", response=started)
-            + self.event("response.output_item.added", output_index=0, item=message)
-            + self.event("response.content_part.added", **self.item(), part=empty)
+        empty = OutputText(text="").model_dump(mode="json")
+        return self.event("response.output_item.added", output_index=0, item=message) + self.event(
+            "response.content_part.added", **self.part(), part=empty
         )
 
     def end(self, job: Job) -> bytes:
-        status, text = self.status(job), job.choices[0].text
-        part = OutputText(text=text).model_dump(mode="json")
-        message = self.message(status, text)
-        final = self.response(status, [message], job).model_dump(mode="json")
+        status, output = self.output(job)
+        events = b"".join(self.item_events(i, item) for i, item in enumerate(output))
+        final = self.response(status, output, job).model_dump(mode="json")
+        return events + self.event(f"response.{status}", response=final)
+
+    def item_events(self, index: int, item: OutputItem) -> bytes:
+        """An item's events from its text's end on (all of them for one that was held)."""
+        if isinstance(item, OutputFunctionCall):
+            added = item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump(mode="json")
+            where = {"item_id": item.id, "output_index": index}
+            return (
+                self.event("response.output_item.added", output_index=index, item=added)
+                + self.event("response.function_call_arguments.delta", **where, delta=item.arguments)
+                + self.event("response.function_call_arguments.done", **where, arguments=item.arguments)
+                + self.item_done(index, item)
+            )
+        text = item.content[0].text
+        held = b""
+        if self.chat.offers_tools:  # nothing of it was sent while it was held
+            held = self.message_added()
+            if text:
+                held += self.event("response.output_text.delta", **self.part(), delta=text, logprobs=[])
+        part = item.content[0].model_dump(mode="json")
         return (
-            self.event("response.output_text.done", **self.item(), text=text, logprobs=[])
-            + self.event("response.content_part.done", **self.item(), part=part)
-            + self.event("response.output_item.done", output_index=0, item=message.model_dump(mode="json"))
-            + self.event(f"response.{status}", response=final)
+            held
+            + self.event("response.output_text.done", **self.part(), text=text, logprobs=[])
+            + self.event("response.content_part.done", **self.part(), part=part)
+            + self.item_done(index, item)
         )
+
+    def item_done(self, index: int, item: OutputItem) -> bytes:
+        return self.event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))
 
 
 async def create_response(
     serving: Serving, validated: Validated, request: Request, request_id: str
 ) -> Response:
-    job = serving.start(request_id, validated.requests)
+    job = serving.start(request_id, validated.requests, presented_key(request))
     renderer = ResponsesRenderer(serving, request_id, validated, job)
     return await streaming.respond(request, job, renderer, validated.stream)

@@ -234,6 +234,9 @@ class OutputFunctionCall(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+OutputItem = OutputMessage | OutputFunctionCall
+
+
 class InputTokensDetails(ResponseModel):
     cached_tokens: int
 
@@ -266,7 +269,7 @@ class ResponseObject(ResponseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: None = None
     store: bool = False

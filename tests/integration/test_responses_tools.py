@@ -1,0 +1,92 @@
+"""The Responses API with structured output and function tools, through the real server (torch backend,
+stories260K, a tool-aware chat template) and the unmodified `openai` SDK: `responses.create`, streamed
+and not, with a function tool the model must call (its arguments validate against the function's
+schema) and with a JSON-schema `text.format` (the output validates against the schema); a conversation
+carrying an earlier call and its output runs (issue 23, on issue 22's machinery)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.integration.test_tools import SCHEMAS, TOOLS, client  # noqa: F401 (the server fixture)
+
+pytestmark = pytest.mark.slow
+
+FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+INPUT = "What is the weather in Paris?"
+PET = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+    "required": ["kind", "legs"],
+    "additionalProperties": False,
+}
+PET_FORMAT = {"format": {"type": "json_schema", "name": "pet", "schema": PET, "strict": True}}
+
+
+def assert_valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_a_required_function_call_is_a_function_call_item(client) -> None:  # noqa: F811
+    response = client.responses.create(
+        model="stories260K",
+        input=INPUT,
+        tools=FUNCTIONS,
+        tool_choice="required",
+        max_output_tokens=60,
+        extra_body={"seed": 4},
+    )
+    (call,) = response.output
+    assert call.type == "function_call" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert_valid(call.name, call.arguments)
+    assert response.status == "completed" and response.output_text == ""
+
+
+def test_a_streamed_call_arrives_as_argument_events(client) -> None:  # noqa: F811
+    events = list(
+        client.responses.create(
+            model="stories260K", input=INPUT, tools=FUNCTIONS, max_output_tokens=60, stream=True,
+            tool_choice={"type": "function", "name": "get_time"}, extra_body={"seed": 9},
+        )
+    )  # fmt: skip
+    types = [event.type for event in events]
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    call = events[-2].item
+    assert call.name == "get_time" and events[4].arguments == call.arguments
+    assert_valid("get_time", call.arguments)
+    assert events[-1].response.output[0].call_id == call.call_id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_text_format_is_honoured(client, stream) -> None:  # noqa: F811
+    kwargs = {"model": "stories260K", "input": "A pet?", "text": PET_FORMAT, "max_output_tokens": 40}
+    if stream:
+        events = list(client.responses.create(**kwargs, temperature=1.0, extra_body={"seed": 3}, stream=True))
+        assert events[-1].type == "response.completed"
+        text = events[-1].response.output_text
+        assert text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    else:
+        text = client.responses.create(**kwargs, temperature=1.0, extra_body={"seed": 3}).output_text
+    jsonschema.validate(json.loads(text), PET)
+
+
+def test_a_conversation_with_a_call_and_its_output_runs(client) -> None:  # noqa: F811
+    items = [
+        {"role": "user", "content": INPUT},
+        {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone": "UTC"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+    ]
+    response = client.responses.create(model="stories260K", input=items, tools=FUNCTIONS, max_output_tokens=4)
+    alone = client.responses.create(model="stories260K", input=INPUT, tools=FUNCTIONS, max_output_tokens=4)
+    assert response.usage.input_tokens > alone.usage.input_tokens
