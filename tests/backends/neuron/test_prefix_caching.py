@@ -30,6 +30,7 @@ from app.backends.neuron.nxdi import (
     read_compiled_config,
     refuse_prefix_caching_conflicts,
 )
+from app.backends.torch.checkpoint import check_checkpoint
 from app.cli import main
 from app.engine.blocks import prefix_cache
 from app.engine.engine import EngineConfig, LLMEngine
@@ -37,6 +38,7 @@ from app.engine.types import GenerationParams, RequestOutput
 from app.errors import ConfigError
 from app.shapes import ShapeGrid
 from app.tokenizer import Tokenizer
+from compile.builders import builder_for
 from compile.pipeline import CompileOptions, compile_artifact
 from compile.prefix_caching import PrefixCachingOptions
 
@@ -273,3 +275,10 @@ def test_a_one_token_prompt_gets_the_first_token_of_that_token(caching: Backend,
     with torch.no_grad():
         logits = reference(torch.tensor([[1, sampled.token_id]])).logits[0, -1]
     assert follow.token_id == int(logits.argmax())
+
+
+def test_the_torch_builder_refuses_the_compile_flag(stories260k: Path) -> None:
+    """The torch backend keeps its KV in blocks whatever the artifact: the flag belongs to serving."""
+    spec = replace(BackendSpec("torch", 1, "fp32", GRID), prefix_caching=CACHING)
+    with pytest.raises(ConfigError, match="serve with --enable-prefix-caching"):
+        builder_for("torch").check(check_checkpoint(stories260k), spec)
