@@ -15,8 +15,9 @@ from functools import partial
 import pytest
 
 from app import metrics
-from app.backends.base import DecodeBatch, PrefillBatch, SampledToken, SamplingParams, Tokens
+from app.backends.base import BackendSpec, DecodeBatch, PrefillBatch, SampledToken, SamplingParams, Tokens
 from app.backends.sim import CostModel, SimBackend
+from app.engine.clock import VirtualClock
 from app.engine.engine import LLMEngine
 from app.engine.policies import POLICIES
 from app.engine.stats import StepStats
@@ -571,3 +572,39 @@ def test_a_submitted_request_is_relayed_a_step_at_a_time(tokenizer: Tokenizer) -
         assert mine[-1].finished and mine[-1].finish_reason is FinishReason.LENGTH
         assert sum(len(o.token_ids) for o in mine) == 3
     assert any(len({o.request_id for o in batch}) == 2 for batch in batches)  # one call per step
+
+
+class WedgedSim(SimBackend):
+    """A device call that hangs until `release` is set (a wedged device); `entered` once it hangs."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
+        self.entered.set()
+        assert self.release.wait(TIMEOUT_S)
+        return super().launch(batch)
+
+
+def test_a_wedged_device_call_makes_the_engine_unready_but_alive(tokenizer: Tokenizer) -> None:
+    """Issue 21: with work pending and no step for a bounded multiple of the expected step, the engine is
+    not ready (a probe fails it); once the call returns it is ready again. Virtual time: no sleeps."""
+    clock = VirtualClock()
+    spec = BackendSpec("sim", 1, "fp32", TINY_GRID)
+    backend = WedgedSim.create(spec, CostModel(0.01), 512, EOS_IDS, clock=clock)
+    done = threading.Event()
+    engine = LLMEngine(backend, tokenizer, clock=clock, relay=lambda outputs: done.set())
+    engine.start()
+    try:
+        assert engine.is_ready and engine.stalled_s() == 0.0  # nothing pending: never stalled
+        engine.submit("a", [5, 6], params(1))
+        assert backend.entered.wait(TIMEOUT_S)
+        clock.advance_to(clock.monotonic() + engine.stall_limit_s + 1.0)
+        assert engine.is_alive and not engine.is_ready
+        backend.release.set()
+        assert done.wait(TIMEOUT_S)
+        assert engine.is_ready and engine.stalled_s() == 0.0
+    finally:
+        backend.release.set()
+        engine.stop(timeout=TIMEOUT_S)
