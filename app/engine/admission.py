@@ -129,7 +129,9 @@ class ServiceEstimator:
             self._since_decode_s += call.seconds
             if isinstance(call.batch, DecodeBatch):
                 sample, self._since_decode_s = self._since_decode_s, 0.0
-                self.token_s += (sample - self.token_s) * (EWMA_WEIGHT if self.token_s else 1.0)
+                if not self.token_s:  # the prefills before the first decode stalled nothing
+                    sample = call.seconds
+                self.token_s += (sample - self.token_s) * EWMA_WEIGHT if self.token_s else sample
 
     def finished(self, request: Request) -> None:
         if request.finish_reason not in _OWN_END or request.error is not None:

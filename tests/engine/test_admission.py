@@ -86,10 +86,10 @@ def test_the_step_time_is_the_cadence_of_decodes_prefills_included() -> None:
     service = ServiceEstimator()
     decode = DecodeBatch((0, 1), (5, 5), (3, 3), (GREEDY, GREEDY), 2, 32)
     prefill = PrefillBatch((2,), ((5, 6),), (GREEDY,), 16)
+    service.observe([CallTiming(prefill, 0.5), CallTiming(decode, 0.02)])
+    assert service.token_s == pytest.approx(0.02)  # the prefills before the first decode stalled nothing
     service.observe([CallTiming(prefill, 0.03), CallTiming(decode, 0.02)])
-    assert service.token_s == pytest.approx(0.05)
-    service.observe([CallTiming(decode, 0.02)])
-    assert service.token_s == pytest.approx(0.05 + 0.1 * (0.02 - 0.05))
+    assert service.token_s == pytest.approx(0.02 + 0.1 * (0.05 - 0.02))
 
 
 def test_the_core_counts_every_held_request_budget_and_releases_it() -> None:
