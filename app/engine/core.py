@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from app.backends.base import Backend, DecodeBatch, PrefillBatch, SampledToken, Tokens
 from app.engine.admission import Backlog, ServiceEstimator
@@ -71,13 +70,10 @@ class LaunchedCall:
     launched: float  # clock.perf_counter()
 
 
-class Update(NamedTuple):
-    """A request a step changed: its output tokens so far (`request.output_token_ids[:num_tokens]` are
-    final) and whether it has finished (`request.finish_reason`, `request.error` say why)."""
-
-    request: Request
-    num_tokens: int
-    finished: bool
+Update = tuple[Request, int, bool]
+"""A request a step changed: (request, its output tokens so far, finished). The first count of
+`request.output_token_ids` is final; `request.finish_reason` and `request.error` say why it finished.
+A plain tuple: built for every row of every step, where a NamedTuple costs 6x."""
 
 
 @dataclass(slots=True)
@@ -99,7 +95,7 @@ class StepRecord:
     @property
     def finished(self) -> list[Request]:
         """The requests this step ended (each once), with `finish_reason` and `error` set."""
-        return list({id(u.request): u.request for u in self.updates if u.finished}.values())
+        return list({id(request): request for request, _, finished in self.updates if finished}.values())
 
     @property
     def has_news(self) -> bool:
@@ -206,8 +202,9 @@ class EngineCore:
         """Apply each call's tokens (or its error), in launch order, and record the step (after what was
         `applied` before it was planned)."""
         applied, updates = applied or [], updates or []
-        updates += self._forget(self._ended + list(plan.expired if plan else ()))
-        self._ended = []
+        if self._ended or (plan is not None and plan.expired):
+            updates += self._forget(self._ended + list(plan.expired if plan else ()))
+            self._ended = []
         more_applied, more_updates = self._settle(outcomes)
         applied += more_applied
         updates += more_updates
@@ -248,20 +245,19 @@ class EngineCore:
             scheduler.fail(requests, GenerationError(f"the device step failed: {outcome.error}"), now)
             return
         scheduler.observe(outcome.batch, outcome.seconds)
-        self._work_left -= sum([r.state is not FINISHED for r in requests])  # each gets a token
-        scheduler.apply(requests, outcome.samples, now)
+        self._work_left -= scheduler.apply(requests, outcome.samples, now)
 
     def _updates(self, requests: Sequence[Request]) -> list[Update]:
-        updates = [Update(r, len(r.output_token_ids), r.state is FINISHED) for r in requests]
-        for update in updates:
-            if update.finished:
-                self._release(update.request)
+        updates = [(r, len(r.output_token_ids), r.state is FINISHED) for r in requests]
+        for request, _, finished in updates:
+            if finished:
+                self._release(request)
         return updates
 
     def _forget(self, requests: Sequence[Request]) -> list[Update]:
         for request in requests:
             self._release(request)
-        return [Update(r, r.num_output_tokens, True) for r in requests]
+        return [(r, r.num_output_tokens, True) for r in requests]
 
     def _release(self, request: Request) -> None:
         """A finished request leaves the books (once)."""

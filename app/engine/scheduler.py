@@ -229,17 +229,21 @@ class Scheduler:
             self.finish(request, FinishReason.ERROR, now, failure)
         return culprits
 
-    def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> None:
-        """Hand each request the token a backend call produced for it, and apply token-level stops."""
+    def apply(self, requests: Sequence[Request], samples: Sequence[SampledToken], now: float) -> int:
+        """Hand each request the token a backend call produced for it, and apply token-level stops.
+        Returns how many tokens were appended."""
+        dropped = 0
         for request, sample in zip(requests, samples, strict=True):
             request.pending -= 1
             if request.state is FINISHED:  # aborted, stopped or failed while the call ran: dropped
+                dropped += 1
                 continue
             request.append_token(sample, now)
             self._commit_blocks(request)
             reason = token_stop_reason(request)
             if reason is not None:
                 self.finish(request, reason, now)
+        return len(requests) - dropped
 
     def discard(self, requests: Sequence[Request]) -> None:
         """Drop the pending token of each request's row in a call whose result is not applied (it was
