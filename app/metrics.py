@@ -9,7 +9,7 @@ directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -218,6 +218,13 @@ READY = Gauge(
     _name("ready"), "1 when the server is ready to serve, 0 while starting or draining.", registry=REGISTRY
 )
 ARTIFACT = Info(_name("artifact"), "The artifact this server serves.", registry=REGISTRY)
+ARTIFACT_MEMORY = Gauge(
+    _name("artifact_memory_bytes"),
+    "The artifact's memory plan, bytes a tensor-parallel rank: weights, kv_cache, allowance, total, "
+    "capacity.",
+    ["component"],
+    registry=REGISTRY,
+)
 
 
 def render() -> bytes:
@@ -255,6 +262,12 @@ def record_artifact(
     labels = {"artifact_id": artifact_id, "model_name": model_name, "backend": backend}
     ARTIFACT.info({**labels, "caveats": ",".join(caveats) or "none", "quantization": quantization or "none"})
     BYTES_LOADED.set(bytes_loaded)
+
+
+def record_artifact_memory(components: Mapping[str, int]) -> None:
+    """The artifact's memory plan (`MemoryPlan.components`), bytes a rank."""
+    for component, size in components.items():
+        ARTIFACT_MEMORY.labels(component).set(size)
 
 
 def record_ready(ready: bool) -> None:

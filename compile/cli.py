@@ -17,6 +17,7 @@ from typing import Any
 from app.artifacts.loader import ALIASES_DIR, load_artifact, open_artifact, pinned_reference, verify_files
 from app.artifacts.manifest import MANIFEST_NAME, Manifest
 from app.artifacts.storage import open_store
+from app.backends.memory import GIB, MemoryPlan
 from app.backends.quantization import (
     DEFAULT_MODULES_TO_NOT_CONVERT,
     GRANULARITIES,
@@ -226,8 +227,17 @@ def describe(uri: str, manifest: Manifest) -> str:
     quantized = f" {spec.quantization.label}" if spec.quantization is not None else ""
     return (
         f"{uri}  {manifest.artifact_id}  {spec.backend} tp{spec.tp_degree} {spec.dtype}{quantized} "
-        f"slots={grid.num_slots} positions={grid.max_positions}  {manifest.created_at}  {verdict}{random}"
+        f"slots={grid.num_slots} positions={grid.max_positions}{memory_figure(manifest.memory)}  "
+        f"{manifest.created_at}  {verdict}{random}"
     )
+
+
+def memory_figure(plan: MemoryPlan | None) -> str:
+    """` memory=11.53GiB/16.00GiB` a rank (` memory=0.01GiB` without a device limit; `` unplanned)."""
+    if plan is None:
+        return ""
+    capacity = f"/{plan.capacity_bytes / GIB:.2f}GiB" if plan.capacity_bytes is not None else ""
+    return f" memory={plan.total_bytes / GIB:.2f}GiB{capacity}"
 
 
 @reports_errors("artifacts show")

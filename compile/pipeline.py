@@ -32,6 +32,7 @@ from app.artifacts.manifest import (
 )
 from app.artifacts.storage import S3_SCHEME, LocalStore, download_file, hash_object, open_store
 from app.backends.base import DTYPES, BackendSpec
+from app.backends.memory import check_fits
 from app.backends.quantization import QuantScheme
 from app.backends.torch.checkpoint import check_checkpoint
 from app.errors import ArtifactError, ConfigError
@@ -112,6 +113,7 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
             options.prefix_caching.compiled(grid) if options.prefix_caching is not None else None,
         )
         builder.check(llama, spec)
+        memory = check_fits(llama, spec)
         name = check_name("model name", options.name or default_name(options.model))
         source_sha256 = with_chat_template(checkpoint_sha256(checkpoint, hashed), options.chat_template)
         versions = stack_versions(options.backend)
@@ -126,6 +128,7 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
 
         staging = Path(scratch) / "artifact"
         log(f"staging {name} ({spec.backend}, tp {spec.tp_degree}, {spec.scheme}) from {options.model}")
+        log(f"memory plan: {memory.summary()}")
         stage_model_files(checkpoint, staging / "model")
         if options.chat_template is not None:
             shutil.copyfile(options.chat_template, staging / "model" / CHAT_TEMPLATE_FILE)
@@ -157,6 +160,7 @@ def compile_artifact(options: CompileOptions) -> CompileResult:
             compile_seconds=round(time.perf_counter() - started, 3),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             notes=notes,
+            memory=memory,
         )
         newly = publish(staging, manifest, dest)
         log(("published " if newly else "already published: ") + dest.uri)

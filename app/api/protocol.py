@@ -11,9 +11,12 @@ against the server's limits and the backend's abilities.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, model_validator
+
+if TYPE_CHECKING:
+    from app.backends.memory import MemoryPlan
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -388,6 +391,22 @@ class ChatCompletionChunk(Envelope):
     usage: UsageInfo | None = None
 
 
+class MemoryCard(ResponseModel):
+    """The artifact's memory plan, bytes a tensor-parallel rank (`app/backends/memory.py`); `capacity`
+    null: no device limit (the portable backends)."""
+
+    tp_degree: int
+    weights: int
+    kv_cache: int
+    allowance: int
+    total: int
+    capacity: int | None = None
+
+    @classmethod
+    def of(cls, plan: MemoryPlan) -> MemoryCard:
+        return cls(tp_degree=plan.tp_degree, **plan.components())
+
+
 class ModelCard(ResponseModel):
     id: str
     object: Literal["model"] = "model"
@@ -397,6 +416,7 @@ class ModelCard(ResponseModel):
     artifact_id: str
     caveats: list[str] = []  # what the operator allowed to serve anyway: random_weights, validation_failed
     quantization: str | None = None  # the weights' scheme, e.g. int8-per_channel; null: full precision
+    memory: MemoryCard | None = None  # null: an artifact compiled before memory plans were recorded
 
 
 class ModelList(ResponseModel):

@@ -30,6 +30,7 @@ from app.api.protocol import (
     ErrorResponse,
     GenerateRequest,
     GenerateResponses,
+    MemoryCard,
     ModelCard,
     ModelList,
     Status,
@@ -176,6 +177,7 @@ def _model_card(serving: Serving) -> ModelCard:
         artifact_id=serving.artifact_id,
         caveats=serving.caveats,
         quantization=serving.quantization,
+        memory=MemoryCard.of(serving.memory) if serving.memory is not None else None,
     )
 
 

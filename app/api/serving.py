@@ -188,6 +188,7 @@ class Serving:
         self.caveats = list(runtime.caveats)
         self.tool_call_parser = settings.tool_call_parser
         self.quantization = runtime.quantization
+        self.memory = runtime.memory
         self.salt_by_key = settings.prefix_cache_salt_by_api_key and bool(settings.api_keys)
         self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining
         self.created = int(time.time())

@@ -42,6 +42,8 @@ def record_artifact(artifact: LocalArtifact, caveats: tuple[str, ...]) -> None:
         caveats,
         quantization_label(manifest),
     )
+    if manifest.memory is not None:
+        metrics.record_artifact_memory(manifest.memory.components())
 
 
 def fetch_artifact(settings: ServerSettings) -> LocalArtifact:
@@ -94,6 +96,7 @@ def _runtime(
         close=close,
         caveats=caveats,
         quantization=quantization_label(manifest),
+        memory=manifest.memory,
     )
 
 

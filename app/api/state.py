@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from app.backends.memory import MemoryPlan
 from app.engine.types import EngineClient
 from app.shapes import ShapeGrid
 
@@ -34,6 +35,8 @@ class Runtime:
     """What the operator allowed to serve anyway: `random_weights`, `validation_failed`."""
     quantization: str | None = None
     """The weights' quantization scheme (`int8-per_channel`); None: full precision."""
+    memory: MemoryPlan | None = None
+    """The artifact's memory plan (bytes a rank); None for an artifact compiled before plans were kept."""
     runtime_tags: dict[str, str] | None = None
     """The replicas' Neuron runtime tags, by replica label (`app/device_metrics.py`); None: this
     process's runtime, replica "0"."""

@@ -19,6 +19,7 @@ from app import __version__
 from app.artifacts.paths import check_artifact_id, check_file_paths
 from app.backends import backend_class
 from app.backends.base import Backend, BackendSpec
+from app.backends.memory import MemoryPlan
 from app.errors import ArtifactError, ConfigError
 
 SCHEMA_VERSION = 3  # 2: files carry a BLAKE3 digest besides their sha256; 3: an XXH3-128 instead
@@ -91,6 +92,9 @@ class Manifest:
     compile_seconds: float
     created_at: str
     notes: dict[str, str] = field(default_factory=dict)
+    memory: MemoryPlan | None = None
+    """The device bytes a rank holds (`app/backends/memory.py`), as planned at compile; None in manifests
+    written before it (and the sim's). Not hashed into the key: it follows from the spec."""
 
     def __post_init__(self) -> None:
         """Nothing a manifest names may reach outside its artifact (or the loader's cache)."""
@@ -116,6 +120,10 @@ class Manifest:
         data["files"] = [{k: v for k, v in asdict(entry).items() if v is not None} for entry in self.files]
         data["validation"] = asdict(self.validation)
         data["validation"]["failures"] = list(self.validation.failures)
+        if self.memory is None:
+            del data["memory"]
+        else:
+            data["memory"] = self.memory.to_dict()
         return {"artifact_id": self.artifact_id, **data}
 
     def dumps(self) -> str:
@@ -139,6 +147,7 @@ class Manifest:
                     "files": tuple(FileEntry(**entry) for entry in data["files"]),
                     "validation": ValidationReport.from_dict(data["validation"]),
                     "versions": dict(data["versions"]),
+                    "memory": MemoryPlan.from_dict(data["memory"]) if "memory" in data else None,
                 }
             )
         except (KeyError, TypeError, ValueError, ConfigError) as error:

@@ -77,6 +77,10 @@ def test_int8_passes_the_gate_serves_and_shows_its_scheme(stories260k, capsys, t
         card = client.get("/v1/models").json()["data"][0]
         assert card["quantization"] == "int8-per_channel" and card["caveats"] == []
         assert 'quantization="int8-per_channel"' in client.get("/metrics").text
+        plan = manifest.memory
+        assert plan is not None and card["memory"] == {"tp_degree": 1, **plan.components(), "capacity": None}
+        weights = f'inf2serve_artifact_memory_bytes{{component="weights"}} {float(plan.weight_bytes)}'
+        assert weights in client.get("/metrics").text
         body = {"model": card["id"], "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
         completion = client.post("/v1/completions", json=body)
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4
