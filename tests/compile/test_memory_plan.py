@@ -20,8 +20,8 @@ from app.backends.torch.checkpoint import write_rank_shards
 from app.errors import ConfigError
 from app.llama import LlamaSpec, read_llama_config
 from app.shapes import ShapeGrid
-from compile.cli import describe
 from compile import pipeline
+from compile.cli import describe
 from compile.pipeline import CompileOptions, compile_artifact
 from compile.random_checkpoint import write_random_llama
 from tests.backends.neuron.helpers import standin_modules
