@@ -131,6 +131,12 @@ class ServerSettings(BaseSettings):
     request_timeout_s: float | None = Field(
         _ENGINE["request_timeout_s"], gt=0, description="Deadline of one request, queue included."
     )
+    stream_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of one streamed request, queue included; unset: request_timeout_s. Lets "
+        "streams outlive a deadline a platform forces on responses sent at once (SageMaker's 60 s).",
+    )
     run_ahead: bool = Field(
         _ENGINE["run_ahead"],
         description="Launch each step before the previous one's tokens are back, where the backend allows.",

@@ -15,7 +15,10 @@ default's values. Why each line is what it is, in order of a request's end of li
   removal reaches the ALB, and `terminationGracePeriodSeconds` counts preStop + drain + in-flight.
 - SageMaker: a non-streamed InvokeEndpoint is cut at 60 s, whatever the client's timeout, and SIGKILL
   follows SIGTERM by 30 s: the server's deadline stays under the first, drain + in-flight + the server's
-  cut grace + margin under the second.
+  cut grace + margin under the second. Streams (InvokeEndpointWithResponseStream) have their own deadline,
+  `INF2SERVE_STREAM_TIMEOUT_S`: AWS documents no figure for them (the API reference's ModelStreamError
+  says only "within the timeout period allowed by Amazon SageMaker AI"), so they get the longest
+  generation G every other platform allows.
 - Everywhere: when in-flight time runs out the server cuts what is left and needs up to `CUT_GRACE_S`
   more to write the 503s and error events and exit with code 3 (app/api/server.py); the kill comes only
   after that plus the margin, so the exit code and the "responses cut short" line are seen, not SIGKILL.
@@ -51,6 +54,7 @@ class Budget:
     """Every timeout of one platform, in seconds (0 where the platform has no such thing)."""
 
     request_timeout_s: int  # INF2SERVE_REQUEST_TIMEOUT_S: the server's deadline of one request
+    stream_timeout_s: int  # INF2SERVE_STREAM_TIMEOUT_S: the deadline of one streamed request
     drain_s: int  # INF2SERVE_DRAIN_S: not ready, still serving, after SIGTERM
     shutdown_timeout_s: int  # INF2SERVE_SHUTDOWN_TIMEOUT_S: in-flight requests after the drain
     keep_alive_s: int  # INF2SERVE_KEEP_ALIVE_S
@@ -70,6 +74,7 @@ def _behind_alb(
     idle = generation + MARGIN_S
     return Budget(
         request_timeout_s=generation,
+        stream_timeout_s=generation,
         drain_s=drain,
         shutdown_timeout_s=generation,
         keep_alive_s=idle + MARGIN_S,
@@ -100,11 +105,12 @@ def eks(max_generation_s: int = DEFAULT_MAX_GENERATION_S, startup_s: int = DEFAU
 
 def sagemaker(startup_s: int = DEFAULT_STARTUP_S) -> Budget:
     """SageMaker's limits decide: the deadline answers before the 60 s cut (a clear 504 rather than a
-    ModelError), and drain + in-flight + the server's cut end before the SIGKILL. The deadline holds for
-    streams too (the server has one per request), so SageMaker generations are bounded to it."""
+    ModelError), and drain + in-flight + the server's cut end before the SIGKILL. Streams send bytes all
+    along and get the longest generation G instead (SageMaker documents no limit for them)."""
     request = SAGEMAKER_INVOCATION_LIMIT_S - MARGIN_S
     return Budget(
         request_timeout_s=request,
+        stream_timeout_s=DEFAULT_MAX_GENERATION_S,
         drain_s=SAGEMAKER_DRAIN_S,
         shutdown_timeout_s=SAGEMAKER_SIGKILL_AFTER_S - SAGEMAKER_DRAIN_S - SERVER_CUT_GRACE_S - MARGIN_S,
         keep_alive_s=SAGEMAKER_INVOCATION_LIMIT_S + MARGIN_S,
@@ -123,6 +129,7 @@ def budget() -> dict[str, Budget]:
 
 ROWS = {
     "request_timeout_s": ("request deadline `INF2SERVE_REQUEST_TIMEOUT_S`", "G (SageMaker: 60 - m)"),
+    "stream_timeout_s": ("stream deadline `INF2SERVE_STREAM_TIMEOUT_S`", "G (SageMaker: none documented)"),
     "drain_s": ("drain `INF2SERVE_DRAIN_S`", "health-check detection + m (EKS: readiness 5 s x 2)"),
     "shutdown_timeout_s": (
         "in-flight `INF2SERVE_SHUTDOWN_TIMEOUT_S`",

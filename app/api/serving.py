@@ -191,13 +191,23 @@ class Serving:
         self.memory = runtime.memory
         self.salt_by_key = settings.prefix_cache_salt_by_api_key and bool(settings.api_keys)
         self.stop_at = stop_at  # when a draining server stops (monotonic); None while it is not draining
+        self.stream_timeout_s = settings.stream_timeout_s
         self.created = int(time.time())
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
         self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)
 
     async def validate(self, api: Api | None, raw: bytes) -> Validated:
         """The validation step (`Validator.validate`), in a worker thread."""
-        return await self.run(self.validator.validate, api, raw)
+        return self.with_stream_deadline(await self.run(self.validator.validate, api, raw))
+
+    def with_stream_deadline(self, validated: Validated) -> Validated:
+        """A streamed request gets `stream_timeout_s` as its deadline; others keep the engine's
+        `request_timeout_s` (a stream sends bytes all along: a limit on silent responses need not cut it)."""
+        if not validated.stream or self.stream_timeout_s is None:
+            return validated
+        deadline = time.monotonic() + self.stream_timeout_s
+        requests = [replace(r, params=replace(r.params, deadline=deadline)) for r in validated.requests]
+        return replace(validated, requests=requests)
 
     async def run(self, work: Callable[..., T], *args: object) -> T:
         """`work(*args)` on the validation threads (tokenizing and templating never block the loop)."""

@@ -100,6 +100,7 @@ def model_request(release: Release, name: str) -> dict[str, Any]:
                 "INF2SERVE_DEVICE": "neuron",
                 "INF2SERVE_REPLICAS": "auto",  # 24xl/48xl: one engine per NeuronCore group
                 "INF2SERVE_REQUEST_TIMEOUT_S": str(SAGEMAKER_BUDGET.request_timeout_s),
+                "INF2SERVE_STREAM_TIMEOUT_S": str(SAGEMAKER_BUDGET.stream_timeout_s),
                 "INF2SERVE_KEEP_ALIVE_S": str(SAGEMAKER_BUDGET.keep_alive_s),
                 "INF2SERVE_DRAIN_S": str(release.drain_s),
                 "INF2SERVE_SHUTDOWN_TIMEOUT_S": str(release.shutdown_timeout_s),

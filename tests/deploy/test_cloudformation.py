@@ -75,6 +75,10 @@ class TestSageMaker:
         env = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
         budget = timeouts.sagemaker()
         assert float(env["INF2SERVE_REQUEST_TIMEOUT_S"]) == budget.request_timeout_s < 60
+        # Streams are not under InvokeEndpoint's 60 s (audit W1): the API reference gives
+        # InvokeEndpointWithResponseStream no figure, so they get G like every other platform.
+        assert float(env["INF2SERVE_STREAM_TIMEOUT_S"]) == budget.stream_timeout_s
+        assert budget.stream_timeout_s == timeouts.DEFAULT_MAX_GENERATION_S > budget.request_timeout_s
         assert float(env["INF2SERVE_DRAIN_S"]) == budget.drain_s
         assert float(env["INF2SERVE_SHUTDOWN_TIMEOUT_S"]) == budget.shutdown_timeout_s
         assert float(env["INF2SERVE_KEEP_ALIVE_S"]) == budget.keep_alive_s

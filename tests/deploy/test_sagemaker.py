@@ -73,6 +73,7 @@ def _expect_model_and_config(stubber: Stubber) -> None:
                 "INF2SERVE_DEVICE": "neuron",
                 "INF2SERVE_REPLICAS": "auto",
                 "INF2SERVE_REQUEST_TIMEOUT_S": "55",
+                "INF2SERVE_STREAM_TIMEOUT_S": "300",
                 "INF2SERVE_KEEP_ALIVE_S": "65",
                 "INF2SERVE_DRAIN_S": "10",
                 "INF2SERVE_SHUTDOWN_TIMEOUT_S": "10",

@@ -152,6 +152,7 @@ def test_components_carry_the_timeout_budget_a_pin_and_a_rollback() -> None:
     env = resources["Model"]["Properties"]["PrimaryContainer"]["Environment"]
     budget = timeouts.sagemaker()
     assert float(env["INF2SERVE_REQUEST_TIMEOUT_S"]) == budget.request_timeout_s
+    assert float(env["INF2SERVE_STREAM_TIMEOUT_S"]) == budget.stream_timeout_s  # audit W1
     assert float(env["INF2SERVE_DRAIN_S"]) == budget.drain_s
     assert float(env["INF2SERVE_SHUTDOWN_TIMEOUT_S"]) == budget.shutdown_timeout_s
     assert float(env["INF2SERVE_KEEP_ALIVE_S"]) == budget.keep_alive_s
