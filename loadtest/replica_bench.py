@@ -13,12 +13,16 @@ Side by side in one run, each against a real `inf2serve serve --replicas N` proc
    The same closed loop is also run straight into a `ReplicaPool` in this process (replica processes,
    no HTTP, no client): the replicas' own scaling, apart from the front and the client.
 3. The router's CPU per request: `Router.pick` plus the bookkeeping for one request's life (route, one
-   delta, finish) timed in this process on 3 replicas; and the front process's whole CPU per request
-   (HTTP, tokenizer, routing, relaying deltas) from /proc during (1).
+   delta, finish) timed in this process on 3 replicas; and the front process's whole CPU per request and
+   per generated token (HTTP, tokenizer, routing, relaying deltas) from /proc during (1) (goal with 3
+   replicas: at most 20 us a token).
+4. Six replicas (`--parts six`): the closed loop straight into a `ReplicaPool` of 6 replicas on a 10 ms
+   decode step, against 6 x one replica's: aggregate tokens/s, apart from HTTP.
 The sim sleeps instead of computing, so replicas should scale even on a small host; the machine may be
 shared, so its CPU count and load average are recorded with the figures.
 
     .venv/bin/python -m loadtest.replica_bench [--waves 3] [--rate 30] [--duration 15] [--rounds 2]
+        [--parts scaling,routing,six]
 """
 
 from __future__ import annotations
@@ -57,7 +61,13 @@ MAX_POSITIONS = 4096
 SHORT_PROMPT_TOKENS = 8
 SHORT_MAX_TOKENS = 32
 POLICIES = ("least_work", "round_robin")
-GOALS = {"scaling_3_over_3x1": 0.9, "p99_ttft_ours_over_round_robin": 0.7}
+TEN_MS_COST_MODEL = {"decode_fixed_s": 0.010, "prefill_points": [[64, 0.004], [2048, 0.128]]}
+PARTS = ("scaling", "routing", "six")
+GOALS = {
+    "scaling_3_over_3x1": 0.9,
+    "p99_ttft_ours_over_round_robin": 0.7,
+    "front_cpu_us_per_token_3": 20.0,
+}
 
 
 def replica_pids(pid: int) -> list[int]:
@@ -153,6 +163,7 @@ def scaling_run(artifact: Path, replicas: int, args: argparse.Namespace, log: Pa
     run["tokens_per_s"] = run["tokens"] / run["wall_s"]
     # With one replica the engine runs inside the front process: its CPU is all "front" there.
     run["front_cpu_ms_per_request"] = front_s / run["requests"] * 1000
+    run["front_cpu_us_per_token"] = front_s / run["tokens"] * 1e6
     run["replica_cpu_us_per_token"] = replicas_s / run["tokens"] * 1e6 if pids else None
     run["cpu_cores_busy"] = (front_s + replicas_s) / run["wall_s"]
     return run
@@ -240,44 +251,81 @@ def router_cpu_us_per_request(num_requests: int = 100_000) -> float:
     return (time.process_time() - started) / num_requests * 1e6
 
 
+def scaling_part(
+    artifact: Path, args: argparse.Namespace, root: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    one = scaling_run(artifact, 1, args, root / "one.log")
+    three = scaling_run(artifact, 3, args, root / "three.log")
+    pool_one = asyncio.run(pool_tokens_per_s(artifact, 1, args))
+    pool_three = asyncio.run(pool_tokens_per_s(artifact, 3, args))
+    results = {
+        "tokens_per_s_1": one["tokens_per_s"],
+        "tokens_per_s_3": three["tokens_per_s"],
+        "pool_only_tokens_per_s_1": pool_one,
+        "pool_only_tokens_per_s_3": pool_three,
+        "pool_only_scaling_3_over_3x1": pool_three / (3 * pool_one),
+        "scaling_3_over_3x1": three["tokens_per_s"] / (3 * one["tokens_per_s"]),
+        "front_cpu_ms_per_request_1": one["front_cpu_ms_per_request"],
+        "front_cpu_ms_per_request_3": three["front_cpu_ms_per_request"],
+        "front_cpu_us_per_token_3": three["front_cpu_us_per_token"],
+        "replica_cpu_us_per_token_3": three["replica_cpu_us_per_token"],
+        "server_cpu_cores_busy_1": one["cpu_cores_busy"],
+        "server_cpu_cores_busy_3": three["cpu_cores_busy"],
+        "failed_requests_scaling": one["failed"] + three["failed"],
+    }
+    return {"one_replica": one, "three_replicas": three}, results
+
+
+def routing_part(
+    artifact: Path, args: argparse.Namespace, root: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    routing = routing_runs(artifact, args, root)
+    ours, round_robin = routing["least_work"], routing["round_robin"]
+    results = {
+        "p99_ttft_s_least_work": ours["ttft_s"]["p99"],
+        "p99_ttft_s_round_robin": round_robin["ttft_s"]["p99"],
+        "p99_ttft_ours_over_round_robin": ours["ttft_s"]["p99"] / round_robin["ttft_s"]["p99"],
+        "p99_ttft_short_ours_over_round_robin": ours["ttft_short_s"]["p99"]
+        / round_robin["ttft_short_s"]["p99"],
+        "router_cpu_us_per_request": router_cpu_us_per_request(),
+        "failed_requests_routing": ours["failed"] + round_robin["failed"],
+    }
+    return routing, results
+
+
+def six_part(args: argparse.Namespace, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Six replicas on a 10 ms step, against six times one: the pool's aggregate, apart from HTTP."""
+    grid = sim_grid(SLOTS, max_positions=MAX_POSITIONS)
+    artifact = build_sim_artifact(root / "artifacts-10ms", STORIES, grid, TEN_MS_COST_MODEL)
+    one = asyncio.run(pool_tokens_per_s(artifact, 1, args))
+    six = asyncio.run(pool_tokens_per_s(artifact, 6, args))
+    results = {"six_tokens_per_s": six, "one_tokens_per_s": one, "six_over_6x1": six / (6 * one)}
+    return {"cost_model": TEN_MS_COST_MODEL, **results}, results
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    parts = set(args.parts.split(","))
+    report: dict[str, Any] = {
+        "config": {**{k: str(v) for k, v in vars(args).items()}, "cost_model": COST_MODEL, "slots": SLOTS},
+        "machine": {"cpus": os.cpu_count(), "load_average_before": os.getloadavg()},
+        "results": {},
+        "goals": GOALS,
+    }
     with tempfile.TemporaryDirectory(prefix="inf2serve-replica-bench-") as scratch:
         root = Path(scratch)
         grid = sim_grid(SLOTS, max_positions=MAX_POSITIONS)
         artifact = build_sim_artifact(root / "artifacts", STORIES, grid, COST_MODEL)
-        one = scaling_run(artifact, 1, args, root / "one.log")
-        three = scaling_run(artifact, 3, args, root / "three.log")
-        pool_one = asyncio.run(pool_tokens_per_s(artifact, 1, args))
-        pool_three = asyncio.run(pool_tokens_per_s(artifact, 3, args))
-        routing = routing_runs(artifact, args, root)
-        ours, round_robin = routing["least_work"], routing["round_robin"]
-    return {
-        "config": {**{k: str(v) for k, v in vars(args).items()}, "cost_model": COST_MODEL, "slots": SLOTS},
-        "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
-        "scaling": {"one_replica": one, "three_replicas": three},
-        "routing": {"least_work": ours, "round_robin": round_robin},
-        "results": {
-            "tokens_per_s_1": one["tokens_per_s"],
-            "tokens_per_s_3": three["tokens_per_s"],
-            "pool_only_tokens_per_s_1": pool_one,
-            "pool_only_tokens_per_s_3": pool_three,
-            "pool_only_scaling_3_over_3x1": pool_three / (3 * pool_one),
-            "scaling_3_over_3x1": three["tokens_per_s"] / (3 * one["tokens_per_s"]),
-            "p99_ttft_s_least_work": ours["ttft_s"]["p99"],
-            "p99_ttft_s_round_robin": round_robin["ttft_s"]["p99"],
-            "p99_ttft_ours_over_round_robin": ours["ttft_s"]["p99"] / round_robin["ttft_s"]["p99"],
-            "p99_ttft_short_ours_over_round_robin": ours["ttft_short_s"]["p99"]
-            / round_robin["ttft_short_s"]["p99"],
-            "router_cpu_us_per_request": router_cpu_us_per_request(),
-            "front_cpu_ms_per_request_1": one["front_cpu_ms_per_request"],
-            "front_cpu_ms_per_request_3": three["front_cpu_ms_per_request"],
-            "replica_cpu_us_per_token_3": three["replica_cpu_us_per_token"],
-            "server_cpu_cores_busy_1": one["cpu_cores_busy"],
-            "server_cpu_cores_busy_3": three["cpu_cores_busy"],
-            "failed_requests": one["failed"] + three["failed"] + ours["failed"] + round_robin["failed"],
-        },
-        "goals": GOALS,
-    }
+        if "scaling" in parts:
+            report["scaling"], results = scaling_part(artifact, args, root)
+            report["results"].update(results)
+        if "routing" in parts:
+            report["routing"], results = routing_part(artifact, args, root)
+            report["results"].update(results)
+        if "six" in parts:
+            report["six_replicas"], results = six_part(args, root)
+            report["results"].update(results)
+    report["machine"]["load_average_after"] = os.getloadavg()
+    return report
 
 
 def main() -> None:
@@ -292,6 +340,7 @@ def main() -> None:
     parser.add_argument("--long-fraction", type=float, default=0.005)
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which to run, comma-separated: {PARTS}")
     args = parser.parse_args()
     report = bench(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
