@@ -33,6 +33,7 @@ from app.device_metrics import (
     replica_tag,
 )
 from app.replicas import worker
+from app.replicas.messages import Failed
 from app.settings import ServerSettings
 
 TAG = "llama-r0"
@@ -228,7 +229,7 @@ def test_a_replica_names_its_runtime_before_it_starts(
     ours, theirs = multiprocessing.Pipe()
     worker.run_replica(theirs, 1, SimpleNamespace(root=tmp_path), ServerSettings(), replica_tag("srv", 1))  # type: ignore[arg-type]
     assert seen == ["srv-replica1"]
-    assert ours.recv()[0] == "failed"
+    assert isinstance(ours.recv(), Failed)
 
 
 def test_monitor_config_limits_collection_to_our_runtime() -> None:

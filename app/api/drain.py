@@ -2,9 +2,10 @@
 
 After SIGTERM the server serves on for the drain window, then gives in-flight work the shutdown timeout
 (`app/api/server.py`); what is unfinished then is cut. So during the drain a request whose expected time
-(its queue wait plus one measured step per token, `LLMEngine.expected_time_s`) runs past that stop is
-refused at once with 503 + Retry-After, before its first byte, for the client to retry elsewhere, rather
-than accepted and cut mid-stream. An engine that measures nothing (or has not yet) admits as usual.
+(its queue wait plus one measured step per token, `EngineClient.expected_time_s`; with replicas, the
+pool's) runs past that stop is refused at once with 503 + Retry-After, before its first byte, for the
+client to retry elsewhere, rather than accepted and cut mid-stream. An engine that measures nothing (or
+has not yet) admits as usual.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ def check_finishes_in_time(
     engine: EngineClient, requests: Sequence[EngineRequest], stop_at: float | None
 ) -> None:
     """Raise NotReadyError if the server stops (at `stop_at`, monotonic) before `requests` would end."""
-    expected_time_s = getattr(engine, "expected_time_s", None)
-    if stop_at is None or expected_time_s is None or not requests:
+    if stop_at is None or not requests:
         return
-    expected = expected_time_s(max(request.params.max_tokens for request in requests))
+    expected = engine.expected_time_s(max(request.params.max_tokens for request in requests))
     left = stop_at - time.monotonic()
     if expected is not None and expected > left:
         raise NotReadyError(

@@ -258,14 +258,15 @@ def _state(request: Request) -> ServerState:
 
 @probes.get("/health", responses=PROBE)
 async def health(request: Request) -> JSONResponse:
-    """Liveness: 200 while the process is starting or its engine loop is alive."""
+    """Liveness: 200 while the process is starting or its engine can still recover (`ServerState`)."""
     state = _state(request)
     return JSONResponse({"status": state.status}, status_code=200 if state.alive else 503)
 
 
 @probes.get("/ready", responses=PROBE)
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 once every bucket is warm and the golden prompts pass; 503 while draining."""
+    """Readiness: 200 once every bucket is warm and the golden prompts pass, while the engine makes
+    progress (some replica does); 503 while starting, draining, or with the engine dead or stalled."""
     state = _state(request)
     return JSONResponse({"status": state.status}, status_code=200 if state.ready else 503)
 

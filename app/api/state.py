@@ -2,6 +2,12 @@
 
 The lifecycle moves starting -> ready -> draining (SIGTERM), or starting -> failed. `draining` is a
 plain attribute so that a signal handler can set it without taking a lock.
+
+The probes ask the engine, through its contract (`EngineClient`), every time:
+- readiness (`/ready`, `/ping`): loaded, not draining, and the engine ready (its loop alive and making
+  progress while work is pending; with replicas, some replica so);
+- liveness (`/health`): starting, or serving with an engine that can still recover (a dead engine loop
+  cannot: the platform should replace the process).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.runtime is not None and not self.draining
+        return self.runtime is not None and not self.draining and self.runtime.engine.is_ready
 
     @property
     def status(self) -> str:
@@ -76,11 +82,15 @@ class ServerState:
             return "failed"
         if self.draining:
             return "draining"
-        return "starting" if self.runtime is None else "ready"
+        if self.runtime is None:
+            return "starting"
+        if not self.runtime.engine.is_alive:
+            return "dead"
+        return "ready" if self.runtime.engine.is_ready else "unavailable"
 
     @property
     def alive(self) -> bool:
-        """Starting, or serving with a live engine loop."""
+        """Starting, or serving with an engine that can still recover."""
         if self.startup_error is not None:
             return False
         return self.runtime is None or self.runtime.engine.is_alive

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from app.backends.base import SampledToken, SamplingParams
 from app.errors import Inf2ServeError
+
+if TYPE_CHECKING:
+    from app.engine.admission import Backlog
 
 
 class FinishReason(StrEnum):
@@ -58,17 +61,40 @@ class RequestOutput:
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (usage.prompt_tokens_details)
 
 
+def final_error(
+    request_id: str, num_prompt_tokens: int, num_generated_tokens: int, error: Inf2ServeError
+) -> RequestOutput:
+    """A request's last delta when it ends with an error (refused, failed, its replica lost)."""
+    return RequestOutput(
+        request_id, (), "", (), num_prompt_tokens, num_generated_tokens, True, FinishReason.ERROR, error
+    )
+
+
 class EngineClient(Protocol):
-    """What the HTTP layer needs from the engine."""
+    """The engine contract: what the HTTP layer needs from an engine, kept whole by the single
+    `LLMEngine` and by the replica pool (`app/replicas/pool.py`), and checked against both by one suite
+    (tests/replicas/test_contract.py). Every member is required: nothing probes for one.
+
+    Generate and abort: `generate`, `abort`, `check_request`, `eos_token_ids`; `reset_prefix_cache`.
+    Health: `is_alive` (liveness: false only when the process cannot recover: `/health`) and `is_ready`
+    (can take a request now: `/ready`, `/ping`).
+    Admission, queue bounds and statistics: `backlog()` (what is held, and how fast it drains); `generate`
+    refuses with OverloadedError (429 + Retry-After from the measured service time) what would not get a
+    slot within `max_queue_wait_s` or past `max_waiting`.
+    The drain: `expected_time_s` (a draining server refuses what would run past its stop) and
+    `num_unfinished`.
+    """
 
     eos_token_ids: frozenset[int]  # the tokenizer's and the model's: what ends a request as EOS
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
+        self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams
     ) -> AsyncIterator[RequestOutput]:
         """Admit the request (raising InvalidRequestError / OverloadedError / NotReadyError at once) and
         yield its deltas in order, exactly once, ending with one whose `finished` is true. Closing the
-        iterator early (client gone) aborts the request and frees its slot at the next step."""
+        iterator early (client gone) aborts the request and frees its slot at the next step. The request
+        fails with DeadlineExceededError at its deadline (`params.deadline`, else `request_timeout_s`
+        from admission), wherever it is."""
         ...
 
     def check_request(self, prompt_token_ids: Sequence[int], params: GenerationParams) -> None:
@@ -77,11 +103,35 @@ class EngineClient(Protocol):
         backend lacks. `generate` checks the same; the HTTP layer calls it before admitting anything."""
         ...
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client gone); unknown or finished ids are ignored. Any thread."""
+        ...
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix before the next admission (`POST /reset_prefix_cache`)."""
         ...
 
     @property
-    def is_alive(self) -> bool: ...
+    def is_alive(self) -> bool:
+        """False once the engine cannot serve again in this process (its loop died, it was stopped)."""
+        ...
+
+    @property
+    def is_ready(self) -> bool:
+        """Alive, and able to take a request now: its loop made progress within a bounded multiple of
+        its expected step time while work was pending; with replicas, some replica is so."""
+        ...
+
+    @property
+    def num_unfinished(self) -> int:
+        """Admitted requests whose final delta has not been handed out yet."""
+        ...
+
+    def backlog(self) -> Backlog:
+        """What the engine holds (slots, waiting requests, tokens to generate) and how fast it drains."""
+        ...
+
+    def expected_time_s(self, max_tokens: int) -> float | None:
+        """Seconds a request admitted now with `max_tokens` is expected to take, queue wait included
+        (None before anything was measured)."""
+        ...

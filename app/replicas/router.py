@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 RoutingPolicy = Literal["least_work", "round_robin"]
 
 
-class Candidate(Protocol):
+class RoutingTarget(Protocol):
     @property
     def is_ready(self) -> bool: ...
 
@@ -29,9 +29,11 @@ class Router:
         self.policy = policy
         self._next = 0  # round-robin position, and where least-work starts breaking ties
 
-    def pick(self, replicas: Sequence[Candidate]) -> int | None:
+    def pick(self, replicas: Sequence[RoutingTarget]) -> int | None:
         """The index of the replica to send a request to; None when no replica is ready."""
         count = len(replicas)
+        if not count:
+            return None
         start, self._next = self._next, (self._next + 1) % count
         order = [(start + offset) % count for offset in range(count)]
         ready = [index for index in order if replicas[index].is_ready]

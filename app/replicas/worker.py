@@ -1,15 +1,15 @@
-"""A replica process: loads the backend on its placement (warmup, golden replay), runs an `LLMEngine`, and
-serves the front over one duplex pipe.
+"""A replica process: loads the backend on its placement (warmup, golden replay; `app/runtime.py`), runs an
+`LLMEngine`, and serves the front over one duplex pipe (messages: `app/replicas/messages.py`).
 
-Messages are tuples, pickled by `multiprocessing.connection`. From the front: `("generate", id,
-prompt, params)`, `("abort", id)`, `("reset_prefix_cache",)`, `("stop",)`. To the front: `("ready",
-eos_token_ids, vocab_size)` or
-`("failed", message)` once, then `("outputs", [RequestOutput, ...])` (the engine's relay: a step's
-deltas in one message, sent from its output thread) and `("stats", StepStats)` (the engine's stats sink).
+Three threads of its own: the main thread reads the pipe (admit, abort, reset the prefix cache, stop),
+the engine's output thread sends each step's deltas and statistics, and a heartbeat thread sends the
+engine's readiness and measured rates every HEARTBEAT_S. An engine whose loop has died cannot recover:
+the heartbeat thread ends the process, the front sees the pipe close and restarts it (the requests that
+handed out nothing move to another replica), so a replica with a dead engine never takes traffic.
 
 Detokenization and stop strings run here, in the replica's own output thread: that work grows with
 tokens, so it scales with the replicas instead of queueing in the one front process. SIGINT and SIGTERM
-are ignored: the front drains first and then sends `stop`; a closed pipe (the front died) stops too.
+are ignored: the front drains first and then sends `Stop`; a closed pipe (the front died) stops too.
 """
 
 from __future__ import annotations
@@ -25,36 +25,56 @@ from app.artifacts.loader import LocalArtifact
 from app.device_metrics import TAG_VARIABLE
 from app.engine.engine import LLMEngine
 from app.engine.stats import StepStats
-from app.engine.types import FinishReason, RequestOutput
+from app.engine.types import RequestOutput, final_error
 from app.errors import Inf2ServeError
 from app.logs import configure_logging
+from app.replicas.messages import (
+    HEARTBEAT_S,
+    Abort,
+    Failed,
+    FromReplica,
+    Generate,
+    Heartbeat,
+    Outputs,
+    Ready,
+    ResetPrefixCache,
+    Stats,
+)
 from app.runtime import start_engine, stop_engine
 from app.settings import ServerSettings
 from app.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
+EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the engine loop failed; the front restarts the replica
 
 
 class Sender:
-    """The pipe's sending end, shared by the reader (rejections) and the engine's output thread."""
+    """The pipe's sending end, shared by the main thread (rejections), the engine's output thread and
+    the heartbeat thread."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
+        self.engine: LLMEngine | None = None  # once started: its measured rates go with stats
 
-    def send(self, message: tuple[object, ...]) -> None:
-        with self._lock:
+    def send(self, message: FromReplica) -> None:
+        with contextlib.suppress(OSError), self._lock:  # the front is gone: the main thread sees it too
             self._conn.send(message)
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
         """The engine's relay: one step's deltas in one message."""
-        with contextlib.suppress(OSError):
-            self.send(("outputs", outputs))
+        self.send(Outputs(outputs))
 
     def stats(self, stats: StepStats) -> None:
-        with contextlib.suppress(OSError):  # the front is gone; the reader sees it too and stops the replica
-            self.send(("stats", stats))
+        self.send(Stats(stats, *self.rates()))
+
+    def rates(self) -> tuple[float, float]:
+        """The engine's measured output share and decode step time (`Backlog.fill`, `.token_s`)."""
+        if self.engine is None:
+            return 1.0, 0.0
+        backlog = self.engine.backlog()
+        return backlog.fill, backlog.token_s
 
 
 def run_replica(
@@ -72,38 +92,53 @@ def run_replica(
         engine = start_engine(artifact, tokenizer, settings, sender.stats, relay=sender.outputs)
     except Exception as error:
         log.exception("replica startup failed", extra={"replica": index})
-        message = error.message if isinstance(error, Inf2ServeError) else repr(error)
-        sender.send(("failed", message))
+        sender.send(Failed(error.message if isinstance(error, Inf2ServeError) else repr(error)))
         return
+    sender.engine = engine
+    stopping = threading.Event()
     try:
+        backend = engine.backend
+        ready = Ready(
+            tuple(engine.eos_token_ids), backend.model.vocab_size, backend.name, backend.sampling_features
+        )
+        sender.send(ready)
+        heartbeat = threading.Thread(
+            target=_beat, args=(engine, sender, stopping, index), name="inf2serve-heartbeat", daemon=True
+        )
+        heartbeat.start()
         _serve(conn, engine, sender)
     finally:
+        stopping.set()
         stop_engine(engine, STOP_TIMEOUT_S)  # unfinished requests get their final delta first
+
+
+def _beat(engine: LLMEngine, sender: Sender, stopping: threading.Event, index: int) -> None:
+    """Every HEARTBEAT_S: the engine's state to the front; the process's end if the engine died."""
+    while not stopping.wait(HEARTBEAT_S):
+        if not engine.is_alive and not stopping.is_set():
+            log.error(
+                "the engine loop died: ending the replica, for the front to restart", extra={"replica": index}
+            )
+            os._exit(EXIT_ENGINE_DIED)
+        sender.send(Heartbeat(engine.is_ready, *sender.rates()))
 
 
 def _serve(conn: Connection, engine: LLMEngine, sender: Sender) -> None:
     """Admit and abort as the front says, until it says stop or is gone."""
-    sender.send(("ready", tuple(engine.eos_token_ids), engine.backend.model.vocab_size))
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):  # the front closed the pipe or died
             return
-        kind = message[0]
-        if kind == "generate":
-            _, request_id, prompt, params = message
-            try:
-                engine.submit(request_id, prompt, params)
-            except Inf2ServeError as error:
-                sender.outputs([_rejected(request_id, len(prompt), error)])
-        elif kind == "abort":
-            engine.abort(message[1])
-        elif kind == "reset_prefix_cache":
-            engine.reset_prefix_cache()
-        else:
-            return
-
-
-def _rejected(request_id: str, num_prompt_tokens: int, error: Inf2ServeError) -> RequestOutput:
-    """Admission refused (bad request, queue full): the request's one and final delta."""
-    return RequestOutput(request_id, (), "", (), num_prompt_tokens, 0, True, FinishReason.ERROR, error)
+        match message:
+            case Generate(request_id, prompt, params):
+                try:
+                    engine.submit(request_id, prompt, params)
+                except Inf2ServeError as error:
+                    sender.outputs([final_error(request_id, len(prompt), 0, error)])  # refused
+            case Abort(request_id):
+                engine.abort(request_id)
+            case ResetPrefixCache():
+                engine.reset_prefix_cache()
+            case _:
+                return

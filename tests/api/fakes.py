@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from app.api.state import Runtime
 from app.backends.base import SampledToken, check_sampling
+from app.engine.admission import Backlog
 from app.engine.types import FinishReason, GenerationParams, RequestOutput, RequestTimings
 from app.errors import InvalidRequestError
 from app.shapes import ShapeGrid
@@ -57,6 +58,9 @@ def expected_text(prompt_len: int, max_tokens: int, seed: int = 0, greedy: bool 
 
 
 class FakeEngine:
+    """The engine contract (`EngineClient`) over canned letters; it measures nothing, so admission and
+    the drain take every request (`expected_time_s` is None)."""
+
     eos_token_ids = frozenset({EOS})
 
     def __init__(self, step_s: float = 0.0, vocab_size: int = VOCAB_SIZE) -> None:
@@ -69,6 +73,17 @@ class FakeEngine:
         self.prefix_cache_resets = 0
         self.finished: list[str] = []
         self.is_alive = True
+        self.is_ready = True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests) - len(self.finished)
+
+    def backlog(self) -> Backlog:
+        return Backlog(GRID.num_slots, GRID.num_slots, 0, 0, 1.0, 0.0)
+
+    def expected_time_s(self, max_tokens: int) -> float | None:
+        return None
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: GenerationParams
