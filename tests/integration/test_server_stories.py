@@ -128,8 +128,8 @@ def test_refusals_from_the_real_engine(client):
         client.completions.create(model="stories260K", prompt=[1, 600], max_tokens=2)
     assert "vocabulary" in error.value.message
     with pytest.raises(openai.BadRequestError) as error:
-        client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=5, presence_penalty=1)
-    assert error.value.body["param"] == "presence_penalty"
+        client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=5, logit_bias={"600": 1})
+    assert error.value.body["param"] == "logit_bias"
 
 
 def test_invocations_bodies(sagemaker_server, reference):

@@ -4,12 +4,10 @@ measured goodput exceeds it. No timed assertions: virtual time is exact."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from app.backends.sim import CostModel
-from app.tokenizer import Tokenizer
 from loadtest import goodput, goodput_bound, traces
 from loadtest.goodput import TARGET, Preset, Slo
 
@@ -86,9 +84,7 @@ def test_the_bound_is_zero_when_collisions_at_every_rate_exceed_the_allowed_miss
     assert goodput_bound.goodput_bound(floors, trace, 0.25, 1.0, TARGET) > 0.0
 
 
-def test_no_policy_s_measured_goodput_exceeds_the_bound(
-    stories260k: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_policy_s_measured_goodput_exceeds_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every policy through the real engine on a small trace: the miss floor allows each one's goodput,
     and the bound is at least each (a bound below a measured goodput is a bug in the bound)."""
     preset = tiny_preset(monkeypatch)
@@ -103,11 +99,10 @@ def test_no_policy_s_measured_goodput_exceeds_the_bound(
     slo = Slo(300, 25)
     floors = goodput_bound.floors(preset.cost, preset.grid, trace)
     bound = goodput_bound.goodput_bound(floors, trace, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, TARGET)
-    tokenizer = Tokenizer.from_dir(stories260k)
     measured = {}
     for policy in goodput.POLICIES:
         config = goodput.engine_config(policy, slo, len(trace))
-        run = goodput.runner(preset, trace, config, tokenizer, (slo,), len(trace))
+        run = goodput.runner(preset, trace, config, (slo,), len(trace))
         searches, _ = goodput.search_goodput(run, {"slo": slo}, start=bound / 2)
         measured[policy] = searches["slo"].lo
     assert max(measured.values()) > 0, measured
