@@ -212,6 +212,7 @@ class Limits:
         caps = {
             "prompt": max(self.max_sequences, self.max_prompt_tokens),
             "messages": self.max_prompt_tokens,
+            "input": self.max_prompt_tokens,  # the Responses API's items
             "stop": self.max_stop_strings,
             "tokens": self.max_positions,
         }
@@ -219,6 +220,7 @@ class Limits:
             "prompt": f"max_waiting ({self.max_sequences} sequences) and max_prompt_tokens "
             f"({self.max_prompt_tokens})",
             "messages": f"max_prompt_tokens ({self.max_prompt_tokens}; each message takes a token at least)",
+            "input": f"max_prompt_tokens ({self.max_prompt_tokens}; each item takes a token at least)",
             "stop": f"max_stop_strings ({self.max_stop_strings})",
             "tokens": f"max_model_len ({self.max_positions})",
         }

@@ -35,8 +35,9 @@ def test_an_overloaded_engine_answers_429_with_retry_after(client, engine) -> No
         {"prompt": [[5, 6]] * 100_000, "max_tokens": 1},
         {"messages": [{"role": "user", "content": "a"}] * 100_000},
         {"prompt": "a", "stop": ["x"] * 100_000},
+        {"input": [{"role": "user", "content": "a"}] * 100_000},
     ],
-    ids=["100k-prompts", "100k-token-prompts", "100k-messages", "100k-stops"],
+    ids=["100k-prompts", "100k-token-prompts", "100k-messages", "100k-stops", "100k-response-items"],
 )
 def test_a_body_over_a_count_limit_is_refused_before_it_is_modelled_or_tokenized(
     client_for, engine, monkeypatch, body
@@ -47,7 +48,14 @@ def test_a_body_over_a_count_limit_is_refused_before_it_is_modelled_or_tokenized
     built: list[str] = []
     monkeypatch.setattr(FakeTokenizer, "encode", lambda *args, **kwargs: built.append("encode") or [])
     monkeypatch.setattr(validation, "parse", lambda *args: built.append("model"))
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    path = {"messages": "/v1/chat/completions", "input": "/v1/responses"}.get(
+        next(iter(body)), "/v1/completions"
+    )
     refused = client.post(path, json=body)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] in ("prompt", "messages", "stop")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] in (
+        "prompt",
+        "messages",
+        "stop",
+        "input",
+    )
     assert built == []
