@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from app.backends.torch.checkpoint import check_checkpoint
 from app.errors import ConfigError
-from compile.random_checkpoint import PRESETS, preset_from_source, write_random_llama
+from compile.random_checkpoint import PRESETS, SPECIALS, preset_from_source, write_random_llama
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ def test_the_tokenizer_covers_exactly_the_model_vocabulary(tokenizer) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.text(max_size=40))
+# Text holding a special token's string ('<s>') is read as that token, so it does not round-trip.
+@given(st.text(max_size=40).filter(lambda text: not any(s in text for s in SPECIALS)))
 def test_any_text_round_trips(tokenizer, text: str) -> None:
     ids = tokenizer(text)["input_ids"]
     assert ids[0] == 1 and max(ids) < 512
