@@ -283,7 +283,7 @@ class TraceRun:
             self.arriving = False
             return False
         trace = self.trace
-        prompt = tuple(3 + (index * 7 + k) % (VOCAB - 3) for k in range(trace.prompt_lens[index]))
+        prompt = tuple(trace.prompt(index, VOCAB))
         params = GenerationParams(SamplingParams(seed=index), trace.output_lens[index], ignore_eos=True)
         core.add(Request(f"r{index}", prompt, params, time, stop_token_ids(params, EOS_IDS)))
         self.submitted += 1
