@@ -240,7 +240,11 @@ def run_trace(
     (the step's own results are taken after them), and an idle engine jumps to the next arrival."""
     clock = VirtualClock()
     spec = BackendSpec("sim", 1, "bf16", preset.grid)
-    core = EngineCore(SimBackend.create(spec, preset.cost, VOCAB, EOS_IDS, clock=clock), config, clock)
+    # A trace with repeated prefixes runs on an artifact compiled for prefix caching (block KV layout).
+    backend = SimBackend.create(
+        spec, preset.cost, VOCAB, EOS_IDS, clock=clock, prefix_caching=bool(trace.segments)
+    )
+    core = EngineCore(backend, config, clock)
     run = TraceRun(trace, slos, len(trace) if scored is None else scored)
     arrivals = trace.arrivals(rate)
     index = 0  # the next arrival; len(arrivals) once they ended
@@ -332,11 +336,15 @@ def runner(
     return lambda rate: run_trace(preset, trace, rate, config, slos, scored)
 
 
+NON_CACHING_PEERS = ("tgi-neuron", "optimum-neuron")  # peers.md a3: only vllm-neuron caches prefixes on Inf2
+
+
 def engine_config(policy: str, slo: Slo, num_requests: int) -> EngineConfig:
     return EngineConfig(
         max_waiting=num_requests + 1,
         max_queue_wait_s=None,
         policy=policy,
+        enable_prefix_caching=None if policy not in NON_CACHING_PEERS else False,
         slo_ttft_ms=slo.ttft_ms,
         slo_tpot_ms=slo.tpot_ms,
     )

@@ -6,7 +6,13 @@ EOS with probability `eos_probability` (geometric output lengths), otherwise a n
 
 Time is charged on the padded shape, as the hardware does: a decode call costs
 `T(B, L) = a + b*B + c*B*L` for batch bucket B and token bucket L, a prefill call costs `T_pre(C)` per
-sequence for context bucket C (piecewise linear between calibration points). Calls run in order, as on a
+sequence for context bucket C (piecewise linear between calibration points). With prefix caching (the
+artifact's `sim.json` says `"prefix_caching": true`: KV in blocks of `PREFIX_BLOCK_SIZE`, as NxD
+Inference's block layout, `pa_num_blocks` at its minimum), a row past a cached prefix of its n-token
+prompt also pays `CACHED_PREFIX_SHARE x (T_pre(n) - T_pre(C))`: reading the cached KV costs that share
+of computing it. The share is fitted to the one published figure, NxD Inference's 3.2x TTFT at a 90 %
+prefix hit rate (Neuron 2.24 release notes, on Trn2; none at 0 %): with T_pre linear in the tokens,
+10 / (1 + 9 x share) = 3.2 gives share = 0.236. Calls run in order, as on a
 device queue: a call starts when it is launched or when the call before it ends, whichever is later, and
 its tokens are ready at the absolute deadline `start + T`. Waiting for them sleeps to just short of it and
 spins the rest (`spin_s`), so sleep overshoot is not reported as host overhead between steps. The device
@@ -49,6 +55,7 @@ from app.backends.base import (
     Backend,
     BackendSpec,
     DecodeBatch,
+    KvBlocks,
     ModelInfo,
     PrefillBatch,
     SampledToken,
@@ -62,6 +69,8 @@ from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
 
 COST_MODEL_ENV = "INF2SERVE_SIM_COST_MODEL"
+PREFIX_BLOCK_SIZE = 32  # NxD Inference's recommended pa_block_size
+CACHED_PREFIX_SHARE = 0.236  # of a prefill's cost, for reading a cached prefix (module docstring)
 SIM_LOGIT_SCALE = 8.0  # made-up logits of a host-logits row lie in [0, 8)  # ProcessSettings.sim_cost_model
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_EOS_IDS = (2,)
@@ -96,6 +105,16 @@ class CostModel:
 
     def prefill_s(self, context_bucket: int, num_sequences: int) -> float:
         return num_sequences * _piecewise_linear(self.prefill_points, context_bucket)
+
+    def cached_prefill_s(self, batch: PrefillBatch) -> float:
+        """A prefill call whose rows may start past a cached prefix (module docstring)."""
+        seconds = self.prefill_s(batch.context_bucket, len(batch.slots))
+        computed = _piecewise_linear(self.prefill_points, batch.context_bucket)
+        for prompt, cached in zip(batch.prompts, batch.cached, strict=False):
+            if cached:
+                whole = _piecewise_linear(self.prefill_points, len(prompt))
+                seconds += CACHED_PREFIX_SHARE * max(0.0, whole - computed)
+        return seconds
 
     @classmethod
     def preset(cls, name: str) -> CostModel:
@@ -243,8 +262,10 @@ class SimBackend(Backend):
         spin_s: float = DEFAULT_SPIN_S,
         record_timeline: bool = False,
         clock: DeviceClock | None = None,
+        prefix_caching: bool = False,
     ) -> SimBackend:
-        return cls(
+        """`prefix_caching`: its KV in blocks (module docstring), so the engine caches prefixes."""
+        backend = cls(
             spec,
             ModelInfo(vocab_size, tuple(eos_ids)),
             cost_model or CostModel(),
@@ -253,6 +274,10 @@ class SimBackend(Backend):
             record_timeline,
             clock=clock,
         )
+        if prefix_caching:
+            per_sequence = -(-spec.grid.max_positions // PREFIX_BLOCK_SIZE)
+            backend.kv_blocks = KvBlocks(PREFIX_BLOCK_SIZE, spec.grid.num_slots * per_sequence)
+        return backend
 
     @classmethod
     def load(cls, artifact_dir: Path, spec: BackendSpec, device: str = "cpu") -> SimBackend:
@@ -264,6 +289,7 @@ class SimBackend(Backend):
             CostModel.from_value(cost_value),  # type: ignore[arg-type]
             *_model_info(artifact_dir / "model"),
             eos_probability=float(options.get("eos_probability", 0.0)),  # type: ignore[arg-type]
+            prefix_caching=options.get("prefix_caching") is True,
         )
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
@@ -279,7 +305,7 @@ class SimBackend(Backend):
         start = max(now, self._busy_until)
         if isinstance(batch, PrefillBatch):
             tokens = self._prefill_tokens(batch)
-            cost = self.cost_model.prefill_s(batch.context_bucket, len(batch.slots))
+            cost = self.cost_model.cached_prefill_s(batch)
         else:
             tokens = self._decode_tokens(batch)
             cost = self.cost_model.decode_s(batch.batch_bucket, batch.token_bucket)

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from app.backends import backend_class
-from app.backends.base import FED_BACK, GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.base import (
+    FED_BACK,
+    GREEDY,
+    BackendSpec,
+    DecodeBatch,
+    KvBlocks,
+    PrefillBatch,
+    SamplingParams,
+)
 from app.backends.sim import COST_MODEL_ENV, PRESETS, CostModel, SimBackend
 from app.errors import BatchError, ConfigError
 from app.shapes import ShapeGrid
@@ -157,3 +165,19 @@ def test_prompt_logprobs_are_a_pure_function_of_the_prompt() -> None:
     assert first.prompt is not None and [s.token_id for s in first.prompt] == [6, 7]
     assert all(len(s.top_logprobs) == 2 and s.logprob <= 0 for s in first.prompt)
     assert again[1].prompt == first.prompt and again[0].prompt is None
+
+
+def test_a_cached_prefix_costs_its_share_fitted_to_3_2x_ttft_at_a_90_percent_hit_rate() -> None:
+    """NxD Inference's published gain (module docstring of app/backends/sim.py): a linear prefill cost."""
+    cost = CostModel(prefill_points=((100, 0.1), (1000, 1.0)))
+    prompt = tuple(range(1000))
+    whole = PrefillBatch((0,), (prompt,), (GREEDY,), 1000)
+    cached = PrefillBatch((0,), (prompt,), (GREEDY,), 100, cached=(900,), block_tables=((0,),))
+    assert cost.cached_prefill_s(whole) == cost.prefill_s(1000, 1)
+    assert cost.cached_prefill_s(whole) / cost.cached_prefill_s(cached) == pytest.approx(3.2, rel=0.01)
+
+
+def test_a_sim_artifact_compiled_for_prefix_caching_keeps_its_kv_in_blocks() -> None:
+    spec = BackendSpec("sim", 1, "bf16", ShapeGrid(4, 256, (128, 256), (128, 256), (4,)))
+    assert SimBackend.create(spec).kv_blocks is None
+    assert SimBackend.create(spec, prefix_caching=True).kv_blocks == KvBlocks(32, 4 * 8)
