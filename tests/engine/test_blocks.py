@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from app.engine.blocks import BlockManager, SequenceBlocks, salt_of
+from app.engine.blocks import BlockManager, SequenceBlocks, prefix_cache, salt_of
+from app.engine.config import EngineConfig
 from app.errors import ConfigError
+from app.shapes import ShapeGrid
 
 SIZE = 4
 
@@ -118,3 +122,12 @@ def test_growing_takes_a_block_at_each_boundary() -> None:
 def test_a_pool_too_small_for_the_slots_is_refused() -> None:
     with pytest.raises(ConfigError, match="at least num_slots"):
         BlockManager(SIZE, 7, num_slots=2, max_positions=16)
+
+
+def test_prefix_caching_asked_of_a_backend_without_blocks_is_refused_by_name() -> None:
+    """transformers-neuronx (and any backend whose KV is not in blocks) cannot cache prefixes."""
+    grid = ShapeGrid(2, 64, (32, 64), (32, 64), (2,))
+    tnx = SimpleNamespace(name="neuron-tnx", kv_blocks=None, spec=SimpleNamespace(grid=grid))
+    with pytest.raises(ConfigError, match="neuron-tnx backend does not support prefix caching"):
+        prefix_cache(tnx, EngineConfig(enable_prefix_caching=True))  # type: ignore[arg-type]
+    assert prefix_cache(tnx, EngineConfig()) is None  # by default: off where it cannot be on
