@@ -1,8 +1,10 @@
 """Prefix caching on real compute: the engine on the torch backend (CPU, fp32, a random-weights Llama of
 about 100M parameters), with caching and without, side by side in one process.
 
-- multi-turn: conversations resending their history (the shipped `multi-turn` trace's first requests
-  that fit the grid, outputs capped): TTFT p50 with caching / without (goal <= 0.4);
+- multi-turn: conversations resending their history (the shipped `multi-turn` trace's first whole
+  conversations that fit the grid, outputs capped), closed loop as a chat client runs: each turn sends
+  the previous turn's prompt, the reply the model generated, and the trace's new user turn, one request
+  at a time: TTFT p50 with caching / without (goal <= 0.4);
 - no-repeat: the shipped `chat` trace (no prompt shares a prefix): output tokens per second with caching /
   without (goal >= 0.97).
 Requests are replayed in trace order, `--concurrency` at a time; each workload runs with and without
@@ -41,9 +43,12 @@ GRID = ShapeGrid(
 )
 
 
-def workload(name: str, count: int, max_output: int, vocab: int) -> list[tuple[list[int], int]]:
-    """`count` requests of the trace that fit the grid, in trace order: (prompt, output tokens). Requests
-    are taken by their first segment (a conversation, in `multi-turn`), so whole conversations come."""
+Request = tuple[object, list[int], int]  # (conversation, new tokens, output tokens); conversation None: alone
+
+
+def workload(name: str, count: int, max_output: int, vocab: int) -> list[Request]:
+    """`count` requests of the trace that fit the grid, in trace order. A `multi-turn` turn is its
+    conversation (first segment) and its new user turn (last segment); the others, their whole prompt."""
     trace = traces.load(name)
     order: dict[object, list[int]] = {}
     for index in range(len(trace)):
@@ -55,29 +60,40 @@ def workload(name: str, count: int, max_output: int, vocab: int) -> list[tuple[l
         chosen += indices[: count - len(chosen)]
         if len(chosen) == count:
             break
-    return [(trace.prompt(i, vocab), min(trace.output_lens[i], max_output)) for i in sorted(chosen)]
+    requests: list[Request] = []
+    for index in sorted(chosen):
+        output = min(trace.output_lens[index], max_output)
+        if name != "multi-turn":
+            requests.append((None, trace.prompt(index, vocab), output))
+            continue
+        last = trace.segments[index][-1][1]
+        requests.append((trace.segments[index][0], trace.prompt(index, vocab)[-last:], output))
+    return requests
 
 
 def replay(
-    backend: TorchBackend,
-    tokenizer: Tokenizer,
-    requests: list[tuple[list[int], int]],
-    caching: bool,
-    concurrency: int,
+    backend: TorchBackend, tokenizer: Tokenizer, requests: list[Request], caching: bool, concurrency: int
 ) -> dict[str, float]:
-    """Run the requests in order, `concurrency` in flight; TTFT p50 and output tokens per second."""
+    """Run the requests in order, `concurrency` in flight; TTFT p50 and output tokens per second. A turn
+    of a conversation is sent after its conversation's last one and its reply."""
     slots = threading.Semaphore(concurrency)
     done = threading.Event()
     ttfts: list[float] = []
-    tokens = [0]
-    hits = [0]
+    histories: dict[object, list[int]] = {}
+    prompts: dict[str, tuple[object, list[int]]] = {}
+    generated: dict[str, list[int]] = {}
+    totals = {"tokens": 0, "cached": 0, "prompt": 0}
 
     def relay(step: list[RequestOutput]) -> None:
         for output in step:
+            generated.setdefault(output.request_id, []).extend(output.token_ids)
             if output.finished:
+                key, prompt = prompts[output.request_id]
+                if key is not None:
+                    histories[key] = prompt + generated[output.request_id]
                 ttfts.append(output.timings.time_to_first_token_s or 0.0)
-                tokens[0] += output.num_generated_tokens
-                hits[0] += output.num_cached_tokens
+                totals["tokens"] += output.num_generated_tokens
+                totals["cached"] += output.num_cached_tokens
                 slots.release()
                 if len(ttfts) == len(requests):
                     done.set()
@@ -87,8 +103,11 @@ def replay(
     engine.start()
     start = time.perf_counter()
     try:
-        for index, (prompt, output) in enumerate(requests):
+        for index, (key, tokens, output) in enumerate(requests):
             slots.acquire()
+            prompt = histories.get(key, []) + tokens if key is not None else tokens
+            prompts[f"r{index}"] = (key, prompt)
+            totals["prompt"] += len(prompt)
             engine.submit(f"r{index}", prompt, GenerationParams(GREEDY, output, ignore_eos=True))
         done.wait()
     finally:
@@ -96,23 +115,25 @@ def replay(
         engine.stop()
     return {
         "ttft_p50_s": statistics.median(ttfts),
-        "tokens_per_s": tokens[0] / elapsed,
-        "cached_tokens": hits[0],
-        "prompt_tokens": sum(len(p) for p, _ in requests),
+        "tokens_per_s": totals["tokens"] / elapsed,
+        "cached_tokens": totals["cached"],
+        "prompt_tokens": totals["prompt"],
     }
 
 
 def compare(
     backend: TorchBackend,
     tokenizer: Tokenizer,
-    requests: list[tuple[list[int], int]],
+    requests: list[Request],
     args: argparse.Namespace,
     metric: str,
+    concurrency: int | None = None,
 ) -> dict[str, object]:
     rounds = []
     for _ in range(args.rounds):
-        without = replay(backend, tokenizer, requests, False, args.concurrency)
-        with_cache = replay(backend, tokenizer, requests, True, args.concurrency)
+        in_flight = concurrency or args.concurrency
+        without = replay(backend, tokenizer, requests, False, in_flight)
+        with_cache = replay(backend, tokenizer, requests, True, in_flight)
         rounds.append({"with": with_cache, "without": without, "ratio": with_cache[metric] / without[metric]})
     return {"metric": metric, "ratio": statistics.median(r["ratio"] for r in rounds), "rounds": rounds}
 
@@ -145,9 +166,8 @@ def main() -> None:
         backend = load_ours(source, Path(scratch), GRID)
         tokenizer = Tokenizer.from_dir(source)
         vocab = backend.model.vocab_size
-        multi = compare(
-            backend, tokenizer, workload("multi-turn", args.requests, 8, vocab), args, "ttft_p50_s"
-        )
+        multi_turn = workload("multi-turn", args.requests, 8, vocab)
+        multi = compare(backend, tokenizer, multi_turn, args, "ttft_p50_s", concurrency=1)
         show("multi-turn", multi, "<= 0.4")
         plain = compare(backend, tokenizer, workload("chat", args.requests, 32, vocab), args, "tokens_per_s")
         show("no-repeat", plain, ">= 0.97")

@@ -67,13 +67,13 @@ def serve(
     try:
         for index, (prompt, max_tokens, salt) in enumerate(requests):
             if index == first_wave and first_wave:
-                assert decoding.wait(60)
+                assert decoding.wait(600)  # a hang guard, not a timing
             params = GenerationParams(GREEDY, max_tokens, ignore_eos=True, cache_salt=salt)
             engine.submit(f"r{index}", prompt, params)
         if abort_after is not None:
             for index in range(len(requests)):
                 engine.abort(f"r{index}")
-        assert run.done.wait(120)
+        assert run.done.wait(600)
     finally:
         engine.stop()
     return run, engine
