@@ -158,7 +158,7 @@ def run_server(
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="inf2serve-admission-bench-") as scratch:
         root = Path(scratch)
-        artifact = build_sim_artifact(root / "artifacts", STORIES, sim_grid(SLOTS), TWENTY_MS_STEP)
+        artifact = build_sim_artifact(root / "artifacts", args.checkpoint, sim_grid(SLOTS), TWENTY_MS_STEP)
         burst_result = run_server(artifact, root, args.queue_wait_s, burst, args)
         poisson_result = run_server(artifact, root, args.poisson_queue_wait_s, poisson, args)
     return {
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--poisson-tokens", type=int, default=64)
     parser.add_argument("--poisson-queue-wait-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", type=Path, default=STORIES, help="the model the sim artifact wraps")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     report = bench(args)

@@ -9,8 +9,10 @@ The expectation counts work, not requests:
   used, an EWMA bounded to [MIN_FILL, 1] and 1 until one ended. Aborted and failed requests say nothing
   about output length and are left out; a short request's share counts as much as a long one's, so
   neither can drag the estimate toward zero.
-- The slots generate one token each per decode step; `token_s` is the device time from one decode call
-  to the next, the prefill calls between them included (an EWMA over decode calls).
+- The slots generate one token each per decode step; `token_s` is the time from one decode's tokens to
+  the next's, whatever ran between them (prefill calls, the host's own work) included: an EWMA over
+  decode steps, restarted after the engine idled. Before a decode was measured, DEFAULT_STEP_S stands in
+  (a fresh server's first burst arrives before any decode has run), slower than inf2's decode steps.
 - A request that joins behind `waiting` requests with `free` slots free starts at once if
   `waiting < free`, and otherwise once the work ahead of it drains: `work x fill x token_s / slots`.
 - That is an average: requests admitted together start in waves, their prefills take steps too, so a
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 
 EWMA_WEIGHT = 0.1
 MIN_FILL = 1 / 32  # a request is expected to use at least this share of its max_tokens
-DEFAULT_STEP_S = 0.05  # Retry-After estimates before any decode step was measured
+DEFAULT_STEP_S = 0.05  # the decode step assumed before one was measured
 ADMIT_SHARE = 0.9  # of max_queue_wait_s that an admitted request's expected wait may take
 _OWN_END = (FinishReason.STOP, FinishReason.LENGTH)
 
@@ -55,7 +57,7 @@ class Backlog:
 
     @property
     def measured(self) -> bool:
-        """False: nothing was measured, no ground to refuse a request on (Retry-After is a guess)."""
+        """False: no decode step was measured yet (DEFAULT_STEP_S stands in)."""
         return self.token_s > 0
 
     @property
@@ -74,7 +76,7 @@ class Backlog:
         return self.wait_s() + max_tokens * self.step_s
 
     def check(self, max_waiting: int, max_queue_wait_s: float | None) -> None:
-        """Raise OverloadedError for a request that would exceed the queue bound or, as measured, wait
+        """Raise OverloadedError for a request that would exceed the queue bound or be expected to wait
         longer than `max_queue_wait_s` for a slot; its Retry-After is when it would fit."""
         waiting = self.num_waiting
         if waiting >= max_waiting:
@@ -83,7 +85,7 @@ class Backlog:
                 f"the waiting queue is full ({waiting} requests, limit max_waiting={max_waiting})",
                 retry_after_s=max(self.step_s, self.wait_s() * excess / waiting),
             )
-        if max_queue_wait_s is None or not self.measured:
+        if max_queue_wait_s is None:
             return
         wait, bound = self.wait_s(), ADMIT_SHARE * max_queue_wait_s
         if wait > bound:
@@ -122,16 +124,20 @@ class ServiceEstimator:
     def __init__(self) -> None:
         self.token_s = 0.0
         self.fill = 1.0
-        self._since_decode_s = 0.0  # device time of the calls since the last decode
+        self._last_decode: float | None = None  # when the last decode's tokens were applied
 
-    def observe(self, calls: Iterable[CallTiming]) -> None:
-        for call in calls:
-            self._since_decode_s += call.seconds
-            if isinstance(call.batch, DecodeBatch):
-                sample, self._since_decode_s = self._since_decode_s, 0.0
-                if not self.token_s:  # the prefills before the first decode stalled nothing
-                    sample = call.seconds
-                self.token_s += (sample - self.token_s) * EWMA_WEIGHT if self.token_s else sample
+    def observe(self, calls: Iterable[CallTiming], now: float, idle: bool) -> None:
+        """One step's calls, applied at `now` (the engine's clock); `idle`: the engine had nothing to do."""
+        if idle:
+            self._last_decode = None  # the time it idled is no step's
+            return
+        decode = next((call for call in calls if isinstance(call.batch, DecodeBatch)), None)
+        if decode is None:
+            return
+        # the first decode: its own time (the prefills before it stalled no decode)
+        sample = decode.seconds if self._last_decode is None else now - self._last_decode
+        self._last_decode = now
+        self.token_s += (sample - self.token_s) * EWMA_WEIGHT if self.token_s else sample
 
     def finished(self, request: Request) -> None:
         if request.finish_reason not in _OWN_END or request.error is not None:

@@ -220,7 +220,7 @@ class EngineCore:
             plan is not None and not plan.has_work and not outcomes and not applied,
             scheduler.kv_cache_usage,
         )
-        self.service.observe(applied)
+        self.service.observe(applied, now, record.idle)
         if record.has_news or record.idle:
             self.last_progress = now
         return record

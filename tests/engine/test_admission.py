@@ -55,13 +55,13 @@ def test_a_full_queue_is_told_when_enough_of_it_has_started() -> None:
     assert refused.value.retry_after_s == pytest.approx(2.0)  # one of the 10 waiting must start: 20 s / 10
 
 
-def test_before_a_decode_step_was_measured_only_the_queue_bound_refuses() -> None:
-    unmeasured = backlog(waiting=50, work=10**6, token_s=0.0)
-    assert not unmeasured.measured
-    unmeasured.check(max_waiting=100, max_queue_wait_s=1.0)
+def test_before_a_decode_step_was_measured_a_default_step_stands_in() -> None:
+    """A fresh server's burst arrives before any decode ran: judged at DEFAULT_STEP_S (50 ms)."""
+    unmeasured = backlog(waiting=50, work=4000, token_s=0.0)
+    assert not unmeasured.measured and unmeasured.wait_s() == pytest.approx(4000 * 0.05 / 4)
     with pytest.raises(OverloadedError) as refused:
-        backlog(waiting=100, work=10**6, token_s=0.0).check(max_waiting=100, max_queue_wait_s=1.0)
-    assert refused.value.retry_after_s > 1.0  # estimated from the work with a default step
+        unmeasured.check(max_waiting=100, max_queue_wait_s=10.0)
+    assert refused.value.retry_after_s == pytest.approx(50.0 - 9.0)
 
 
 def test_the_fill_cannot_be_dragged_down_by_short_or_aborted_requests() -> None:
@@ -84,14 +84,18 @@ def test_the_fill_cannot_be_dragged_down_by_short_or_aborted_requests() -> None:
     assert service.fill == pytest.approx(MIN_FILL, rel=0.01)  # bounded below
 
 
-def test_the_step_time_is_the_cadence_of_decodes_prefills_included() -> None:
+def test_the_step_time_is_the_cadence_of_decodes_whatever_ran_between() -> None:
     service = ServiceEstimator()
     decode = DecodeBatch((0, 1), (5, 5), (3, 3), (GREEDY, GREEDY), 2, 32)
     prefill = PrefillBatch((2,), ((5, 6),), (GREEDY,), 16)
-    service.observe([CallTiming(prefill, 0.5), CallTiming(decode, 0.02)])
+    service.observe([CallTiming(prefill, 0.5), CallTiming(decode, 0.02)], now=1.0, idle=False)
     assert service.token_s == pytest.approx(0.02)  # the prefills before the first decode stalled nothing
-    service.observe([CallTiming(prefill, 0.03), CallTiming(decode, 0.02)])
-    assert service.token_s == pytest.approx(0.02 + 0.1 * (0.05 - 0.02))
+    service.observe([CallTiming(prefill, 0.03)], now=1.03, idle=False)
+    service.observe([CallTiming(decode, 0.02)], now=1.06, idle=False)  # host time and a prefill between
+    assert service.token_s == pytest.approx(0.02 + 0.1 * (0.06 - 0.02))
+    service.observe([], now=1.1, idle=True)
+    service.observe([CallTiming(decode, 0.02)], now=9.0, idle=False)  # the idle time is no step's
+    assert service.token_s == pytest.approx(0.024 + 0.1 * (0.02 - 0.024))
 
 
 def test_the_core_counts_every_held_request_budget_and_releases_it() -> None:
