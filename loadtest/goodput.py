@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.backends.base import BackendSpec, SamplingParams
-from app.backends.sim import PRESETS, CostModel, SimBackend
+from app.backends.sim import PREFIX_BLOCK_SIZE, PRESETS, CostModel, SimBackend
 from app.engine.clock import VirtualClock
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore, StepRecord
@@ -412,10 +412,16 @@ def capacity(preset: Preset, trace: Trace) -> float:
     return 1 / (prefill + statistics.mean(trace.output_lens) * step / preset.slots)
 
 
+def prefix_cache(trace: Trace) -> goodput_bound.PrefixCache | None:
+    """What the sim's prefix cache can hold on this trace: none where nothing repeats (its artifact has no
+    KV blocks, `sim_backend`)."""
+    return goodput_bound.PrefixCache(PREFIX_BLOCK_SIZE, VOCAB) if trace.segments else None
+
+
 def bounds(preset: Preset, trace: Trace, slos: dict[str, Slo]) -> dict[str, float]:
     """Per SLO pair, the rate above which no policy reaches the target on this trace and device
     (`loadtest/goodput_bound.py`)."""
-    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace, prefix_cache(trace))
     return {
         name: goodput_bound.goodput_bound(floors, trace, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, TARGET)
         for name, slo in slos.items()
@@ -424,7 +430,7 @@ def bounds(preset: Preset, trace: Trace, slos: dict[str, Slo]) -> dict[str, floa
 
 def bound_violations(preset: Preset, trace: Trace, slo: Slo, goodputs: dict[str, float]) -> list[str]:
     """The policies whose measured goodput the miss floor forbids (none, unless the bound has a bug)."""
-    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace, prefix_cache(trace))
     allowed = goodput_bound.allowed_misses(len(trace), TARGET)
     return [
         policy

@@ -7,7 +7,13 @@ The device model it relies on (`app/backends/sim.py`, `app/engine/scheduler.py`)
    no call for a request starts before it arrives.
 2. A request's first token comes from a prefill call holding its prompt. A prefill call of m sequences
    costs m x `prefill_s(bucket of its longest prompt)`, so at least the sum of each sequence's own
-   `p = prefill_s(context_bucket(prompt), 1)` (the cost grows with the bucket).
+   `p = prefill_s(context_bucket(prompt), 1)` (the cost grows with the bucket). With prefix caching (a
+   trace with repeated prefixes, on a sim artifact with KV blocks), a row may start past a cached prefix
+   of whole blocks, at most all but its last token, and the sim charges it `cached_prefill_s` (less the
+   more is cached). No cache holds more of a prompt than it shares with another request's prompt (the
+   sim's generated tokens are hashes, which the traces' prompts do not resend), whichever was prefilled
+   first, so p is the cheaper of its full prefill and its prefill past that much: a valid floor for every
+   request, looser than needed for the first of each shared prefix.
 3. Each later token comes from its own call (one token per sequence per call): a decode step, at least
    `decode_s(smallest batch bucket, token_bucket(position + 1))` (the step is padded to its longest
    sequence), or, where a policy preempts, a recompute prefill, at least the cheapest prefill. So token k
@@ -53,6 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.backends.base import GREEDY, PrefillBatch
 from app.backends.sim import CostModel
 from app.shapes import ShapeGrid
 from loadtest.traces import Trace
@@ -75,6 +82,15 @@ class Floors:
     slots: int  # the most sequences a call serves
 
 
+@dataclass(frozen=True)
+class PrefixCache:
+    """What a prefix cache can hold: KV in blocks of `block_size` positions, the prompts' tokens drawn from
+    a vocabulary of `vocab` (`Trace.prompt`)."""
+
+    block_size: int
+    vocab: int
+
+
 def token_cost(cost: CostModel, grid: ShapeGrid, length: int) -> float:
     """The least a call producing the token after `length` tokens costs: a decode step of the smallest
     batch bucket padded to at least `length`'s token bucket, or a recompute prefill."""
@@ -83,15 +99,48 @@ def token_cost(cost: CostModel, grid: ShapeGrid, length: int) -> float:
     return min(step, min(cost.prefill_s(bucket, 1) for bucket in grid.context_buckets))
 
 
-def floors(cost: CostModel, grid: ShapeGrid, trace: Trace) -> Floors:
+def cacheable_tokens(trace: Trace, cache: PrefixCache) -> list[int]:
+    """Per request, the most leading prompt tokens any cache could hold at its prefill: the longest prefix
+    it shares with another request's prompt, in whole blocks, at most all but its last token."""
+    prompts = [tuple(trace.prompt(index, cache.vocab)) for index in range(len(trace))]
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    shared = [0] * len(prompts)
+    for a, b in itertools.pairwise(order):  # the longest common prefix is with a neighbour in sorted order
+        common = _common_prefix(prompts[a], prompts[b])
+        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    return [
+        min(common, len(prompt) - 1) // cache.block_size * cache.block_size
+        for common, prompt in zip(shared, prompts, strict=True)
+    ]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    length = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:length]) != np.asarray(b[:length]))
+    return int(differ[0]) if len(differ) else length
+
+
+def prefill_floor(cost: CostModel, grid: ShapeGrid, prompt: int, cached: int) -> float:
+    """The least a prompt's prefill costs with `cached` leading tokens available: computed in full, or
+    past them at the sim's cached-prefill cost (less the more is cached)."""
+    full = cost.prefill_s(grid.context_bucket(prompt), 1)
+    if not cached:
+        return full
+    past = PrefillBatch((0,), ((0,) * prompt,), (GREEDY,), grid.context_bucket(prompt - cached), (cached,))
+    return min(full, cost.cached_prefill_s(past))
+
+
+def floors(cost: CostModel, grid: ShapeGrid, trace: Trace, cache: PrefixCache | None = None) -> Floors:
+    """Each request's floors; with `cache`, its prefill may start past what any cache could hold."""
     assert all(
         cost.prefill_s(a, 1) <= cost.prefill_s(b, 1) for a, b in itertools.pairwise(grid.context_buckets)
     ), "a prefill's cost must grow with its bucket (a call's cost is at least its sequences' own)"
     costs = [token_cost(cost, grid, length) for length in range(grid.max_positions + 1)]
+    cached = cacheable_tokens(trace, cache) if cache is not None else [0] * len(trace)
     prefill, decode, tokens = [], [], []
-    for prompt, output in zip(trace.prompt_lens, trace.output_lens, strict=True):
+    for prompt, output, hit in zip(trace.prompt_lens, trace.output_lens, cached, strict=True):
         n = min(output, grid.max_positions - prompt)  # the scheduler stops a sequence at max_positions
-        prefill.append(cost.prefill_s(grid.context_bucket(prompt), 1))
+        prefill.append(prefill_floor(cost, grid, prompt, hit))
         decode.append(sum(costs[prompt + k - 1] for k in range(2, n + 1)))
         tokens.append(n)
     return Floors(tuple(prefill), tuple(decode), tuple(tokens), grid.num_slots)

@@ -7,16 +7,30 @@ import random
 
 import pytest
 
-from app.backends.sim import CostModel
+from app.backends.sim import CACHED_PREFIX_SHARE, CostModel
 from loadtest import goodput, goodput_bound, traces
 from loadtest.goodput import TARGET, Preset, Slo
 
 TINY = CostModel(decode_fixed_s=0.01, prefill_points=((128, 0.1),))  # every prefill 0.1 s, every step 10 ms
+SLOPED = CostModel(decode_fixed_s=0.01, prefill_points=((128, 0.05), (256, 0.1)))  # a cached prefix pays less
 
 
-def tiny_preset(monkeypatch: pytest.MonkeyPatch) -> Preset:
-    monkeypatch.setitem(goodput.PRESETS, "tiny", TINY)
+def tiny_preset(monkeypatch: pytest.MonkeyPatch, cost: CostModel = TINY) -> Preset:
+    monkeypatch.setitem(goodput.PRESETS, "tiny", cost)
     return Preset("tiny", 4, 256, {}, (), "test")
+
+
+def shared_prompts(count: int, seed: int) -> traces.Trace:
+    """`count` requests, each one of two 140-token system prompts (segments 0 and 1) and its own user turn."""
+    rng = random.Random(seed)
+    segments = tuple(((rng.randrange(2), 140), (2 + index, rng.randint(5, 20))) for index in range(count))
+    return traces.Trace(
+        "shared",
+        tuple(sum(length for _, length in parts) for parts in segments),
+        tuple(rng.randint(3, 40) for _ in range(count)),
+        tuple(rng.expovariate(1.0) for _ in range(count)),
+        segments,
+    )
 
 
 def floor(preset: Preset, trace: traces.Trace, ttft: float, tpot: float) -> int:
@@ -32,6 +46,28 @@ def test_floors_are_each_request_s_prefill_and_its_later_tokens_steps(
     assert floors.prefill_s == pytest.approx((0.1, 0.1))
     assert floors.decode_s == pytest.approx((0.04, 0.05))  # the second stops at 256 positions: 6 tokens
     assert floors.tokens == (5, 6)
+
+
+def test_a_prompt_sharing_a_prefix_with_another_is_floored_at_its_prefill_past_the_cached_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three 150-token prompts, two sharing a 140-token system prompt: each of those two may find 4 blocks
+    of 32 cached (whichever went first), so its floor is a 128-bucket prefill plus 0.236 of the rest of
+    its prompt's cost; the third shares nothing and pays the 256 bucket."""
+    preset = tiny_preset(monkeypatch, SLOPED)
+    segments = (((0, 140), (2, 10)), ((0, 140), (3, 10)), ((1, 140), (4, 10)))
+    trace = traces.Trace("t", (150,) * 3, (2,) * 3, (0.0, 1.0, 1.0), segments)
+    cache = goodput_bound.PrefixCache(32, goodput.VOCAB)
+    assert goodput_bound.cacheable_tokens(trace, cache) == [128, 128, 0]
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace, cache)
+    cached = 0.05 + CACHED_PREFIX_SHARE * (0.05 * 22 / 128)
+    assert floors.prefill_s == pytest.approx((cached, cached, 0.1))
+    assert goodput_bound.floors(preset.cost, preset.grid, trace).prefill_s == pytest.approx((0.1,) * 3)
+
+
+def test_a_whole_repeated_prompt_still_computes_its_last_block() -> None:
+    trace = traces.Trace("t", (128, 128), (2, 2), (0.0, 1.0), (((0, 128),), ((0, 128),)))
+    assert goodput_bound.cacheable_tokens(trace, goodput_bound.PrefixCache(32, goodput.VOCAB)) == [96, 96]
 
 
 def test_two_simultaneous_prompts_whose_prefills_exceed_the_ttft_cannot_both_be_on_time(
@@ -84,20 +120,30 @@ def test_the_bound_is_zero_when_collisions_at_every_rate_exceed_the_allowed_miss
     assert goodput_bound.goodput_bound(floors, trace, 0.25, 1.0, TARGET) > 0.0
 
 
-def test_no_policy_s_measured_goodput_exceeds_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every policy through the real engine on a small trace: the miss floor allows each one's goodput,
-    and the bound is at least each (a bound below a measured goodput is a bug in the bound)."""
-    preset = tiny_preset(monkeypatch)
-    rng = random.Random(13)
-    count = 12
-    trace = traces.Trace(
+def small_trace(count: int, seed: int) -> traces.Trace:
+    rng = random.Random(seed)
+    return traces.Trace(
         "small",
         tuple(rng.randint(10, 100) for _ in range(count)),
         tuple(rng.randint(3, 40) for _ in range(count)),
         tuple(rng.expovariate(1.0) for _ in range(count)),
     )
+
+
+@pytest.mark.parametrize(
+    ("cost", "trace"),
+    [(TINY, small_trace(12, 13)), (SLOPED, shared_prompts(12, 13))],
+    ids=["no-repeats", "shared-prompts"],
+)
+def test_no_policy_s_measured_goodput_exceeds_the_bound(
+    monkeypatch: pytest.MonkeyPatch, cost: CostModel, trace: traces.Trace
+) -> None:
+    """Every policy through the real engine on a small trace (with shared prompts: the caching ones
+    caching): the miss floor allows each one's goodput, and the bound is at least each (a bound below a
+    measured goodput is a bug in the bound)."""
+    preset = tiny_preset(monkeypatch, cost)
     slo = Slo(300, 25)
-    floors = goodput_bound.floors(preset.cost, preset.grid, trace)
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace, goodput.prefix_cache(trace))
     bound = goodput_bound.goodput_bound(floors, trace, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, TARGET)
     measured = {}
     for policy in goodput.POLICIES:
