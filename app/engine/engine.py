@@ -161,9 +161,15 @@ class LLMEngine:
 
     @property
     def is_alive(self) -> bool:
-        """The step loop runs (started, not stopping, not failed)."""
+        """The step loop and the delivery thread run (started, not stopping, not failed)."""
         thread = self._thread
-        return thread is not None and thread.is_alive() and not self._stopping and self._failure is None
+        return (
+            thread is not None
+            and thread.is_alive()
+            and self._output.is_alive
+            and not self._stopping
+            and self._failure is None
+        )
 
     @property
     def is_ready(self) -> bool:

@@ -157,6 +157,11 @@ class OutputProcessor:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def is_alive(self) -> bool:
+        """The delivery thread runs: without it no stream gets another delta."""
+        return self._thread.is_alive()
+
     def admit(self, request_id: str) -> None:
         """Track a new request until its final delta is out; its id must not be live."""
         with self._lock:
@@ -213,8 +218,11 @@ class OutputProcessor:
             self._deliver(loop, items)
         if relayed and self._relay is not None:
             self._relay(relayed)
-        self._step_stats(record, stats)
-        self._sink(stats)
+        try:  # statistics never stop delivery: a failure here would leave every stream waiting
+            self._step_stats(record, stats)
+            self._sink(stats)
+        except Exception:
+            logger.exception("reporting a step's statistics failed")
 
     def _delta(
         self, request: Request, state: OutputState, num_tokens: int, finished: bool, now: float

@@ -383,6 +383,35 @@ def test_steps_are_reported_as_data_to_the_sink(tokenizer: Tokenizer) -> None:
     assert pickle.loads(pickle.dumps(records)) == records  # a replica process ships them to the front
 
 
+def test_a_failing_stats_sink_does_not_stop_delivery(tokenizer: Tokenizer) -> None:
+    """A bug in reporting statistics (a negative padding count once crashed Prometheus recording) used to
+    end the output thread: the engine stepped on, no stream got another delta, and the probes said 200."""
+
+    def broken_sink(stats: StepStats) -> None:
+        raise ValueError("a statistics bug")
+
+    engine = LLMEngine(make_backend(), tokenizer, stats_sink=broken_sink)
+    engine.start()
+    try:
+        first = run(collect(engine, "a", [5, 6, 7], params(4)))
+        second = run(collect(engine, "b", [5, 6, 7], params(4)))
+        assert first[-1].finished and second[-1].finished
+        assert engine.is_alive
+    finally:
+        engine.stop(timeout=TIMEOUT_S)
+
+
+def test_the_engine_is_not_alive_once_its_delivery_thread_is_gone(tokenizer: Tokenizer) -> None:
+    engine = LLMEngine(make_backend(), tokenizer)
+    engine.start()
+    try:
+        assert engine.is_alive
+        engine._output.close(timeout=TIMEOUT_S)  # as if the delivery thread had died
+        assert not engine.is_alive and not engine.is_ready
+    finally:
+        engine.stop(timeout=TIMEOUT_S)
+
+
 def test_running_ahead_gives_every_request_the_tokens_it_gets_in_step(tokenizer: Tokenizer) -> None:
     """EOS ends requests while the next step is already launched: their rows are dropped and their slots
     refilled, and each request still gets exactly what the device generates for it alone."""
