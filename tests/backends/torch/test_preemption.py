@@ -23,12 +23,32 @@ SLOTS, COUNT, TOKENS = (
 )  # prompt + output stay within the largest context bucket (128): all preemptible
 
 
+class DeviceTimeClock:
+    """Time moves only when the engine times a device call, 1 ms a read (so each call costs 1 ms): the
+    policy sees the same costs and deadlines however fast or loaded the machine is."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        return self._now
+
+    def perf_counter(self) -> float:
+        with self._lock:
+            self._now += 0.001
+            return self._now
+
+    def idle(self, wake: threading.Event, timeout: float) -> None:
+        wake.wait(timeout)
+
+
 def test_preempted_requests_continue_as_they_would_have(
     stories_backend: TorchBackend, stories260k: Path
 ) -> None:
     """4 requests of 100 tokens fill the 4 slots; once they decode, 8 more arrive with a 20 ms TTFT target.
-    No slot frees for about 100 steps (about 1 ms each here: a machine 5x faster still preempts), and a
-    10 s TPOT target leaves every running request budget to be evicted."""
+    In device time (1 ms a call) no slot frees for about 100 ms, and a 10 s TPOT target leaves every
+    running request budget to be evicted, so the slo policy preempts whatever the machine's speed."""
     tokenizer = Tokenizer.from_dir(stories260k)
     words = ("dog", "cat", "bird", "girl", "boy", "tree", "car", "fish", "frog", "king", "ship", "moon")
     prompts = [tuple(tokenizer.encode(f"Once upon a time there was a {word}")) for word in words]
@@ -56,7 +76,9 @@ def test_preempted_requests_continue_as_they_would_have(
             engine.submit(f"r{index}", prompts[index], GenerationParams(GREEDY, TOKENS, ignore_eos=True))
 
     config = EngineConfig(policy="slo", slo_ttft_ms=20, slo_tpot_ms=10_000)
-    engine = LLMEngine(stories_backend, tokenizer, config, stats_sink=sink, relay=relay)
+    engine = LLMEngine(
+        stories_backend, tokenizer, config, stats_sink=sink, clock=DeviceTimeClock(), relay=relay
+    )
     engine.start()
     try:
         submit(range(SLOTS))
