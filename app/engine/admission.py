@@ -25,7 +25,7 @@ a test can drive them with any numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,25 +75,34 @@ class Backlog:
         one step per token."""
         return self.wait_s() + max_tokens * self.step_s
 
-    def check(self, max_waiting: int, max_queue_wait_s: float | None) -> None:
-        """Raise OverloadedError for a request that would exceed the queue bound or be expected to wait
-        longer than `max_queue_wait_s` for a slot; its Retry-After is when it would fit."""
+    def check(
+        self,
+        max_waiting: int,
+        max_queue_wait_s: float | None,
+        refusals: Refusals | None = None,
+        tokens: int = 0,
+    ) -> None:
+        """Raise OverloadedError for a request (of up to `tokens` output tokens) that would exceed the
+        queue bound or be expected to wait longer than `max_queue_wait_s` for a slot; its Retry-After is
+        when it would fit (after the requests refused before it, with `refusals`)."""
         waiting = self.num_waiting
         if waiting >= max_waiting:
             excess = waiting - max_waiting + 1  # requests that must start before one more can queue
+            fits_in = max(self.step_s, self.wait_s() * excess / waiting)
             raise OverloadedError(
                 f"the waiting queue is full ({waiting} requests, limit max_waiting={max_waiting})",
-                retry_after_s=max(self.step_s, self.wait_s() * excess / waiting),
+                retry_after_s=fits_in if refusals is None else refusals.retry_after(fits_in, self, tokens),
             )
         if max_queue_wait_s is None:
             return
         wait, bound = self.wait_s(), ADMIT_SHARE * max_queue_wait_s
         if wait > bound:
+            fits_in = max(self.step_s, wait - bound)
             raise OverloadedError(
                 f"the server is overloaded: {waiting} requests wait for {self.num_slots} slots with "
                 f"{self.work_tokens} tokens to generate, an expected {wait:.1f} s, over "
                 f"max_queue_wait_s={max_queue_wait_s}",
-                retry_after_s=max(self.step_s, wait - bound),
+                retry_after_s=fits_in if refusals is None else refusals.retry_after(fits_in, self, tokens),
             )
 
     @classmethod
@@ -115,6 +124,26 @@ class Backlog:
             expected / work if work else max((p.fill for p in parts), default=1.0),
             token_s,
         )
+
+
+class Refusals:
+    """Retry-After across a burst. Each refusal's `fits_in` is when one more request would fit; told to
+    every request refused together, they would all come back at once and all but a few be refused again.
+    So each refused request is promised the time after those refused before it: the promise moves on by
+    the slot time the request's own work takes (`tokens x fill x step_s / slots`), and a burst's
+    refusals are spread over the time the device needs to serve them. Not thread-safe: the engine calls
+    it under its admission lock, the replica pool on its event loop."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._promised = 0.0  # the clock's time up to which returns are promised
+
+    def retry_after(self, fits_in: float, backlog: Backlog, tokens: int) -> float:
+        """Seconds until the refused request (of up to `tokens` output tokens) would fit."""
+        now = self._clock()
+        start = max(self._promised, now + fits_in)
+        self._promised = start + tokens * backlog.fill * backlog.step_s / max(backlog.num_slots, 1)
+        return start - now
 
 
 class ServiceEstimator:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from app.backends.base import Backend
-from app.engine.admission import Backlog
+from app.engine.admission import Backlog, Refusals
 from app.engine.clock import SYSTEM_CLOCK, Clock
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
@@ -75,6 +75,7 @@ class LLMEngine:
         slo = SloTargets(self.config.slo_ttft_ms / 1e3, self.config.slo_tpot_ms / 1e3)
         self._output = OutputProcessor(stats_sink or discard_stats, slo, relay, self._stops.append)
         self._lock = threading.Lock()  # guards admission: the inbox and its work
+        self._refusals = Refusals(self.clock.monotonic)  # Retry-After across a burst
         self._inbox: deque[Request] = deque()
         self._inbox_work = 0  # tokens the inbox's requests may generate
         self._reset_prefix_cache = False  # asked for, applied before the next admission (under _lock)
@@ -133,7 +134,7 @@ class LLMEngine:
         stop_ids = stop_token_ids(params, self.eos_token_ids)
         params = with_host_state(params, prompt, stop_ids, self.tokenizer, self.backend.model.vocab_size)
         with self._lock:
-            self._check_admission()
+            self._check_admission(params.max_tokens)
             now = self.clock.monotonic()
             deadline = params.deadline
             if deadline is None and self.config.request_timeout_s is not None:
@@ -223,11 +224,12 @@ class LLMEngine:
         self.backend.check_sampling(params.sampling)
         check_limits(prompt, params, self.backend.model.vocab_size, self.grid)
 
-    def _check_admission(self) -> None:
+    def _check_admission(self, max_tokens: int) -> None:
         """Under the lock."""
         if self._thread is None or self._stopping or self._failure is not None:
             raise NotReadyError("the engine is not running")
-        self.backlog().check(self.config.max_waiting, self.config.max_queue_wait_s)
+        config = self.config
+        self.backlog().check(config.max_waiting, config.max_queue_wait_s, self._refusals, max_tokens)
 
     # --- the engine thread ---
 

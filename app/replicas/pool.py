@@ -44,7 +44,7 @@ from app import metrics
 from app.artifacts.loader import LocalArtifact
 from app.backends.base import check_sampling
 from app.device_metrics import replica_tag, runtime_tag
-from app.engine.admission import Backlog
+from app.engine.admission import Backlog, Refusals
 from app.engine.engine import check_limits
 from app.engine.output import RequestStream
 from app.engine.types import GenerationParams, RequestOutput, final_error
@@ -167,6 +167,7 @@ class ReplicaPool:
         self.sampling_features: frozenset[str] = frozenset()
         self.restarts = 0
         self._routed: dict[str, Routed] = {}
+        self._refusals = Refusals(time.monotonic)  # Retry-After across a burst
         self._context = get_context("spawn")  # fork is unsafe after threads (tokenizers, torch) exist
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -249,7 +250,9 @@ class ReplicaPool:
         ready = sum(r.is_ready for r in self.replicas)
         if not ready:
             raise NotReadyError("no replica is ready")
-        self.backlog().check(self.config.max_waiting * ready, self.config.max_queue_wait_s)
+        self.backlog().check(
+            self.config.max_waiting * ready, self.config.max_queue_wait_s, self._refusals, params.max_tokens
+        )
         params = self._with_deadline(params)
         stream = RequestStream(request_id, loop, self.abort)
         routed = Routed(request_id, tuple(prompt_token_ids), params, stream, -1)

@@ -11,7 +11,7 @@ import pytest
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch
 from app.backends.sim import CostModel, SimBackend
-from app.engine.admission import MIN_FILL, Backlog, ServiceEstimator
+from app.engine.admission import MIN_FILL, Backlog, Refusals, ServiceEstimator
 from app.engine.clock import VirtualClock
 from app.engine.config import EngineConfig
 from app.engine.core import CallTiming, EngineCore
@@ -47,6 +47,23 @@ def test_a_request_over_the_wait_bound_is_told_when_it_would_fit() -> None:
         backlog(waiting=8, work=40_000).check(max_waiting=100, max_queue_wait_s=15.0)
     assert refused.value.retry_after_s == pytest.approx(186.5)  # not a constant: it follows the work
     backlog(waiting=8, work=2600).check(max_waiting=100, max_queue_wait_s=15.0)  # 13 s: admitted
+
+
+def test_a_burst_s_refusals_are_told_to_come_back_one_after_another() -> None:
+    """Issue 28 item 2: every 429 of a 320-request burst said 1 s, while the device needed tens of seconds
+    to serve them; each refused request is now promised the time after those refused before it."""
+    now = [100.0]
+    refusals = Refusals(lambda: now[0])
+    retries = []
+    for _ in range(5):  # refused together: 6.5 s until one more fits, then 400 tokens each over 4 slots
+        with pytest.raises(OverloadedError) as refused:
+            backlog(waiting=8, work=4000).check(100, 15.0, refusals, tokens=400)
+        retries.append(refused.value.retry_after_s)
+    assert retries == pytest.approx([6.5, 8.5, 10.5, 12.5, 14.5])
+    now[0] += 30.0  # long after: the promises have passed
+    with pytest.raises(OverloadedError) as refused:
+        backlog(waiting=8, work=4000).check(100, 15.0, refusals, tokens=400)
+    assert refused.value.retry_after_s == pytest.approx(6.5)
 
 
 def test_a_full_queue_is_told_when_enough_of_it_has_started() -> None:
