@@ -46,6 +46,7 @@ __all__ = ["EngineConfig", "LLMEngine"]
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+FRONT_DEADLINE_GRACE_S = 1.0  # the front ends a request this long after its deadline, if the engine did not
 STALL_STEPS = 100  # steps' worth of time without progress, with work pending, that make the engine stalled
 STALL_FLOOR_S = 10.0  # ... and never less than this (a long prefill, a slow first step)
 
@@ -113,6 +114,11 @@ class LLMEngine:
         its deltas as an async iterator bound to the running event loop."""
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
         self._admit(request_id, prompt_token_ids, params, stream)
+        timeout_s = self.config.request_timeout_s
+        if params.deadline is not None:
+            timeout_s = params.deadline - self.clock.monotonic()
+        if timeout_s is not None:  # a backstop: the scheduler expires it first unless the engine is wedged
+            stream.expire_after(timeout_s + FRONT_DEADLINE_GRACE_S, len(prompt_token_ids))
         return stream
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: GenerationParams) -> None:

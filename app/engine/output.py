@@ -28,8 +28,8 @@ from app.engine.padding import batch_usage
 from app.engine.request import Request
 from app.engine.stats import CallStats, FinishedRequest, FirstToken, StatsSink, StepStats
 from app.engine.stops import StopStringMatcher
-from app.engine.types import FinishReason, RequestOutput, RequestTimings
-from app.errors import GenerationError, Inf2ServeError, InvalidRequestError
+from app.engine.types import FinishReason, RequestOutput, RequestTimings, final_error
+from app.errors import DeadlineExceededError, GenerationError, Inf2ServeError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RequestStream:
     """The async iterator `generate` returns: one request's deltas, ending with a finished one. Closing it
     early (`aclose`, or dropping it unfinished) aborts the request."""
 
-    __slots__ = ("_abort", "_done", "_queue", "loop", "request_id")
+    __slots__ = ("_abort", "_done", "_ended", "_expiry", "_generated", "_queue", "loop", "request_id")
 
     def __init__(
         self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
@@ -51,7 +51,10 @@ class RequestStream:
         self.loop = loop
         self._abort = abort
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._done = False
+        self._done = False  # the reader has had the final delta, or left
+        self._ended = False  # the final delta is queued
+        self._generated = 0
+        self._expiry: asyncio.TimerHandle | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -68,7 +71,25 @@ class RequestStream:
 
     def put(self, output: RequestOutput) -> None:
         """Called on `loop`."""
+        if self._ended:  # after a deadline ended it here: the engine's later deltas are not read
+            return
+        self._generated = output.num_generated_tokens
+        self._ended = output.finished
+        if self._ended and self._expiry is not None:
+            self._expiry.cancel()
         self._queue.put_nowait(output)
+
+    def expire_after(self, seconds: float, num_prompt_tokens: int) -> None:
+        """End the stream with a deadline error after `seconds` unless it ended: the deadline holds even
+        when the engine cannot act on it (a wedged device call). Called on `loop`."""
+        self._expiry = self.loop.call_later(seconds, self._expire, num_prompt_tokens)
+
+    def _expire(self, num_prompt_tokens: int) -> None:
+        if self._ended:
+            return
+        error = DeadlineExceededError("the request's deadline (request_timeout_s) passed")
+        self.put(final_error(self.request_id, num_prompt_tokens, self._generated, error))
+        self._abort(self.request_id)
 
     def abandon(self) -> None:
         """Nobody will read on: abort the request unless its final delta was read."""

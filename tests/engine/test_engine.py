@@ -637,3 +637,16 @@ def test_a_wedged_device_call_makes_the_engine_unready_but_alive(tokenizer: Toke
     finally:
         backend.release.set()
         engine.stop(timeout=TIMEOUT_S)
+
+
+def test_the_deadline_holds_while_the_device_call_hangs(tokenizer: Tokenizer) -> None:
+    """Issue 21: the request deadline holds wherever the request is. With the engine thread stuck in a
+    device call the scheduler cannot expire anything; the stream ends itself with a deadline error."""
+    backend = make_backend(cls=WedgedSim)
+    with running_engine(tokenizer, backend, request_timeout_s=0.2) as engine:
+        try:
+            outputs = run(collect(engine, "w", [5, 6, 7], params(4)))
+        finally:
+            backend.release.set()
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    assert isinstance(outputs[-1].error, DeadlineExceededError)
