@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.backends.torch import TorchBackend
 from app.backends.torch.checkpoint import check_checkpoint
 from app.llama import read_llama_config
@@ -115,15 +115,22 @@ def generate(
     backend: TorchBackend, slot: int, prompt: tuple[int, ...], steps: int, params: SamplingParams = GREEDY
 ) -> list[int]:
     """Prefill `prompt` into `slot`, then decode alone until `steps` tokens are generated."""
+    return [token.token_id for token in generate_sampled(backend, slot, prompt, steps, params)]
+
+
+def generate_sampled(
+    backend: TorchBackend, slot: int, prompt: tuple[int, ...], steps: int, params: SamplingParams = GREEDY
+) -> list[SampledToken]:
+    """`generate`, each token with its logprobs."""
     grid = backend.spec.grid
     bucket = grid.context_bucket(len(prompt))
-    tokens = [backend.prefill(PrefillBatch((slot,), (prompt,), (params,), bucket))[0].token_id]
+    tokens = [backend.prefill(PrefillBatch((slot,), (prompt,), (params,), bucket))[0]]
     position = len(prompt)
     while len(tokens) < steps:
         batch = DecodeBatch(
-            (slot,), (tokens[-1],), (position,), (params,), 1, grid.token_bucket(position + 1)
+            (slot,), (tokens[-1].token_id,), (position,), (params,), 1, grid.token_bucket(position + 1)
         )
-        tokens.append(backend.decode(batch)[0].token_id)
+        tokens.append(backend.decode(batch)[0])
         position += 1
     return tokens
 

@@ -1,6 +1,13 @@
 """Prefix caching on the real model (stories260K, fp32): requests admitted past their cached prefix, their
 KV read through block tables, generate exactly what each generates alone without any cache, whatever
-they share, under preemption and eviction; blocks all return to the pool; salts isolate."""
+they share, under preemption and eviction; blocks all return to the pool; salts isolate.
+
+"Exactly" up to fp32 near-ties: a prefill past cached blocks, a decode through block tables and a batch of
+other rows sum in another order than a request alone, so its logprobs differ by up to about 2e-5 (the
+largest difference measured over this test's workload for seeds 0 to 7 under both policies). Where the
+reference's top two are closer than `TIE`, greedy may pick either, and which depends on what shared the
+batch (timing), so the comparison stops there: 200 random workloads had 72 such positions in 94,000
+tokens (the closest 1.4e-5 apart), and a test comparing past them failed now and then under load."""
 
 from __future__ import annotations
 
@@ -15,14 +22,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.backends.base import GREEDY
+from app.backends.base import GREEDY, SampledToken, SamplingParams
 from app.backends.torch import TorchBackend
 from app.engine.engine import EngineConfig, LLMEngine
 from app.engine.stats import StepStats
 from app.engine.types import GenerationParams, RequestOutput
 from app.tokenizer import Tokenizer
 
-from .helpers import generate
+from .helpers import generate, generate_sampled
+
+TIE = 1e-3  # nats between the reference's top two logprobs: over 20x the most caching moves a margin
+TOP_TWO = SamplingParams(num_top_logprobs=2)
 
 
 @dataclass
@@ -88,6 +98,12 @@ def tokens(rng: random.Random, length: int) -> tuple[int, ...]:
     return tuple(rng.randrange(3, 512) for _ in range(length))
 
 
+def decided(reference: list[SampledToken]) -> int:
+    """How many leading tokens greedy picks by more than `TIE` (module docstring)."""
+    margins = [first[1] - second[1] for first, second in (token.top_logprobs for token in reference)]
+    return next((k for k, margin in enumerate(margins) if margin < TIE), len(reference))
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True
 )
@@ -109,11 +125,14 @@ def test_cached_prefixes_generate_what_each_request_does_alone(
     prompt, max_tokens, _ = requests[4]
     if len(prompt) + max_tokens < 128:  # a request resending another's prompt and output, as chat does
         requests.append((prompt + tuple(generate(stories_backend, 0, prompt, max_tokens)), 5, None))
-    alone = [generate(stories_backend, 0, prompt, max_tokens) for prompt, max_tokens, _ in requests]
+    alone = [generate_sampled(stories_backend, 0, prompt, n, TOP_TWO) for prompt, n, _ in requests]
     config = EngineConfig(policy=policy, slo_ttft_ms=20, slo_tpot_ms=100_000, enable_prefix_caching=True)
     run, _ = serve(stories_backend, tokenizer, requests, config, first_wave=4)
-    for index in range(len(requests)):
-        assert run.outputs[f"r{index}"] == alone[index], index
+    for index, ((_, max_tokens, _), reference) in enumerate(zip(requests, alone, strict=True)):
+        outputs, clear = run.outputs[f"r{index}"], decided(reference)
+        assert len(outputs) == max_tokens, index
+        assert outputs[:clear] == [token.token_id for token in reference[:clear]], index
+    assert sum(map(decided, alone)) >= 0.75 * sum(map(len, alone))  # near-ties are rare: a real check still
     assert sum(final.num_cached_tokens for final in run.finals.values()) > 0 or len(prefixes[0]) < 17
 
 
