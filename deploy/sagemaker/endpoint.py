@@ -139,36 +139,45 @@ def deployment_config(release: Release) -> dict[str, Any]:
     }
 
 
-def endpoint_exists(client: Any, endpoint: str) -> bool:
+def endpoint_status(client: Any, endpoint: str) -> str | None:
+    """The endpoint's EndpointStatus, None when there is no such endpoint."""
     try:
-        client.describe_endpoint(EndpointName=endpoint)
+        return str(client.describe_endpoint(EndpointName=endpoint)["EndpointStatus"])
     except ClientError as error:
         if error.response["Error"]["Code"] == "ValidationException":
-            return False
+            return None
         raise
-    return True
 
 
 def start(client: Any, release: Release, now: datetime | None = None) -> str:
     """Create the model and endpoint config, then create or guarded-update the endpoint; returns the name
-    of the new endpoint config (what the endpoint runs once the deployment succeeds). A refused update
-    is refused before anything is created, so it leaves no orphaned model or endpoint config."""
+    of the new endpoint config (what the endpoint runs once the deployment succeeds). An update that
+    would be refused (no alarms; an endpoint not InService: UpdateEndpoint refuses one that is Creating,
+    Updating, RollingBack, ...) is refused before anything is created, and a model and config whose
+    UpdateEndpoint still fails are deleted again (audit H10), so a release leaves no orphans."""
     release.check()
     name = release.name(now or datetime.now(UTC))
-    exists = endpoint_exists(client, release.endpoint)
-    if exists and not release.alarms:
+    status = endpoint_status(client, release.endpoint)
+    if status is not None and not release.alarms:
         raise ConfigError("updating a live endpoint needs at least one --alarm for auto-rollback")
+    if status not in (None, "InService"):
+        raise ConfigError(f"endpoint {release.endpoint} is {status}: wait until it is InService, then retry")
     client.create_model(**model_request(release, name))
     client.create_endpoint_config(**endpoint_config_request(release, name))
-    if not exists:
-        client.create_endpoint(EndpointName=release.endpoint, EndpointConfigName=name)
-        return name
-    client.update_endpoint(
-        EndpointName=release.endpoint,
-        EndpointConfigName=name,
-        DeploymentConfig=deployment_config(release),
-        RetainDeploymentConfig=False,
-    )
+    try:
+        if status is None:
+            client.create_endpoint(EndpointName=release.endpoint, EndpointConfigName=name)
+        else:
+            client.update_endpoint(
+                EndpointName=release.endpoint,
+                EndpointConfigName=name,
+                DeploymentConfig=deployment_config(release),
+                RetainDeploymentConfig=False,
+            )
+    except ClientError:
+        client.delete_endpoint_config(EndpointConfigName=name)
+        client.delete_model(ModelName=name)
+        raise
     return name
 
 

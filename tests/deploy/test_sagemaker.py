@@ -14,6 +14,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 from cfnlint.decode import decode
 
@@ -158,6 +159,32 @@ def test_update_without_alarms_is_refused_before_anything_is_created(client) -> 
     stubber.add_response("describe_endpoint", _described("llm-old"), {"EndpointName": "llm"})
     with pytest.raises(ConfigError, match="alarm"):
         start(sagemaker, release, NOW)
+
+
+@pytest.mark.parametrize("status", ["Updating", "Creating", "RollingBack", "SystemUpdating"])
+def test_an_endpoint_in_flux_is_refused_before_anything_is_created(client, status: str) -> None:
+    # Audit H10: UpdateEndpoint refuses an endpoint that is not InService (API reference UpdateEndpoint,
+    # "Cannot update in-progress endpoint"); the Model and EndpointConfig made before it were orphans.
+    sagemaker, stubber = client
+    stubber.add_response("describe_endpoint", _described("llm-old", status), {"EndpointName": "llm"})
+    with pytest.raises(ConfigError, match=f"is {status}"):
+        start(sagemaker, RELEASE, NOW)  # the Stubber fails on any create_* call
+
+
+def test_a_refused_update_deletes_what_it_created(client) -> None:
+    # Audit H10: the endpoint changed state between the check and the update (a race the check cannot
+    # close): the new model and endpoint config are deleted again and the error is raised.
+    sagemaker, stubber = client
+    stubber.add_response("describe_endpoint", _described("llm-old"), {"EndpointName": "llm"})
+    _expect_model_and_config(stubber)
+    stubber.add_client_error(
+        "update_endpoint", "ValidationException", "Cannot update in-progress endpoint", 400
+    )
+    stubber.add_response("delete_endpoint_config", {}, {"EndpointConfigName": NAME})
+    stubber.add_response("delete_model", {}, {"ModelName": NAME})
+    with pytest.raises(ClientError, match="in-progress"):
+        start(sagemaker, RELEASE, NOW)
+    stubber.assert_no_pending_responses()
 
 
 @pytest.mark.parametrize(
