@@ -4,9 +4,10 @@
 # an artifact whose compiler, runtime or library versions differ. See README, "Neuron stack".
 # NEURON_BASE defaults to the py312 DLC of NEURON_SDK; a release whose DLC is named otherwise, or that has
 # no pins here, stops at the first RUN with the fix (deploy/neuron/check-release.sh; run it beforehand to
-# fail before any pull: `deploy/neuron/check-release.sh 2.31.1` prints the base image).
+# fail before any pull: `deploy/neuron/check-release.sh 2.28.0` prints the base image). 2.31.1 is withdrawn
+# for Inf2 (its NxD Inference is refused at compile and load; its pins stay for Trn2 experiments) and is
+# refused here.
 #   docker build -t inf2serve:neuron .
-#   docker build --build-arg NEURON_SDK=2.31.1 -t inf2serve:neuron-2.31.1 .
 #   docker run --device=/dev/neuron0 -p 8080:8080 -v /path/to/artifact:/opt/ml/model:ro inf2serve:neuron
 ARG NEURON_SDK=2.28.0
 ARG NEURON_BASE=public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk${NEURON_SDK}-ubuntu24.04

@@ -5,14 +5,20 @@
 #                                   inf2serve runs on
 # Each release this repository supports has deploy/neuron/sdk-<release>.txt (its wheel pins) whose
 # `# base-image:` line names the AWS Neuron DLC of that release; anything else stops here, with the list.
+# A release whose pins say `# inf2: withdrawn: <why>` is kept for other hardware and refused for this image.
 set -eu
 release="${1:?usage: check-release.sh RELEASE [BASE]}"
 here="$(dirname "$0")"
 pins="$here/sdk-$release.txt"
 if [ ! -f "$pins" ]; then
-    supported="$(ls "$here" | sed -n 's/^sdk-\(.*\)\.txt$/\1/p' | tr '\n' ' ')"
+    supported="$(grep -L '^# inf2: withdrawn' "$here"/sdk-*.txt | sed -n 's/^.*sdk-\(.*\)\.txt$/\1/p' | tr '\n' ' ')"
     echo "Neuron SDK $release: no matching base image or wheel pins here (deploy/neuron/sdk-$release.txt)." >&2
     echo "Supported releases: $supported" >&2
+    exit 64
+fi
+withdrawn="$(sed -n 's/^# inf2: withdrawn: *//p' "$pins")"
+if [ -n "$withdrawn" ]; then
+    echo "Neuron SDK $release is withdrawn for Inf2, which this image serves: $withdrawn." >&2
     exit 64
 fi
 expected="$(sed -n 's/^# base-image: *//p' "$pins")"

@@ -100,15 +100,24 @@ def test_a_release_without_a_matching_base_image_fails_early_and_says_why() -> N
     unknown = check_release("2.99.0")
     assert unknown.returncode == 64
     assert "Neuron SDK 2.99.0: no matching base image" in unknown.stderr
-    assert "Supported releases: 2.25.0 2.28.0 2.31.1" in unknown.stderr
+    assert "Supported releases: 2.25.0 2.28.0 " in unknown.stderr
     # 2.25's DLC is torch 2.7 / py310 / ubuntu22.04: the default base name (py312) does not exist for it.
     expected = check_release("2.25.0").stdout.strip()
     assert expected.endswith(":2.7.0-neuronx-py310-sdk2.25.0-ubuntu22.04")
     wrong = check_release("2.25.0", expected.replace("2.7.0-neuronx-py310", "2.9.0-neuronx-py312"))
     assert wrong.returncode == 64 and f"--build-arg NEURON_BASE={expected}" in wrong.stderr
-    for release in ("2.28.0", "2.31.1"):
-        base = check_release(release).stdout.strip()
-        assert check_release(release, base).returncode == 0, release  # this Python is >= 3.11
+    base = check_release("2.28.0").stdout.strip()
+    assert check_release("2.28.0", base).returncode == 0  # this Python is >= 3.11
+
+
+def test_the_withdrawn_release_is_refused_for_the_inf2_image() -> None:
+    # Audit H2: README "Neuron stack" withdraws the 2.31.1 track for Inf2 (NxD Inference 0.10 is refused
+    # at compile and load), so an image built on it would refuse every artifact at startup.
+    base = "public.ecr.aws/neuron/pytorch-inference-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04"
+    for args in (("2.31.1",), ("2.31.1", base)):
+        refused = check_release(*args)
+        assert refused.returncode == 64 and "withdrawn for Inf2" in refused.stderr, args
+    assert "2.31.1" not in check_release("2.99.0").stderr
 
 
 def pins(path: Path) -> list[str]:
