@@ -45,7 +45,9 @@ def _exported() -> dict[str, set[str]]:
 def _dashboard_queries() -> list[str]:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
-    return [e.replace("$__rate_interval", "5m").replace("$instance", ".*") for e in exprs]
+    return [
+        e.replace("$__rate_interval", "5m").replace("$instance", ".*").replace("$track", ".*") for e in exprs
+    ]
 
 
 def _analysis_queries() -> list[str]:
@@ -74,6 +76,21 @@ def test_dashboard_covers_every_concern() -> None:
     assert all(p.get("targets") for p in dashboard["panels"] if p["type"] != "row")
     # Template variables (label_values(...), not PromQL) too: every name anywhere in the file is exported.
     assert {name for name, _ in SELECTOR.findall(DASHBOARD.read_text())} <= set(_exported())
+
+
+def test_dashboard_tells_stable_from_canary_and_each_title_is_what_it_plots() -> None:
+    # Audit H3: a "(p99)" panel plotted p50 too, and nothing selected Argo's stable or canary pods
+    # (the ServiceMonitor keeps rollouts-pod-template-hash as rollouts_pod_template_hash).
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "rollouts_pod_template_hash" in variables["track"]["definition"]
+    assert variables["track"]["allValue"] == ".*"  # EC2 and SageMaker series have no such label
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            assert 'rollouts_pod_template_hash=~"$track"' in target["expr"], panel["title"]
+            if panel["title"].endswith("(p99)"):
+                assert target["expr"].startswith("histogram_quantile(0.99,"), panel["title"]
+    assert "CloudWatch" in dashboard["description"]  # nothing scrapes EC2 instances or SageMaker
 
 
 @pytest.mark.parametrize("source", QUERIES)
