@@ -85,6 +85,7 @@ def model_request(release: Release, name: str) -> dict[str, Any]:
     return {
         "ModelName": name,
         "ExecutionRoleArn": release.role_arn,
+        "EnableNetworkIsolation": True,  # the container reads /opt/ml/model only (audit H4)
         "PrimaryContainer": {
             "Image": release.image,
             "ModelDataSource": {

@@ -58,6 +58,14 @@ def template() -> dict:
 
 
 class TestSageMaker:
+    def test_the_model_has_no_network(self, resources: dict) -> None:
+        # Audit H4: the container needs no egress, it reads /opt/ml/model (SageMaker API CreateModel,
+        # EnableNetworkIsolation: "no inbound or outbound network calls can be made to or from the model
+        # container"; SageMaker still downloads ModelDataSource for it).
+        assert resources["Model"]["Properties"]["EnableNetworkIsolation"] is True
+        components = _load(DEPLOY / "sagemaker" / "inference-components.yaml")
+        assert components["Resources"]["Model"]["Properties"]["EnableNetworkIsolation"] is True
+
     def test_model_data_is_an_uncompressed_prefix(self, resources: dict) -> None:
         source = resources["Model"]["Properties"]["PrimaryContainer"]["ModelDataSource"]["S3DataSource"]
         assert source["S3DataType"] == "S3Prefix"
@@ -195,6 +203,34 @@ class TestAlb:
         ]
         # Audit W4: a DependsOn on the groups made a weight change wait for both rolling updates.
         assert "DependsOn" not in listener
+
+    def test_a_certificate_makes_the_listener_https(self, template: dict) -> None:
+        # Audit H4. AWS::ElasticLoadBalancingV2::Listener: HTTPS needs Certificates and takes an
+        # SslPolicy; ELBSecurityPolicy-TLS13-1-2-2021-06 is the policy the ALB docs recommend.
+        listener = template["Resources"]["Listener"]["Properties"]
+        assert template["Parameters"]["CertificateArn"]["Default"] == ""
+        assert listener["Protocol"] == {"Fn::If": ["HasCertificate", "HTTPS", "HTTP"]}
+        assert listener["Port"] == {"Fn::If": ["HasCertificate", 443, 80]}
+        assert listener["SslPolicy"]["Fn::If"][1] == "ELBSecurityPolicy-TLS13-1-2-2021-06"
+        (ingress,) = template["Resources"]["LoadBalancerSecurityGroup"]["Properties"]["SecurityGroupIngress"]
+        assert ingress["FromPort"] == ingress["ToPort"] == listener["Port"]
+
+    def test_the_balancer_alarms_on_its_5xx_and_unhealthy_targets(self, template: dict) -> None:
+        # Audit H4. CloudWatch metrics for Application Load Balancers: HTTPCode_ELB_5XX_Count per
+        # LoadBalancer, UnHealthyHostCount per TargetGroup and LoadBalancer.
+        resources = template["Resources"]
+        elb = resources["LoadBalancer5xxAlarm"]["Properties"]
+        assert (elb["Namespace"], elb["MetricName"]) == ("AWS/ApplicationELB", "HTTPCode_ELB_5XX_Count")
+        for track in ("Stable", "Canary"):
+            alarm = resources[f"{track}UnhealthyAlarm"]["Properties"]
+            assert alarm["MetricName"] == "UnHealthyHostCount"
+            dimensions = {d["Name"]: d["Value"] for d in alarm["Dimensions"]}
+            assert dimensions["TargetGroup"] == {"Fn::GetAtt": [f"{track}TargetGroup", "TargetGroupFullName"]}
+        for alarm in ("LoadBalancer5xxAlarm", "StableUnhealthyAlarm", "CanaryUnhealthyAlarm"):
+            actions = resources[alarm]["Properties"]["AlarmActions"]
+            assert actions == {
+                "Fn::If": ["HasAlarmTopic", [{"Ref": "AlarmTopicArn"}], {"Ref": "AWS::NoValue"}]
+            }
 
     def test_the_ami_is_pinned_not_reread_on_every_update(self, template: dict) -> None:
         # Audit W4. CloudFormation user guide, "Parameters", SSM parameter types: CloudFormation always

@@ -60,6 +60,7 @@ def _expect_model_and_config(stubber: Stubber) -> None:
     model = {
         "ModelName": NAME,
         "ExecutionRoleArn": RELEASE.role_arn,
+        "EnableNetworkIsolation": True,
         "PrimaryContainer": {
             "Image": RELEASE.image,
             "ModelDataSource": {
