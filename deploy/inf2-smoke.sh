@@ -14,7 +14,7 @@
 # Every step is recorded and the run goes on to the next one whatever its outcome; the report (versions,
 # each step's result, timings, parity, a metrics sample) is always written, to send back:
 #   $INF2SERVE_SMOKE_REPORT (default ./inf2-smoke-report.json). The exit status is 1 when any step failed.
-# Usage: deploy/inf2-smoke.sh [--dry-run] [checkpoint-dir]   (default: ../shared/models/stories260K)
+# Usage: deploy/inf2-smoke.sh [--dry-run] CHECKPOINT   (a Llama checkpoint directory or hub id: required)
 #        deploy/inf2-smoke.sh --compare REFERENCE.json CANDIDATE.json   (the parity rule on saved outputs)
 #   --dry-run: the same steps without Inferentia: the tests are only collected, and the portable backend
 #   on the CPU stands in for every Neuron artifact (so the modes do not differ); checks the script itself.
@@ -82,7 +82,7 @@ case "${1:-}" in
     shift
     ;;
 esac
-checkpoint="${1:-../shared/models/stories260K}"
+checkpoint="${1:?a checkpoint is required: deploy/inf2-smoke.sh [--dry-run] CHECKPOINT (a Llama directory or hub id)}"
 work="$(mktemp -d)"
 server=""
 failures=0

@@ -148,3 +148,13 @@ def test_an_unknown_command_or_parameter_fails() -> None:
         check("terraform apply")
     with pytest.raises(SystemExit):
         check("inf2serve artifacts promote s3://b/llm/a prod")  # --alias is required
+
+
+def test_the_smoke_script_needs_a_checkpoint_and_names_none_outside_the_repository() -> None:
+    # Audit H11: its default checkpoint was ../shared/models/stories260K, outside any fresh clone.
+    script = REPO / "deploy" / "inf2-smoke.sh"
+    assert "../shared" not in script.read_text()
+    result = subprocess.run(
+        ["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode != 0 and "a checkpoint is required" in result.stderr
