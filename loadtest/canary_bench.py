@@ -4,12 +4,15 @@ of runs behind each figure.
 
 Three `inf2serve serve` processes on the simulated device (10 ms decode step, 5 ms prefill): a baseline, an
 identical candidate and a candidate whose cost model is 1.5x (`INF2SERVE_SIM_COST_MODEL`).
-- live: `--live-runs` paired canary runs of baseline vs identical (each `--samples` prompts sent to both
-  sides at once, as `inf2serve canary` does), then one of baseline vs 1.5x: the end-to-end check that a
-  real regression on real servers is rolled back;
-- simulated: `--runs` canary runs per scenario, each built from one live identical run chosen at random
-  (so its run-level conditions, batching phase and host load, stay whole: no pooling across runs) whose
-  prompt pairs are resampled with replacement, the regression injected into the candidate's side:
+- live: `--live-runs` paired runs of baseline vs identical, each `--live-samples` prompts (64 tokens)
+  sent to both sides at once, as `inf2serve canary` does, then one canary run (`--samples` prompts) of
+  baseline vs 1.5x: the end-to-end check that a real regression on real servers is rolled back. The
+  live identical runs are also judged as they are, on their first `--samples` pairs (the host's figure);
+- simulated: `--runs` canary runs per scenario, each `--samples` distinct prompt pairs drawn from one
+  live run chosen at random (its batching phase and host load stay whole: no pooling across runs), each
+  pair's sides in random order (for identical releases the two answers to one prompt, sent at the same
+  moment, are exchangeable: which server process the loaded host descheduled more is no property of a
+  release, and the live figure above keeps it), the regression injected into the candidate's side:
     none                      identical releases (false alarms);
     errors 1% both            both sides fail 1 % of requests at random (false alarms of the error test);
     +50% median TPOT          every candidate inter-token gap x1.5;
@@ -18,7 +21,7 @@ identical candidate and a candidate whose cost model is 1.5x (`INF2SERVE_SIM_COS
 Goals (issue 26): false alarms with the interval's upper bound <= 5 %; detection >= 95 % at +50 % median
 TPOT and +30 % p99 inter-token time.
 
-    .venv/bin/python -m loadtest.canary_bench [--live-runs 16] [--runs 300] [--samples 128]
+    .venv/bin/python -m loadtest.canary_bench [--live-runs 8] [--live-samples 256] [--runs 300]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ PROMPTS = [
     Prompt(text, 16) for text in ("Once upon a time", "The little dog", "Lily and Ben went", "One day")
 ]
 GOALS = {"false_alarm_upper_max": 0.05, "detection_min": 0.95}
+DETECTION_GOALS = ("+50% median TPOT", "+30% p99 inter-token")  # the issue's; the error scenario has none
 CONCURRENCY = 4
 START_TIMEOUT_S = 240.0
 SLOWER = 1.5
@@ -130,9 +134,13 @@ SCENARIOS: dict[str, tuple[Injection, str]] = {
 
 
 def resample(run: Run, n: int, rng: random.Random) -> Run:
-    """n prompt pairs of one live run, drawn with replacement (pairs stay together)."""
-    picks = [rng.randrange(len(run[0])) for _ in range(n)]
-    return [run[0][i] for i in picks], [run[1][i] for i in picks]
+    """n prompt pairs of one live run (distinct ones where it has n; pairs stay together), each pair's
+    sides in random order: for identical releases the two answers to one prompt, sent at the same moment,
+    are exchangeable, and which server process the host happened to deschedule more is no release's."""
+    count = len(run[0])
+    picks = rng.sample(range(count), n) if count >= n else [rng.randrange(count) for _ in range(n)]
+    pairs = [(run[0][i], run[1][i]) if rng.random() < 0.5 else (run[1][i], run[0][i]) for i in picks]
+    return [b for b, _ in pairs], [c for _, c in pairs]
 
 
 def clopper_pearson(k: int, n: int) -> tuple[float, float]:
@@ -149,17 +157,17 @@ def rate_report(k: int, n: int) -> dict[str, Any]:
     return {"rolled_back": k, "runs": n, "rate": k / n, "ci95": [round(lower, 4), round(upper, 4)]}
 
 
-async def live_runs(urls: dict[str, str], runs: int, samples: int) -> tuple[list[Run], Run]:
-    """`runs` paired runs baseline vs identical, then one baseline vs slower."""
-    prompts = workload(PROMPTS, samples)
+async def live_runs(urls: dict[str, str], args: argparse.Namespace) -> tuple[list[Run], Run]:
+    """`live_runs` paired runs baseline vs identical, then one canary run baseline vs slower."""
+    long_run, canary_run = workload(PROMPTS, args.live_samples), workload(PROMPTS, args.samples)
     targets = {name: HttpTarget(name, url, None, 60.0, {}) for name, url in urls.items()}
     try:
         await side_by_side(targets["baseline"], targets["identical"], PROMPTS * 2, CONCURRENCY)  # warm-up
         identical = [
-            await side_by_side(targets["baseline"], targets["identical"], prompts, CONCURRENCY)
-            for _ in range(runs)
+            await side_by_side(targets["baseline"], targets["identical"], long_run, CONCURRENCY)
+            for _ in range(args.live_runs)
         ]
-        slower = await side_by_side(targets["baseline"], targets["slower"], prompts, CONCURRENCY)
+        slower = await side_by_side(targets["baseline"], targets["slower"], canary_run, CONCURRENCY)
     finally:
         for target in targets.values():
             await target.aclose()
@@ -177,7 +185,7 @@ def measure_live(args: argparse.Namespace) -> tuple[list[Run], Run, float]:
                 server.wait_ready(START_TIMEOUT_S)
             started = time.perf_counter()
             urls = {name: server.url for name, server in servers.items()}
-            identical, slower = asyncio.run(live_runs(urls, args.live_runs, args.samples))
+            identical, slower = asyncio.run(live_runs(urls, args))
             return identical, slower, time.perf_counter() - started
         finally:
             for server in servers.values():
@@ -202,12 +210,12 @@ def simulate(live: list[Run], args: argparse.Namespace, limits: Thresholds) -> d
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     limits = Thresholds()
     identical, slower, live_s = measure_live(args)
-    live_alarms = [rolled_back(run, limits) for run in identical]
+    live_alarms = [rolled_back((run[0][: args.samples], run[1][: args.samples]), limits) for run in identical]
     started = time.perf_counter()
     simulated = simulate(identical, args, limits)
     sim_s = time.perf_counter() - started
     false_alarm_uppers = [r["ci95"][1] for r in simulated.values() if r["kind"] == "false alarm"]
-    detections = [r["rate"] for r in simulated.values() if r["kind"] == "detection"]
+    detections = [simulated[name]["rate"] for name in DETECTION_GOALS]
     end_to_end, reasons = rolled_back(slower, limits)
     return {
         "config": {**vars(args), "out": str(args.out), "thresholds": dataclasses.asdict(limits)},
@@ -232,7 +240,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--live-runs", type=int, default=16, help="live paired runs of identical servers")
+    parser.add_argument("--live-runs", type=int, default=8, help="live paired runs of identical servers")
+    parser.add_argument("--live-samples", type=int, default=2 * DEFAULT_SAMPLES, help="prompts per live run")
     parser.add_argument("--runs", type=int, default=300, help="simulated canary runs per scenario")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="prompts per side per run")
     parser.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ from app.errors import ConfigError
 from deploy.canary.targets import Prompt, Sample, Target
 
 DEFAULT_MAX_TOKENS = 16
-LATENCY_TOKENS = 32
+LATENCY_TOKENS = 64
 JITTER_S = 0.05
 
 
@@ -63,7 +63,7 @@ def file_prompts(path: Path) -> list[Prompt]:
 def workload(prompts: Sequence[Prompt], samples: int) -> list[Prompt]:
     """`samples` requests cycling through the prompts, each generating exactly its `max_new_tokens`, at
     least LATENCY_TOKENS (ignore_eos), so both sides produce as many tokens whatever each model answers,
-    and the inter-token tails rest on enough gaps (128 x 31: a p99 from ~40 of them)."""
+    and the inter-token tails rest on enough gaps (128 x 63: a p99 from ~80 of them)."""
     if not prompts:
         raise ConfigError("no prompts for the latency workload: give a golden record or --prompts")
     exact = [
