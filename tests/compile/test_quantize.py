@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from app.backends.base import BackendSpec
 from app.backends.quantization import QuantScheme
 from app.cli import main
 from app.settings import ServerSettings
+from tests.api.conftest import wait_ready
 from tests.compile.conftest import SMALL_GRID
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -30,14 +30,6 @@ def compile_to(capsys, output: Path, *argv: str) -> tuple[int, str, str]:
     code = main(["compile", "--output", str(output), *argv])
     captured = capsys.readouterr()
     return code, (captured.out.splitlines() or [""])[-1], captured.err
-
-
-def wait_ready(client: TestClient) -> None:
-    deadline = time.monotonic() + 120
-    while client.get("/ready").status_code != 200:
-        assert client.get("/health").status_code == 200, "startup failed"
-        assert time.monotonic() < deadline, "not ready in 120 s"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -73,7 +65,7 @@ def test_int8_passes_the_gate_serves_and_shows_its_scheme(stories260k, capsys, t
         assert handle.get_tensor("layers.0.qkv_proj.scale").dtype == torch.float32
 
     with TestClient(create_app(ServerSettings(artifact=uri))) as client:
-        wait_ready(client)
+        wait_ready(client.get, timeout_s=120)
         card = client.get("/v1/models").json()["data"][0]
         assert card["quantization"] == "int8-per_channel" and card["caveats"] == []
         assert 'quantization="int8-per_channel"' in client.get("/metrics").text
