@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import ClassVar
 
@@ -48,6 +48,7 @@ from app.api.protocol import (
     UsageInfo,
 )
 from app.api.serving import ChoiceOutput, Job, Serving, cached_tokens, usage_counts
+from app.api.streaming import Renderer
 from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
@@ -267,17 +268,14 @@ class ChatRenderer(OpenAIRenderer):
         return ChatCompletionResponse(**self.header, choices=choices, usage=usage_info(job))
 
 
-async def create_completion(
-    serving: Serving, validated: Validated, request: Request, request_id: str
-) -> Response:
-    job = serving.start(request_id, validated.requests, presented_key(request))
-    renderer = CompletionRenderer(serving, request_id, validated, job)
-    return await streaming.respond(request, job, renderer, validated.stream)
+RendererClass = Callable[[Serving, str, Validated, Job], Renderer]
 
 
-async def create_chat_completion(
-    serving: Serving, validated: Validated, request: Request, request_id: str
+async def answer(
+    renderer: RendererClass, serving: Serving, validated: Validated, request: Request, request_id: str
 ) -> Response:
+    """Start a validated request's job and answer it as `renderer` writes it (completions, chat, the
+    Responses API): one body, or events."""
     job = serving.start(request_id, validated.requests, presented_key(request))
-    renderer = ChatRenderer(serving, request_id, validated, job)
-    return await streaming.respond(request, job, renderer, validated.stream)
+    written = renderer(serving, request_id, validated, job)
+    return await streaming.respond(request, job, written, validated.stream)

@@ -18,11 +18,6 @@ import json
 import time
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import Response
-
-from app.api import streaming
-from app.api.auth import presented_key
 from app.api.openai import ChatRenderer
 from app.api.responses_protocol import (
     IncompleteDetails,
@@ -183,11 +178,3 @@ class ResponsesRenderer:
 
     def item_done(self, index: int, item: OutputItem) -> bytes:
         return self.event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))
-
-
-async def create_response(
-    serving: Serving, validated: Validated, request: Request, request_id: str
-) -> Response:
-    job = serving.start(request_id, validated.requests, presented_key(request))
-    renderer = ResponsesRenderer(serving, request_id, validated, job)
-    return await streaming.respond(request, job, renderer, validated.stream)

@@ -151,7 +151,7 @@ probes = APIRouter()
 async def completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI text completions; `stream: true` for server-sent events."""
     validated = await serving.validate(Api.COMPLETION, await read_body(request))
-    return await openai.create_completion(serving, validated, request, request_id())
+    return await openai.answer(openai.CompletionRenderer, serving, validated, request, request_id())
 
 
 @inference.post(
@@ -162,7 +162,7 @@ async def completions(request: Request, serving: ServingDep) -> Response:
 async def chat_completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI chat completions through the model's chat template; `stream: true` for events."""
     validated = await serving.validate(Api.CHAT, await read_body(request))
-    return await openai.create_chat_completion(serving, validated, request, request_id())
+    return await openai.answer(openai.ChatRenderer, serving, validated, request, request_id())
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -186,7 +186,7 @@ async def create_response(request: Request, serving: ServingDep) -> Response:
     """OpenAI's Responses API, run as a chat completion; `stream: true` for its typed events. Nothing is
     stored (`store: true` and `previous_response_id` are refused)."""
     validated = await serving.validate(Api.RESPONSES, await read_body(request))
-    return await responses.create_response(serving, validated, request, request_id())
+    return await openai.answer(responses.ResponsesRenderer, serving, validated, request, request_id())
 
 
 @inference.get("/v1/models", responses=_errors(401, 503))
@@ -238,9 +238,9 @@ async def invocations(request: Request, serving: ServingDep) -> Response:
     """SageMaker: an OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's `inputs` body."""
     validated = await serving.validate(None, await read_body(request))
     if validated.api is Api.CHAT:
-        return await openai.create_chat_completion(serving, validated, request, request_id())
+        return await openai.answer(openai.ChatRenderer, serving, validated, request, request_id())
     if validated.api is Api.COMPLETION:
-        return await openai.create_completion(serving, validated, request, request_id())
+        return await openai.answer(openai.CompletionRenderer, serving, validated, request, request_id())
     return await tgi.generate(serving, validated, request, request_id())
 
 
