@@ -312,6 +312,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    print(
+        f"load average {load_before[0]:.2f} (other jobs slow the 2-thread kernels, bf16 at batch 1 most:"
+        " take figures on an idle machine)"
+    )
     models, quantization = {}, None
     with tempfile.TemporaryDirectory(prefix="model-bench-") as scratch:
         for name in args.models if "comparison" in args.sections else ():
@@ -321,7 +326,12 @@ def main() -> None:
     report = {
         "benchmark": "model_bench",
         "threads": args.threads,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "ratio": "transformers_ms / ours_ms (above 1.0: ours is faster)",
         "models": models,
