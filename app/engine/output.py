@@ -18,6 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +43,17 @@ class RequestStream:
     """The async iterator `generate` returns: one request's deltas, ending with a finished one. Closing it
     early (`aclose`, or dropping it unfinished) aborts the request."""
 
-    __slots__ = ("_abort", "_done", "_ended", "_expiry", "_generated", "_queue", "loop", "request_id")
+    __slots__ = (
+        "_abort",
+        "_deltas",
+        "_done",
+        "_ended",
+        "_expiry",
+        "_generated",
+        "_waiter",
+        "loop",
+        "request_id",
+    )
 
     def __init__(
         self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
@@ -50,7 +61,10 @@ class RequestStream:
         self.request_id = request_id
         self.loop = loop
         self._abort = abort
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # A deque and one waiter, not an asyncio.Queue: a delta costs an append and, when the reader
+        # waits, one future's result (the front pays this per streamed token).
+        self._deltas: deque[RequestOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False  # the reader has had the final delta, or left
         self._ended = False  # the final delta is queued
         self._generated = 0
@@ -62,7 +76,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        output = await self._queue.get()
+        if not self._deltas:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        output = self._deltas.popleft()
         self._done = output.finished
         return output
 
@@ -77,7 +97,10 @@ class RequestStream:
         self._ended = output.finished
         if self._ended and self._expiry is not None:
             self._expiry.cancel()
-        self._queue.put_nowait(output)
+        self._deltas.append(output)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def expire_after(self, seconds: float, num_prompt_tokens: int) -> None:
         """End the stream with a deadline error after `seconds` unless it ended: the deadline holds even
