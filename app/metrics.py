@@ -9,10 +9,13 @@ directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from app.engine.stats import FinishedRequest, StepStats
@@ -20,6 +23,7 @@ from app.engine.stats import FinishedRequest, StepStats
 REGISTRY = CollectorRegistry(auto_describe=True)
 PREFIX = "inf2serve_"
 SINGLE_REPLICA = "0"  # the replica label of a server without replica processes
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -274,37 +278,44 @@ def record_ready(ready: bool) -> None:
     READY.set(1 if ready else 0)
 
 
+@functools.cache
+def _series(metric: M, *labels: str) -> M:
+    """`metric.labels(*labels)`, kept: `labels` takes a lock and converts every value, and the front
+    records every replica's every step (no series is ever removed, so a kept one stays the registry's)."""
+    return metric.labels(*labels)
+
+
 # The engine's step statistics (app/engine/stats.py): one record per step, from the output thread of
 # this process or, with replicas, from each replica process through the front (app/replicas/).
 def record_step_stats(stats: StepStats, replica: str = SINGLE_REPLICA) -> None:
     """Apply one step's record; every engine-side metric carries the replica that reported it."""
     for call in stats.calls:
         labels = (replica, call.phase, call.bucket)
-        STEP_TIME.labels(*labels).observe(call.seconds)
-        PADDED_ROWS.labels(*labels).inc(call.padded_rows)
-        BATCHED_TOKENS.labels(*labels).inc(call.tokens)
-        PADDED_TOKENS.labels(*labels).inc(call.padded_tokens)
+        _series(STEP_TIME, *labels).observe(call.seconds)
+        _series(PADDED_ROWS, *labels).inc(call.padded_rows)
+        _series(BATCHED_TOKENS, *labels).inc(call.tokens)
+        _series(PADDED_TOKENS, *labels).inc(call.padded_tokens)
     if stats.decode_stall_s:
-        DECODE_STALL.labels(replica).observe(stats.decode_stall_s)
+        _series(DECODE_STALL, replica).observe(stats.decode_stall_s)
     if stats.preempted:
-        PREEMPTIONS.labels(replica).inc(stats.preempted)
+        _series(PREEMPTIONS, replica).inc(stats.preempted)
     _engine_state[replica] = (stats.num_running, stats.num_waiting, stats.num_slots)
-    RUNNING.labels(replica).set(stats.num_running)
-    WAITING.labels(replica).set(stats.num_waiting)
-    SLOT_USAGE.labels(replica).set(stats.num_running / stats.num_slots)
+    _series(RUNNING, replica).set(stats.num_running)
+    _series(WAITING, replica).set(stats.num_waiting)
+    _series(SLOT_USAGE, replica).set(stats.num_running / stats.num_slots)
     if stats.kv_cache_usage is not None:
-        KV_CACHE_USAGE.labels(replica).set(stats.kv_cache_usage)
+        _series(KV_CACHE_USAGE, replica).set(stats.kv_cache_usage)
     if stats.busy_ratio is not None:
         record_engine_busy(stats.busy_ratio, replica)
-    GENERATION_TOKENS.labels(replica).inc(stats.generated_tokens)
+    _series(GENERATION_TOKENS, replica).inc(stats.generated_tokens)
     for first in stats.first_tokens:
-        QUEUE_TIME.labels(replica).observe(first.queue_s)
-        TTFT.labels(replica).observe(first.time_to_first_token_s)
-        PROMPT_TOKENS.labels(replica).inc(first.num_prompt_tokens)
+        _series(QUEUE_TIME, replica).observe(first.queue_s)
+        _series(TTFT, replica).observe(first.time_to_first_token_s)
+        _series(PROMPT_TOKENS, replica).inc(first.num_prompt_tokens)
         if first.num_cached_tokens is not None:
-            PREFIX_CACHE_QUERIES.labels(replica).inc(first.num_prompt_tokens)
-            PREFIX_CACHE_HITS.labels(replica).inc(first.num_cached_tokens)
-    inter_token = INTER_TOKEN.labels(replica)
+            _series(PREFIX_CACHE_QUERIES, replica).inc(first.num_prompt_tokens)
+            _series(PREFIX_CACHE_HITS, replica).inc(first.num_cached_tokens)
+    inter_token = _series(INTER_TOKEN, replica)
     for seconds in stats.inter_token_s:
         inter_token.observe(seconds)
     for done in stats.finished:
@@ -315,18 +326,18 @@ def _record_finished(done: FinishedRequest, replica: str) -> None:
     """An engine request's end: success by finish reason (stop, length, abort). A failed one is left to
     the HTTP layer, which counts every failure (validation and admission too) once per HTTP request."""
     if not done.failed:
-        REQUEST_SUCCESS.labels(replica, done.reason).inc()
+        _series(REQUEST_SUCCESS, replica, done.reason).inc()
     if done.slo is not None:
-        REQUEST_SLO.labels(replica, done.slo).inc()
-        REQUEST_DECODE_STALL.labels(replica).observe(done.decode_stall_s)
-    E2E.labels(replica).observe(done.e2e_s)
-    REQUEST_PROMPT_TOKENS.labels(replica).observe(done.num_prompt_tokens)
-    REQUEST_GENERATION_TOKENS.labels(replica).observe(done.num_generated_tokens)
+        _series(REQUEST_SLO, replica, done.slo).inc()
+        _series(REQUEST_DECODE_STALL, replica).observe(done.decode_stall_s)
+    _series(E2E, replica).observe(done.e2e_s)
+    _series(REQUEST_PROMPT_TOKENS, replica).observe(done.num_prompt_tokens)
+    _series(REQUEST_GENERATION_TOKENS, replica).observe(done.num_generated_tokens)
 
 
 def record_engine_busy(ratio: float, replica: str = SINGLE_REPLICA) -> None:
     _engine_busy[replica] = ratio
-    ENGINE_BUSY.labels(replica).set(ratio)
+    _series(ENGINE_BUSY, replica).set(ratio)
 
 
 def forget_replica(replica: str) -> None:
