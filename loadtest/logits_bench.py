@@ -1,18 +1,23 @@
 """Host logits path benchmark (a benchmark, not a test): host time per decode step at batch 32 with k = 0,
-1, 8 and 32 constrained rows, on the sim and on the torch backend, and what one constrained row costs
-NxD Inference per step, from its logits' shape.
+1, 8 and 32 constrained rows, on the sim and on the torch backend, and what constrained rows cost NxD
+Inference's host, each next to the grammar engine's own cost for the same rows.
 
-A constrained row carries a JSON-schema grammar (llguidance, compiled for stories260K's tokenizer) plus
-a repetition penalty, and advances its state by each token as the engine does. Each configuration runs
-the same steps in turn within one process, several rounds (`figures`); the figure is the wall time of
-`Backend.decode` per step:
-- sim (zero-cost device, so the whole call is host work) at stories260K's 512-token vocabulary and at
-  Llama 3's 128,256 (made-up logits for constrained rows; the grammar's masks cover the 512 real tokens
-  and are padded, so at 128k the mask computation itself is `loadtest/grammar_bench.py`'s figure);
-- torch (stories260K on CPU, fp32, 32 slots): forward pass and sampling; the k = 0 row is the baseline.
-NxD Inference: the step returns fp32 logits [32, 1, V] for every row whatever k (`output_logits`, which
-the artifact compiles for logprobs), so a constrained row adds no transfer, only the host work measured
-here on one row of V = 128,256: the adjustments and the mask, then the portable sampler.
+A constrained row carries a JSON-schema grammar (llguidance) plus a repetition penalty, and advances its
+state by each token as the engine does. Each configuration runs the same steps in turn within one
+process, several rounds (`figures`); a step's figure is the wall time of `Backend.decode` plus the
+applying of its tokens to the rows' states (`HostLogits.accept`, as the engine does), and
+`k=K_extra_per_row_us` is (step at k - step at 0) / k. `k=K_grammar_per_row_us` is the grammar engine's
+own work for the same rows in the same run: the same tokens replayed through fresh matchers, one batched
+mask call and one token commit per row a step (`GrammarMatcher.fill`, `accept`: llguidance and nothing
+of ours), per row; `k=K_ratio` is extra / grammar (1.0: a constrained row costs only its grammar).
+- sim (zero-cost device, so the whole call is host work) at stories260K's 512-token vocabulary, and at
+  Llama 3's 128,256 with the grammar compiled for a synthetic 128,256-token byte-level vocabulary
+  (`loadtest.grammar_bench.synthetic_vocabulary`), so masks and allowed sets have Llama 3's size;
+- torch (stories260K on CPU, fp32, 32 slots): forward pass and sampling; the k = 0 row is the baseline;
+- NxD Inference: the step returns fp32 logits [32, 1, V] for every row whatever k (`output_logits`,
+  which the artifact compiles for logprobs), so a constrained row adds no transfer, only the host work
+  on its rows (`nxdi_host_vocab128256`, random logits [32, 128,256], the 128k grammar): what
+  `NxdiBackend` runs for host rows, the device's rows costing nothing here.
 
     .venv/bin/python -m loadtest.logits_bench [--steps 30] [--rounds 3] [--out report.json]
 """
@@ -26,18 +31,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import torch
 
 from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
-from app.backends.logits import HostLogits
+from app.backends.logits import Grammar, HostLogits
 from app.backends.sampling import sample_tokens
 from app.backends.sim import SimBackend
 from app.shapes import ShapeGrid
-from app.structured.grammar import Constraint, Kind, compiler_for
+from app.structured.grammar import Constraint, GrammarCompiler, Kind, compiler_for
 from app.tokenizer import Tokenizer
+from loadtest.grammar_bench import GreedyTokenizer, synthetic_vocabulary
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "loadtest" / "reports" / "logits_bench.json"
@@ -56,35 +64,78 @@ GRID = ShapeGrid(
 )
 
 
-def constrained_params(tokenizer: Tokenizer, vocab_size: int, k: int) -> list[SamplingParams]:
-    """BATCH rows, the first k with a fresh grammar and penalty state; all sampled at temperature 1."""
+@dataclass(frozen=True)
+class Rows:
+    """The grammar rows of a run: how to make their matchers (`compiler`, `grammar`) and the vocabulary."""
+
+    compiler: GrammarCompiler
+    grammar: Grammar
+    vocab_size: int
+
+    def params(self, k: int) -> list[SamplingParams]:
+        """BATCH rows, the first k with a fresh grammar and penalty state; all sampled at temperature 1."""
+        plain = SamplingParams(temperature=1.0, seed=1)
+        rules = SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.1, grammar=self.grammar)
+        return [
+            HostLogits.start(rules, PROMPT, (2,), self.compiler.matcher(self.grammar)) if i < k else plain
+            for i in range(BATCH)
+        ]
+
+    def grammar_seconds(self, k: int, tokens: Sequence[Sequence[int]]) -> list[float]:
+        """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
+        one batched mask, then a token commit per row."""
+        masks = [self.compiler.matcher(self.grammar) for _ in range(k)]
+        seconds = []
+        for step in tokens:
+            start = time.perf_counter()
+            masks[0].fill(masks)
+            for mask, token in zip(masks, step, strict=False):
+                mask.accept(token)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+
+def stories_rows(tokenizer: Tokenizer, vocab_size: int) -> Rows:
     compiler = compiler_for(tokenizer)
-    grammar = compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "bench"))
-    plain = SamplingParams(temperature=1.0, seed=1)
-    rules = SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.1, grammar=grammar)
-    return [
-        HostLogits.start(rules, PROMPT, (2,), vocab_size, compiler.matcher(grammar)) if i < k else plain
-        for i in range(BATCH)
-    ]
+    return Rows(compiler, compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "bench")), vocab_size)
 
 
-def step_times(backend: Backend, params: list[SamplingParams], steps: int) -> list[float]:
+def llama3_sized_rows() -> Rows:
+    vocab = synthetic_vocabulary(LLAMA3_VOCAB)
+    compiler = GrammarCompiler(llguidance.LLTokenizer(llguidance.TokenizerWrapper(GreedyTokenizer(vocab))))
+    return Rows(compiler, compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "bench")), LLAMA3_VOCAB)
+
+
+Run = Callable[[int], tuple[list[float], list[float]]]
+
+
+def backend_run(backend: Backend, rows: Rows, steps: int) -> Run:
+    def run(k: int) -> tuple[list[float], list[float]]:
+        seconds, tokens = step_times(backend, rows.params(k), steps)
+        return seconds, rows.grammar_seconds(k, tokens) if k else []
+
+    return run
+
+
+def step_times(
+    backend: Backend, params: list[SamplingParams], steps: int
+) -> tuple[list[float], list[list[int]]]:
     """Seconds per decode step of BATCH rows (prefilled again first), each row fed its own last token and
-    advanced by it."""
+    advanced by it; and the tokens of each step."""
     prefill_all(backend)
     last = [PROMPT[-1]] * BATCH
-    seconds = []
+    seconds, tokens = [], []
     for step in range(steps):
         position = len(PROMPT) + step
         batch = DecodeBatch(tuple(range(BATCH)), tuple(last), (position,) * BATCH, tuple(params), BATCH, 256)
         start = time.perf_counter()
-        tokens = backend.decode(batch)
-        seconds.append(time.perf_counter() - start)
-        last = [t.token_id for t in tokens]
+        last = [t.token_id for t in backend.decode(batch)]
         for p, token in zip(params, last, strict=True):
             if p.host is not None:
                 p.host.accept(token)
-    return seconds
+        seconds.append(time.perf_counter() - start)
+        tokens.append(last)
+    return seconds, tokens
 
 
 def prefill_all(backend: Backend) -> None:
@@ -92,17 +143,27 @@ def prefill_all(backend: Backend) -> None:
         backend.prefill(PrefillBatch((slot,), (PROMPT,), (SamplingParams(),), 8))
 
 
-def figures(run: Callable[[int], list[float]], rounds: int) -> dict[str, float]:
-    """Milliseconds per step for each k: the median step of a round, the least over `rounds` rounds that
+def figures(run: Run, rounds: int) -> dict[str, float]:
+    """Microseconds per step for each k: the median step of a round, the least over `rounds` rounds that
     sweep every k in turn (on a shared machine the load drifts between configurations; the least round
-    is the one nearest the code's own cost)."""
-    per_k = {k: float("inf") for k in CONSTRAINED}
+    is the one nearest the code's own cost); the grammar engine's own cost likewise."""
+    ours = {k: float("inf") for k in CONSTRAINED}
+    grammar = {k: float("inf") for k in CONSTRAINED if k}
     for _ in range(rounds):
         for k in CONSTRAINED:
-            per_k[k] = min(per_k[k], statistics.median(run(k)) * 1e3)
-    return {f"k={k}_ms": round(ms, 3) for k, ms in per_k.items()} | {
-        f"k={k}_extra_per_row_us": round((per_k[k] - per_k[0]) / k * 1e3, 1) for k in CONSTRAINED if k
-    }
+            seconds, grammar_seconds = run(k)
+            ours[k] = min(ours[k], statistics.median(seconds) * 1e6)
+            if k:
+                grammar[k] = min(grammar[k], statistics.median(grammar_seconds) * 1e6)
+    report = {f"k={k}_ms": round(us / 1e3, 3) for k, us in ours.items()}
+    for k, own in grammar.items():
+        extra = (ours[k] - ours[0]) / k
+        report |= {
+            f"k={k}_extra_per_row_us": round(extra, 1),
+            f"k={k}_grammar_per_row_us": round(own / k, 1),
+            f"k={k}_ratio": round(extra / (own / k), 2),
+        }
+    return report
 
 
 def sim_backend(vocab_size: int) -> SimBackend:
@@ -121,21 +182,35 @@ def torch_backend(model: Path, root: Path) -> Backend:
     return TorchBackend.load(artifact, BackendSpec("torch", 1, "fp32", GRID))
 
 
-def nxdi_row_us(tokenizer: Tokenizer, rows: int = 200) -> float:
-    """Host work of one constrained row at Llama 3's vocabulary: adjust and sample one fp32 row."""
-    (params,) = constrained_params(tokenizer, LLAMA3_VOCAB, 1)[:1]
-    logits = torch.randn(1, LLAMA3_VOCAB)
-    seconds = []
-    for position in range(rows):
-        start = time.perf_counter()
-        token = sample_tokens(logits, [params], [position], LLAMA3_VOCAB)[0].token_id
-        seconds.append(time.perf_counter() - start)
-        params.host.accept(token if token < tokenizer_vocab(tokenizer) else 2)  # type: ignore[union-attr]
-    return statistics.median(seconds) * 1e6
+def nxdi_run(rows: Rows, steps: int) -> Run:
+    """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
+    log-softmax of every row is computed whatever k, for the device rows' logprobs), tokens fed back as
+    the engine does."""
+    logits = torch.randn(BATCH, rows.vocab_size)
+    all_logprobs = torch.log_softmax(logits, dim=-1)  # computed for every row whatever k
 
+    def run(k: int) -> tuple[list[float], list[float]]:
+        if not k:
+            return [0.0] * steps, []
+        params = rows.params(k)[:k]
+        seconds, tokens = [], []
+        for step in range(steps):
+            start = time.perf_counter()
+            drawn = sample_tokens(
+                logits,
+                params,
+                [len(PROMPT) + step] * k,
+                rows.vocab_size,
+                rows=range(k),
+                logprobs=all_logprobs,
+            )
+            for p, token in zip(params, drawn, strict=True):
+                p.host.accept(token.token_id)  # type: ignore[union-attr]
+            seconds.append(time.perf_counter() - start)
+            tokens.append([t.token_id for t in drawn])
+        return seconds, rows.grammar_seconds(k, tokens)
 
-def tokenizer_vocab(tokenizer: Tokenizer) -> int:
-    return compiler_for(tokenizer).vocab_size
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,25 +225,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_dir(args.model)
     report: dict[str, Any] = {"batch": BATCH, "steps": args.steps, "rounds": args.rounds, "threads": 1}
-    for vocab in (512, LLAMA3_VOCAB):
-        sim = sim_backend(vocab)
-        report[f"sim_vocab{vocab}"] = figures(
-            lambda k, sim=sim, vocab=vocab: step_times(
-                sim, constrained_params(tokenizer, vocab, k), args.steps
-            ),
-            args.rounds,
-        )
+    stories = stories_rows(tokenizer, 512)
+    llama3 = llama3_sized_rows()
+    for rows in (stories, llama3):
+        sim = sim_backend(rows.vocab_size)
+        report[f"sim_vocab{rows.vocab_size}"] = figures(backend_run(sim, rows, args.steps), args.rounds)
     with tempfile.TemporaryDirectory() as root:
         backend = torch_backend(args.model, Path(root))
         try:
-            vocab = backend.model.vocab_size
-            report["torch_stories260K"] = figures(
-                lambda k: step_times(backend, constrained_params(tokenizer, vocab, k), args.steps),
-                args.rounds,
-            )
+            rows = stories_rows(tokenizer, backend.model.vocab_size)
+            report["torch_stories260K"] = figures(backend_run(backend, rows, args.steps), args.rounds)
         finally:
             backend.close()
-    report["nxdi_host_row_us_vocab128256"] = round(nxdi_row_us(tokenizer), 1)
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps), args.rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     for name, value in report.items():
         print(f"{name}: {value}")

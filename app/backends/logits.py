@@ -1,28 +1,36 @@
 """The host logits path: what a request asks of its next token beyond temperature, top-k, top-p and min-p
-(penalties, `min_tokens`, `logit_bias`, `bad_words`, `allowed_token_ids`, a grammar), applied to that
-request's row of fp32 logits on the host, before the portable sampler draws from it.
+(penalties, `min_tokens`, `logit_bias`, `bad_words`, `allowed_token_ids`, a grammar), applied on the host
+to the fp32 logits of the rows that use it, before the portable sampler (`app/backends/sampling.py`)
+draws from them.
 
 Each request that uses it holds one `HostLogits` (`SamplingParams.host`): made when the engine admits the
-request (`HostLogits.start`), advanced by the engine as each of its tokens is applied (`accept`), read by
-a backend's sampling of that row (`apply_host_logits`). Its state counts generated tokens only, so a
-request prefilled again after a preemption (prompt + tokens so far) gets the same adjustments as if it
-had decoded on. Rows without it cost nothing here: the batch's logits pass through untouched.
+request (`HostLogits.start`), advanced by the engine as each of its tokens is applied (`accept`), read
+when a backend samples a batch. Its state counts generated tokens only, so a request prefilled again
+after a preemption (prompt + tokens so far) gets the same adjustments as if it had decoded on. Rows
+without it cost nothing here: the batch's logits pass through untouched.
+
+A step's work is batched over its rows, so a row costs its own data, not a pass of Python: every grammar
+row's mask is computed in one call of the grammar engine (`TokenMask.fill`), every row's adjustments
+are gathered into flat (row, token) lists and applied with one tensor op each, and a row whose tokens
+are restricted (a grammar or `allowed_token_ids`) is sampled among its allowed ids only (`Restricted`),
+never over the whole vocabulary.
 
 Adjustments, in order (each as transformers' logits processor of the same name, or OpenAI's formula):
 repetition penalty over the prompt and the output (`RepetitionPenaltyLogitsProcessor`), frequency and
 presence penalties over the output (logit - frequency * count - presence * [count > 0]), `logit_bias`
 added, then the masks: stop ids under `min_tokens` (`MinNewTokensLengthLogitsProcessor`), `bad_words`
 (`NoBadWordsLogitsProcessor`: a word's last token after its other tokens), tokens outside
-`allowed_token_ids`, tokens the grammar does not allow next. If the grammar allows nothing (its error
-state), the first stop id is allowed, so the request ends.
+`allowed_token_ids`, tokens the grammar does not allow next. If nothing is allowed (a grammar in its
+error state), the first stop id is, with logit 0, so the request ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -42,8 +50,9 @@ class Grammar:
 class TokenMask(Protocol):
     """A grammar's matcher for one request."""
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        """bool [vocab_size]: the tokens allowed next."""
+    def fill(self, masks: Sequence[TokenMask]) -> np.ndarray:
+        """int32 [len(masks), words]: bit k of word w of row i set where `masks[i]` allows token 32 w + k
+        next, for the whole batch in one call (made on any of them)."""
         ...
 
     def accept(self, token_id: int) -> None:
@@ -54,62 +63,37 @@ class TokenMask(Protocol):
 class HostLogits:
     """One request's host-side state: which tokens it has seen and generated, and its grammar matcher."""
 
-    __slots__ = (
-        "_banned",
-        "_bias",
-        "_counts",
-        "_keep",
-        "_mask",
-        "_only",
-        "_seen",
-        "_tail",
-        "num_output",
-        "params",
-        "stop_ids",
-    )
+    __slots__ = ("_counts", "_keep", "_only", "_seen", "_tail", "mask", "num_output", "params", "stop_ids")
 
     def __init__(
-        self,
-        params: SamplingParams,
-        prompt: Sequence[int],
-        stop_ids: Sequence[int],
-        vocab_size: int,
-        mask: TokenMask | None,
+        self, params: SamplingParams, prompt: Sequence[int], stop_ids: Sequence[int], mask: TokenMask | None
     ) -> None:
         self.params = params
         self.stop_ids = tuple(stop_ids)
         self.num_output = 0
-        self._mask = mask
+        self.mask = mask
         # Sparse (token ids, not vocabulary-wide rows): a step costs the tokens seen, not the vocabulary.
         self._seen = dict.fromkeys(prompt, 0)  # prompt and output token -> times generated
         self._counts: dict[int, int] = {}
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
         self._tail = list(prompt[len(prompt) - self._keep :]) if self._keep else []
-        self._banned = [word[0] for word in params.bad_words if len(word) == 1]
-        self._bias = (
-            (torch.tensor([t for t, _ in params.logit_bias]), torch.tensor([b for _, b in params.logit_bias]))
-            if params.logit_bias
-            else None
-        )
-        self._only: torch.Tensor | None = None
-        if params.allowed_token_ids is not None:
-            self._only = torch.zeros(vocab_size, dtype=torch.bool)
-            self._only[list(params.allowed_token_ids)] = True
+        only = params.allowed_token_ids
+        self._only = None if only is None else np.array(sorted(set(only)), np.int64)
 
     @classmethod
     def start(
-        cls,
-        params: SamplingParams,
-        prompt: Sequence[int],
-        stop_ids: Sequence[int],
-        vocab_size: int,
-        mask: TokenMask | None,
+        cls, params: SamplingParams, prompt: Sequence[int], stop_ids: Sequence[int], mask: TokenMask | None
     ) -> SamplingParams:
         """`params` with a fresh state for a request of `prompt` (unchanged if it uses no host logits)."""
         if not params.uses_host_logits:
             return params
-        return replace(params, host=cls(params, prompt, stop_ids, vocab_size, mask))
+        return replace(params, host=cls(params, prompt, stop_ids, mask))
+
+    @property
+    def restricts(self) -> bool:
+        """Whether only some tokens are allowed next (a grammar or `allowed_token_ids`)."""
+        return self.mask is not None or self._only is not None
 
     def accept(self, token_id: int) -> None:
         """A token of this request was applied."""
@@ -118,37 +102,26 @@ class HostLogits:
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if self._keep:
             self._tail = [*self._tail, token_id][-self._keep :]
-        if self._mask is not None:
-            self._mask.accept(token_id)
+        if self.mask is not None:
+            self.mask.accept(token_id)
 
-    def apply(self, row: torch.Tensor) -> None:
-        """Adjust one row of fp32 logits [vocab] in place."""
+    def _add_edits(self, row: int, edits: _Edits) -> None:
         params = self.params
-        vocab = row.shape[0]
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(list(self._seen))
-            scores = row[seen]
-            row[seen] = torch.where(
-                scores < 0, scores * params.repetition_penalty, scores / params.repetition_penalty
-            )
+            edits.scale.add(row, self._seen, params.repetition_penalty)
         if (params.frequency_penalty or params.presence_penalty) and self._counts:
-            generated = torch.tensor(list(self._counts))
-            counts = torch.tensor(list(self._counts.values()), dtype=torch.float32)
-            row.index_add_(0, generated, -(params.frequency_penalty * counts + params.presence_penalty))
-        if self._bias is not None:
-            row.index_add_(0, self._bias[0], self._bias[1])
-        banned = list(self._banned) + self._word_ends()
+            edits.shift.add_values(
+                row,
+                self._counts,
+                [-(params.frequency_penalty * c + params.presence_penalty) for c in self._counts.values()],
+            )
+        if params.logit_bias:
+            edits.shift.add_values(row, [t for t, _ in params.logit_bias], [b for _, b in params.logit_bias])
+        banned = [word[0] for word in params.bad_words if len(word) == 1] + self._word_ends()
         if self.num_output < params.min_tokens:
             banned += self.stop_ids
         if banned:
-            row[banned] = -torch.inf
-        if self._only is not None:
-            row.masked_fill_(~self._only[:vocab], -torch.inf)
-        if self._mask is not None:
-            allowed = self._mask.allowed(vocab)
-            row.masked_fill_(~allowed, -torch.inf)
-            if self.stop_ids and not bool(allowed.any()):  # a grammar in its error state: end the request
-                row[self.stop_ids[0]] = 0.0
+            edits.ban.add(row, banned, 0.0)
 
     def _word_ends(self) -> list[int]:
         """The last token of each bad word whose other tokens end the sequence so far."""
@@ -160,15 +133,188 @@ class HostLogits:
         ]
 
 
+class _Pairs:
+    """Flat (row, token, value) lists of one kind of adjustment, for one array op over the batch."""
+
+    __slots__ = ("rows", "tokens", "values")
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.tokens: list[int] = []
+        self.values: list[float] = []
+
+    def add(self, row: int, tokens: Sequence[int] | dict[int, int], value: float) -> None:
+        self.add_values(row, tokens, [value] * len(tokens))
+
+    def add_values(self, row: int, tokens: Sequence[int] | dict[int, int], values: Sequence[float]) -> None:
+        self.rows += [row] * len(values)
+        self.tokens += tokens
+        self.values += values
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            np.array(self.rows, np.int64),
+            np.array(self.tokens, np.int64),
+            np.array(self.values, np.float32),
+        )
+
+
+@dataclass(slots=True)
+class _Edits:
+    """One step's adjustments of a group of rows (row i: states[i])."""
+
+    scale: _Pairs  # repetition penalty: the factor
+    shift: _Pairs  # frequency and presence penalties, logit_bias: the addend
+    ban: _Pairs  # -inf
+
+    @classmethod
+    def of(cls, states: Sequence[HostLogits]) -> _Edits:
+        edits = cls(_Pairs(), _Pairs(), _Pairs())
+        for row, state in enumerate(states):
+            state._add_edits(row, edits)
+        return edits
+
+    def apply(self, values: np.ndarray, columns: _Columns) -> None:
+        """Adjust fp32 `values` [rows, columns] in place; `columns` finds each (row, token)'s column."""
+        if self.scale.rows:
+            rows, cols, factor = columns(*self.scale.arrays())
+            scores = values[rows, cols]
+            values[rows, cols] = np.where(scores < 0, scores * factor, scores / factor)
+        if self.shift.rows:
+            rows, cols, addend = columns(*self.shift.arrays())
+            np.add.at(values, (rows, cols), addend)
+        if self.ban.rows:
+            rows, cols, _ = columns(*self.ban.arrays())
+            values[rows, cols] = -np.inf
+
+
+_Columns = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _dense_columns(vocab_size: int) -> _Columns:
+    """A token's column is its id (ids beyond the logits are dropped)."""
+
+    def columns(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
+        inside = tokens < vocab_size
+        return rows[inside], tokens[inside], values[inside]
+
+    return columns  # type: ignore[return-value]
+
+
+def _sparse_columns(keys: np.ndarray, starts: np.ndarray, vocab_size: int) -> _Columns:
+    """A token's column is its place among its row's allowed ids (`keys`: row * vocab_size + token,
+    ascending); tokens not allowed are dropped."""
+
+    def columns(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
+        wanted = rows * vocab_size + tokens
+        place = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+        found = keys[place] == wanted
+        return rows[found], (place - starts[rows])[found], values[found]
+
+    return columns  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """The allowed next tokens of restricted rows as ascending keys (row * vocab_size + token); `rescued`
+    are the rows where nothing was allowed, given their first stop id instead."""
+
+    keys: np.ndarray  # int64 [n]
+    rescued: list[int]
+
+    @classmethod
+    def of(cls, states: Sequence[HostLogits], vocab_size: int) -> Allowed:
+        """For `states` (each restricted), row i being states[i]: the grammar masks in one call."""
+        keys = _grammar_keys(states, vocab_size)
+        only = [(i, s._only) for i, s in enumerate(states) if s._only is not None]
+        if only:
+            only_keys = np.concatenate([i * vocab_size + ids[ids < vocab_size] for i, ids in only])
+            # a row with both keeps their intersection; a row with one keeps it
+            with_both = [i for i, _ in only if states[i].mask is not None]
+            keys = only_keys if keys is None else _intersect_rows(keys, only_keys, with_both, vocab_size)
+        assert keys is not None
+        counts = np.bincount(keys // vocab_size, minlength=len(states))
+        rescued = [i for i in np.flatnonzero(counts == 0).tolist() if states[i].stop_ids]
+        if rescued:
+            stops = [i * vocab_size + states[i].stop_ids[0] for i in rescued]
+            keys = np.sort(np.concatenate([keys, np.array(stops, np.int64)]))
+        return cls(keys, rescued)
+
+
+def _grammar_keys(states: Sequence[HostLogits], vocab_size: int) -> np.ndarray | None:
+    """row * vocab_size + token for each token a grammar allows, ascending; None without grammar rows."""
+    rows = [i for i, s in enumerate(states) if s.mask is not None]
+    if not rows:
+        return None
+    masks = [states[i].mask for i in rows]
+    words = masks[0].fill(masks)  # type: ignore[union-attr, arg-type]
+    # Only the words with a bit set are unpacked: a row costs its allowed tokens, not the vocabulary.
+    # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
+    mask_row, word = np.nonzero(words)
+    bits = np.unpackbits(words[mask_row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+    bit_row, bit = np.nonzero(bits)
+    tokens = word[bit_row] * 32 + bit
+    keys = np.array(rows, np.int64)[mask_row[bit_row]] * vocab_size + tokens
+    return keys[tokens < vocab_size]
+
+
+def _intersect_rows(
+    grammar: np.ndarray, only: np.ndarray, with_both: list[int], vocab_size: int
+) -> np.ndarray:
+    grammar_kept = ~np.isin(grammar // vocab_size, with_both) | np.isin(grammar, only)
+    only_kept = ~np.isin(only // vocab_size, with_both)
+    return np.sort(np.concatenate([grammar[grammar_kept], only[only_kept]]))
+
+
 def apply_host_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """fp32 `logits` [rows >= len(params), vocab] with each host-logits row adjusted (a copy), or the
     same tensor when no row uses the path."""
     rows = [i for i, p in enumerate(params) if p.host is not None]
     if not rows:
         return logits
+    states: list[HostLogits] = [params[i].host for i in rows]  # type: ignore[misc]
+    vocab = logits.shape[-1]
+    values = logits[rows].float().cpu().numpy()  # the state lives on the host: a copy of its rows
+    _Edits.of(states).apply(values, _dense_columns(vocab))
+    restricted = [i for i, s in enumerate(states) if s.restricts]
+    if restricted:
+        allowed = Allowed.of([states[i] for i in restricted], vocab)
+        row, token = np.array(restricted)[allowed.keys // vocab], allowed.keys % vocab
+        kept = values[row, token]
+        values[restricted] = -np.inf
+        values[row, token] = kept
+        for i in allowed.rescued:
+            values[restricted[i], states[restricted[i]].stop_ids[0]] = 0.0
     adjusted = logits.clone()
-    for i in rows:
-        row = adjusted[i].cpu()  # the state lives on the host: a copy on an accelerator, else a view
-        params[i].host.apply(row)  # type: ignore[union-attr]
-        adjusted[i] = row
+    adjusted[rows] = torch.from_numpy(values).to(logits.device, logits.dtype)
     return adjusted
+
+
+Gather = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Restricted:
+    """Restricted rows' candidates: `tokens` [rows, n] ascending, each row's allowed ids padded with the
+    vocabulary size, and `logits` fp32 [rows, n] their adjusted logits (-inf on padding). Sampling among
+    them draws what sampling the whole adjusted row would (every other token has probability 0), at the
+    cost of the allowed tokens only."""
+
+    tokens: np.ndarray
+    logits: np.ndarray
+
+    @classmethod
+    def of(cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather) -> Restricted:
+        """`gather(rows, tokens)`: fp32 raw logits of row rows[i] at tokens[i, j] (each in range)."""
+        keys = Allowed.of(states, vocab_size)
+        rows = keys.keys // vocab_size
+        counts = np.bincount(rows, minlength=len(states))
+        starts = np.cumsum(counts) - counts
+        tokens = np.full((len(states), max(int(counts.max()), 1)), vocab_size, np.int64)
+        tokens[rows, np.arange(len(rows)) - starts[rows]] = keys.keys % vocab_size
+        padding = tokens == vocab_size
+        logits = gather(np.arange(len(states)), np.where(padding, 0, tokens))
+        logits[padding] = -np.inf
+        _Edits.of(states).apply(logits, _sparse_columns(keys.keys, starts, vocab_size))
+        logits[keys.rescued, 0] = 0.0
+        return cls(tokens, logits)

@@ -4,22 +4,28 @@ temperature, top-k, top-p, min-p and per-request seeds, after the host logits pa
 (`app/backends/logits.py`) has adjusted the rows that use it. Logprobs are those of the raw logits.
 
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row
-draws one uniform number from a counter-based hash of (seed, position), computed with tensor ops, and
-inverts its own cumulative distribution. No generator state is shared between rows or steps, so a seeded
-request gets the same tokens whatever shares its batch.
+draws one uniform number from a counter-based hash of (seed, position), computed on the host with the
+batch's parameters, and inverts its own cumulative distribution. No generator state is shared between
+rows or steps, so a seeded request gets the same tokens whatever shares its batch. A row whose tokens are
+restricted (a grammar, `allowed_token_ids`) inverts the same distribution over its allowed ids only
+(`app.backends.logits.Restricted`): the same token, at the cost of those ids rather than the vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
-from app.backends.logits import apply_host_logits
+from app.backends.logits import Gather, Restricted, apply_host_logits
 
 MASK32 = 0xFFFFFFFF
+HOST = torch.device("cpu")
+Ints = TypeVar("Ints", torch.Tensor, np.ndarray)  # int64, holding 32-bit values
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +38,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64 [rows], the vocabulary size when unfiltered
     top_p: torch.Tensor  # float32 [rows]
     min_p: torch.Tensor  # float32 [rows], 0.0 when unfiltered
-    keys: torch.Tensor  # int64 [rows]: hash of (seed, position of the generated token)
+    draws: torch.Tensor  # float32 [rows]: the uniform of (seed, position of the generated token)
 
     @classmethod
     def build(
@@ -46,15 +52,22 @@ class SamplingTensors:
         """`positions[i]` is the position of the token row i generates; rows beyond `params` are padding."""
         padded = [*params, *[GREEDY] * (rows - len(params))]
         steps = [*positions, *[0] * (rows - len(positions))]
-        seeds = torch.tensor([_fold_seed(p.seed) for p in padded], dtype=torch.int64, device=device)
-        return cls(
-            greedy=torch.tensor([p.is_greedy for p in padded], device=device),
-            temperature=torch.tensor([p.temperature or 1.0 for p in padded], device=device),
-            top_k=torch.tensor([p.top_k or vocab_size for p in padded], device=device),
-            top_p=torch.tensor([p.top_p for p in padded], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in padded], dtype=torch.float32, device=device),
-            keys=row_keys(seeds, torch.tensor(steps, dtype=torch.int64, device=device)),
-        )
+        # One array of every row's fields, cut into columns: numpy's per-op cost is a fraction of torch's.
+        table = np.array(
+            [(p.temperature, p.top_k or vocab_size, p.top_p, p.min_p, _fold_seed(p.seed)) for p in padded],
+            np.float64,
+        ).reshape(rows, 5)
+        temperature = table[:, 0]
+        draws = uniform(row_keys(table[:, 4].astype(np.int64), np.array(steps, np.int64)))
+        columns = {
+            "greedy": temperature == 0.0,
+            "temperature": np.where(temperature == 0.0, 1.0, temperature).astype(np.float32),
+            "top_k": table[:, 1].astype(np.int64),
+            "top_p": table[:, 2].astype(np.float32),
+            "min_p": table[:, 3].astype(np.float32),
+            "draws": draws,
+        }
+        return cls(**{name: torch.from_numpy(column).to(device) for name, column in columns.items()})
 
     def copy_(self, other: SamplingTensors) -> None:
         """Overwrite in place (static buffers of a captured graph)."""
@@ -78,33 +91,119 @@ def sample(
     adjusted: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per row of fp32 `logits` [rows, vocab], from `adjusted` where given (the host
-    logits path's rows changed; logprobs stay those of `logits`).
-
-    `random` is False when every row is greedy and `filtered` False when no row uses top-k or top-p:
-    both only skip work that cannot change any row's token (a captured graph passes True for both).
-    """
-    drawn_from = logits if adjusted is None else adjusted
+    logits path's rows changed; logprobs stay those of `logits`)."""
     all_logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = drawn_from.argmax(dim=-1)
-    if random:
-        tokens = torch.where(tensors.greedy, tokens, _draw(drawn_from, tensors, filtered))
+    tokens = pick(logits if adjusted is None else adjusted, tensors, random=random, filtered=filtered)
     return SampleOutput(tokens, all_logprobs.gather(1, tokens[:, None]).squeeze(1), all_logprobs)
+
+
+def pick(logits: torch.Tensor, tensors: SamplingTensors, *, random: bool, filtered: bool) -> torch.Tensor:
+    """The column each row of `logits` [rows, columns] draws. `random` is False when every row is greedy
+    and `filtered` False when no row uses top-k, top-p or min-p: both only skip work that cannot change
+    any row's token (a captured graph passes True for both)."""
+    tokens = logits.argmax(dim=-1)
+    if random:
+        tokens = torch.where(tensors.greedy, tokens, _draw(logits, tensors, filtered))
+    return tokens
 
 
 @torch.inference_mode()
 def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+    *,
+    rows: Sequence[int] | None = None,
+    logprobs: torch.Tensor | None = None,
 ) -> list[SampledToken]:
-    """One token per sequence from fp32 `logits` [rows >= len(params), vocab]: only the first
-    `len(params)` rows are live (later ones are batch padding) and only they are sampled;
-    `positions[i]` is the position of the token row i generates."""
-    live = logits[: len(params)]
+    """One token per sequence from fp32 `logits` [rows, vocab]: sequence i draws from row `rows[i]`,
+    by default row i (later rows are then batch padding, never sampled); `positions[i]` is the position
+    of the token sequence i generates. `logprobs`: the log-softmax of `logits`, where the caller has it
+    (else it is computed for the sampled rows)."""
+    index = np.arange(len(params)) if rows is None else np.array(rows, np.int64)
+    live = logits[: len(params)] if rows is None else None  # the rows in order: no copy
+
+    def dense(of: list[int]) -> torch.Tensor:
+        return live if live is not None and len(of) == len(params) else logits[index[of]]
+
+    tokens = pick_tokens(
+        params,
+        positions,
+        vocab_size,
+        rows=dense,
+        gather=lambda of, ids: (
+            logits[torch.from_numpy(index[of][:, None]), torch.from_numpy(ids)].float().cpu().numpy()
+        ),
+    )
+    if logprobs is None:
+        logprobs, index = torch.log_softmax(dense(list(range(len(params)))), dim=-1), np.arange(len(params))
+    at = torch.from_numpy(index).to(logprobs.device)
+    chosen = logprobs[at, tokens.to(logprobs.device)]
+    needed = logprobs if rows is None or not any(p.num_top_logprobs for p in params) else logprobs[at]
+    return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
+
+
+def pick_tokens(
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+    rows: Callable[[list[int]], torch.Tensor],
+    gather: Gather,
+) -> torch.Tensor:
+    """The token id [len(params)] each row draws. `rows(index)`: raw fp32 logits [len(index), vocab] of
+    those rows; `gather(rows, ids)`: raw logits [len(rows), n] of row rows[i] at ids[i, j]. A row whose
+    tokens are restricted (`HostLogits.restricts`) draws among its allowed ids only, read by `gather`;
+    the others draw from their whole rows, adjusted where they use the host logits path."""
+    restricted = [i for i, p in enumerate(params) if p.host is not None and p.host.restricts]
+    if not restricted:
+        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
+    others = [i for i in range(len(params)) if i not in set(restricted)]
+    index = np.array(restricted, np.int64)
+    among = _pick_allowed(
+        [params[i] for i in restricted],
+        [positions[i] for i in restricted],
+        vocab_size,
+        lambda r, ids: gather(index[r], ids),
+    )
+    if not others:
+        return among
+    tokens = _pick_rows(rows(others), [params[i] for i in others], [positions[i] for i in others], vocab_size)
+    merged = torch.empty(len(params), dtype=torch.int64, device=tokens.device)
+    merged[others] = tokens
+    merged[restricted] = among.to(tokens.device)
+    return merged
+
+
+def _pick_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
+) -> torch.Tensor:
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
-    random = any(not p.is_greedy for p in params)
-    filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
-    adjusted = apply_host_logits(live, params)
-    output = sample(live, tensors, random=random, filtered=filtered, adjusted=adjusted)
-    return sampled_tokens(output, params)
+    return pick(
+        apply_host_logits(logits, params), tensors, random=_random(params), filtered=_filtered(params)
+    )
+
+
+def _pick_allowed(
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+    gather: Gather,
+) -> torch.Tensor:
+    allowed = Restricted.of([p.host for p in params], vocab_size, gather)  # type: ignore[misc]
+    tensors = SamplingTensors.build(params, positions, len(params), vocab_size, HOST)
+    column = pick(
+        torch.from_numpy(allowed.logits), tensors, random=_random(params), filtered=_filtered(params)
+    )
+    return torch.from_numpy(allowed.tokens[np.arange(len(params)), column.numpy()])
+
+
+def _random(params: Sequence[SamplingParams]) -> bool:
+    return any(not p.is_greedy for p in params)
+
+
+def _filtered(params: Sequence[SamplingParams]) -> bool:
+    return any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
 
 
 def sampled_tokens(output: SampleOutput, params: Sequence[SamplingParams]) -> list[SampledToken]:
@@ -147,7 +246,7 @@ def _draw(logits: torch.Tensor, tensors: SamplingTensors, filtered: bool) -> tor
     if filtered:
         probs = probs * (probs >= _cutoff(probs, tensors.top_k, tensors.top_p, tensors.min_p))
     cdf = probs.cumsum(dim=-1)
-    target = uniform(tensors.keys)[:, None] * cdf[:, -1:]
+    target = tensors.draws[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, target).clamp_(max=logits.shape[-1] - 1).squeeze(1)
 
 
@@ -166,20 +265,20 @@ def _cutoff(
     return torch.maximum(ordered.gather(1, kept - 1), min_p[:, None] * ordered[:, :1])
 
 
-def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def row_keys(seeds: Ints, positions: Ints) -> Ints:
     """A 32-bit key per row from (seed, position): the counter of a counter-based generator."""
     return mix32(mix32(seeds) ^ (positions & MASK32))
 
 
-def uniform(keys: torch.Tensor) -> torch.Tensor:
+def uniform(keys: np.ndarray) -> np.ndarray:
     """A float32 uniform in (0, 1) per key: the top 24 bits of a further hash, centred in their bin."""
     bits = mix32(keys ^ 0x9E3779B9) >> 8
-    return (bits.float() + 0.5) / float(1 << 24)
+    return (bits.astype(np.float32) + 0.5) / float(1 << 24)
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """The `lowbias32` integer hash on int64 tensors holding 32-bit values (wrapping multiplies are
-    masked back to 32 bits, so shifts stay logical)."""
+def mix32(x: Ints) -> Ints:
+    """The `lowbias32` integer hash on int64 tensors or arrays holding 32-bit values (wrapping multiplies
+    are masked back to 32 bits, so shifts stay logical)."""
     x = x & MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32

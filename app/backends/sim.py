@@ -20,9 +20,11 @@ keeps each slot's last sampled token, so a decode row may leave its last token t
 engine may launch a step before the previous one's tokens are back. A row on the host logits path
 (penalties, a grammar, ...: `SamplingParams.host`) is drawn instead by the portable sampler from made-up
 logits (a fixed hash per vocabulary entry, rotated by a hash of seed, position and previous token),
-adjusted as the torch backend adjusts real ones; it costs the host what such a row costs on a device that
-returns logits. Presets
-come from published inf2 numbers (research/perf-anchors.md sections 2 and 3).
+adjusted as the torch backend adjusts real ones, the batch's host rows in one call. It costs the host
+what such a row costs on a device that returns logits, less their transfer: a restricted row (a grammar,
+`allowed_token_ids`) reads the made-up logits of its allowed ids only, as the host reads a device's
+returned logits, and the others build their whole row. Presets come from published inf2 numbers
+(research/perf-anchors.md sections 2 and 3).
 
 The sim also checks what it is given, as a strict device would: shapes from the grid, distinct slots, and
 that each decode continues its slot exactly where the slot's sequence ended (which catches a slot used
@@ -42,6 +44,7 @@ import bisect
 import json
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -63,7 +66,7 @@ from app.backends.base import (
     Tokens,
 )
 from app.backends.batches import check_decode, check_prefill
-from app.backends.sampling import MASK32, mix32, sample_tokens
+from app.backends.sampling import MASK32, mix32, pick_tokens, sample_tokens
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
@@ -236,6 +239,7 @@ class SimBackend(Backend):
         self._busy_until = 0.0  # when the last queued call ends
         ids = torch.arange(self.model.vocab_size, dtype=torch.int64)  # a host row's logits, rolled per token
         self._made_up_logits = mix32(ids).float() * (SIM_LOGIT_SCALE / MASK32)
+        self._made_up_normaliser = torch.logsumexp(self._made_up_logits, dim=0)
         self._check_positions = True
 
     def warmup(self) -> None:
@@ -314,14 +318,23 @@ class SimBackend(Backend):
 
     def _prefill_tokens(self, batch: PrefillBatch) -> list[SampledToken]:
         check_prefill(batch, self.spec.grid, self.model.vocab_size)
-        tokens = [
-            self._host_token(params, len(prompt), prompt[-1])
-            if params.host is not None
-            else self.sample_token(
-                params.seed, len(prompt), prompt[-1], params.num_top_logprobs, self._scored(prompt, params)
-            )
-            for prompt, params in zip(batch.prompts, batch.sampling, strict=True)
-        ]
+        tokens = self._with_host_rows(
+            [
+                None
+                if params.host is not None
+                else self.sample_token(
+                    params.seed,
+                    len(prompt),
+                    prompt[-1],
+                    params.num_top_logprobs,
+                    self._scored(prompt, params),
+                )
+                for prompt, params in zip(batch.prompts, batch.sampling, strict=True)
+            ],
+            batch.sampling,
+            [len(prompt) for prompt in batch.prompts],
+            [prompt[-1] for prompt in batch.prompts],
+        )
         for slot, prompt, token in zip(batch.slots, batch.prompts, tokens, strict=True):
             self._kv_len[slot] = len(prompt)
             self._last_token[slot] = token.token_id
@@ -330,20 +343,22 @@ class SimBackend(Backend):
     def _decode_tokens(self, batch: DecodeBatch) -> list[SampledToken]:
         self._check_decode(batch)
         last_token = self._last_token
-        tokens = [
-            self._host_token(params, position + 1, previous)
-            if params.host is not None
-            else self.sample_token(params.seed, position + 1, previous, params.num_top_logprobs)
-            for previous, position, params in zip(
-                [
-                    last_token[slot] if last == FED_BACK else last
-                    for slot, last in zip(batch.slots, batch.last_tokens, strict=True)
-                ],
-                batch.positions,
-                batch.sampling,
-                strict=True,
-            )
+        previous = [
+            last_token[slot] if last == FED_BACK else last
+            for slot, last in zip(batch.slots, batch.last_tokens, strict=True)
         ]
+        positions = [position + 1 for position in batch.positions]
+        tokens = self._with_host_rows(
+            [
+                None
+                if params.host is not None
+                else self.sample_token(params.seed, p, t, params.num_top_logprobs)
+                for t, p, params in zip(previous, positions, batch.sampling, strict=True)
+            ],
+            batch.sampling,
+            positions,
+            previous,
+        )
         for slot, position, token in zip(batch.slots, batch.positions, tokens, strict=True):
             self._kv_len[slot] = position + 1
             last_token[slot] = token.token_id
@@ -365,12 +380,49 @@ class SimBackend(Backend):
             token = self._plain_ids[h % len(self._plain_ids)]
         return SampledToken(token, *self._scores(h, token, num_top_logprobs), prompt)
 
-    def _host_token(self, params: SamplingParams, position: int, previous_token: int) -> SampledToken:
-        """A host-logits row (never fed back: its state needs the token before it): made-up logits,
-        adjusted and sampled on the host."""
-        h = sim_hash(params.seed, position, previous_token)
-        logits = self._made_up_logits.roll(h % self.model.vocab_size)[None, :]
-        return sample_tokens(logits, [params], [position], self.model.vocab_size)[0]
+    def _with_host_rows(
+        self,
+        tokens: list[SampledToken | None],
+        sampling: Sequence[SamplingParams],
+        positions: Sequence[int],
+        previous: Sequence[int],
+    ) -> list[SampledToken]:
+        """`tokens` with the host-logits rows (None there) drawn, all in one batch (never fed back: their
+        state needs the token before them)."""
+        rows = [i for i, token in enumerate(tokens) if token is None]
+        if rows:
+            drawn = self._host_tokens(
+                [sampling[i] for i in rows],
+                [positions[i] for i in rows],
+                [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows],
+            )
+            for i, token in zip(rows, drawn, strict=True):
+                tokens[i] = token
+        return tokens  # type: ignore[return-value]
+
+    def _host_tokens(
+        self, params: Sequence[SamplingParams], positions: Sequence[int], hashes: Sequence[int]
+    ) -> list[SampledToken]:
+        """Host-logits rows, drawn from made-up logits: row i's is the fixed `_made_up_logits` rolled by
+        hashes[i] (so a row's logits are a function of seed, position and previous token). Restricted rows
+        (a grammar, `allowed_token_ids`) read only their allowed ids' logits, as a host reading a device's
+        logits would; their logprob is exact (a roll keeps the row's log-normaliser). Others, and any
+        batch asking for top logprobs, get whole rows."""
+        vocab = self.model.vocab_size
+        shifts = torch.tensor([h % vocab for h in hashes], dtype=torch.int64)
+        if any(p.num_top_logprobs for p in params):
+            logits = self._made_up_logits[(torch.arange(vocab)[None, :] - shifts[:, None]) % vocab]
+            return sample_tokens(logits, params, positions, vocab)
+        made_up, shifted = self._made_up_logits, shifts.numpy()
+        tokens = pick_tokens(
+            params,
+            positions,
+            vocab,
+            rows=lambda index: made_up[(torch.arange(vocab)[None, :] - shifts[index][:, None]) % vocab],
+            gather=lambda rows, ids: made_up.numpy()[(ids - shifted[rows][:, None]) % vocab],
+        )
+        logprobs = made_up[(tokens - shifts) % vocab] - self._made_up_normaliser
+        return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
 
     def _scores(self, h: int, token: int, num_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         logprob = -((h >> 20) & 0xFFFF) / 16384.0

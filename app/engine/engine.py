@@ -138,7 +138,7 @@ class LLMEngine:
         rules = self._decode_rules if params.skip_special_tokens else self._decode_rules_with_special
         continues_text = rules.continues_text(prompt)
         stop_ids = stop_token_ids(params, self.eos_token_ids)
-        params = with_host_state(params, prompt, stop_ids, self.tokenizer, self.backend.model.vocab_size)
+        params = with_host_state(params, prompt, stop_ids, self.tokenizer)
         with self._lock:
             self._check_admission(params.max_tokens)
             now = self.clock.monotonic()

@@ -11,8 +11,8 @@ bounded pool of its own, so a slow one holds none of the server's threads). Comp
 per (kind, source), each as a fresh matcher copied for every request.
 
 Each engine makes its own matchers from a `Grammar`'s text (`matcher`), so a request crosses to a replica
-process as plain data. Per step a matcher costs llguidance's mask computation (tens of microseconds, and
-bounded by its per-step fuel) and the unpacking of the bitmask into a boolean row.
+process as plain data. Per step a batch's matchers cost llguidance's mask computation, in one call for
+them all (`GrammarMatcher.fill`; microseconds a row, and bounded by its per-step fuel).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from typing import Any
 
 import llguidance
 import numpy
-import torch
 
 from app.backends.logits import Grammar, HostLogits
 from app.engine.types import GenerationParams
@@ -51,6 +50,7 @@ LIMITS = llguidance.LLParserLimits(
     max_grammar_size=200_000,
 )
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="inf2serve-grammar")
+_EXECUTOR = llguidance.LLExecutor()  # a batch's masks, one call a step
 
 
 class Kind(StrEnum):
@@ -80,11 +80,11 @@ class Constraint:
 
 
 class GrammarCompiler:
-    """llguidance for one tokenizer. Its masks cover the tokenizer's vocabulary; a model whose logits are
-    wider (padded embeddings) never gets the ids beyond it."""
+    """llguidance for one tokenizer (`compiler_for` makes it from ours). Its masks cover the tokenizer's
+    vocabulary; a model whose logits are wider (padded embeddings) never gets the ids beyond it."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), eos_token=list(tokenizer.eos_token_ids))
+    def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
+        self._tokenizer = tokenizer
         self.vocab_size = self._tokenizer.vocab_size
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -142,22 +142,23 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One request's position in its grammar (`app.backends.logits.TokenMask`)."""
 
-    __slots__ = ("_bits", "_matcher")
+    __slots__ = ("_matcher", "_words")
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher = matcher
-        self._bits = numpy.zeros((vocab_size + 31) // 32, dtype="<u4")
+        self._words = (vocab_size + 31) // 32
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        bits = self._bits
-        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-        # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
-        allowed = torch.from_numpy(numpy.unpackbits(bits.view(numpy.uint8), bitorder="little")).view(
-            torch.bool
+    def fill(self, masks: Sequence[GrammarMatcher]) -> numpy.ndarray:  # type: ignore[override]
+        """Every matcher's mask in one call of llguidance's executor (bit k of 32-bit word w: token
+        32 w + k), which computes them on its own threads, outside the GIL."""
+        bitmask = numpy.empty((len(masks), self._words), dtype=numpy.int32)
+        _EXECUTOR.unsafe_compute_mask_ptr(
+            [(mask._matcher, i) for i, mask in enumerate(masks)],
+            bitmask.ctypes.data,
+            self._words * 4,
+            len(masks),
         )
-        if allowed.numel() < vocab_size:
-            return torch.cat([allowed, torch.zeros(vocab_size - allowed.numel(), dtype=torch.bool)])
-        return allowed[:vocab_size]
+        return bitmask
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token leaves it in its error state: EOS next
@@ -171,7 +172,9 @@ class GrammarMatcher:
 def compiler_for(tokenizer: Tokenizer) -> GrammarCompiler:
     """The process's compiler for a tokenizer (its set-up reads the whole vocabulary: about a second,
     paid by the first constrained request of a process)."""
-    return GrammarCompiler(tokenizer)
+    return GrammarCompiler(
+        llguidance.LLTokenizer(tokenizer.to_json(), eos_token=list(tokenizer.eos_token_ids))
+    )
 
 
 def with_host_state(
@@ -179,7 +182,6 @@ def with_host_state(
     prompt: Sequence[int],
     stop_ids: Collection[int],
     tokenizer: Tokenizer,
-    vocab_size: int,
 ) -> GenerationParams:
     """`params` with a fresh host logits state for a request of `prompt` (its grammar's matcher made by
     this process's compiler), or unchanged when it uses no host logits. `stop_ids` are what min_tokens
@@ -188,7 +190,7 @@ def with_host_state(
     if not sampling.uses_host_logits:
         return params
     mask = None if sampling.grammar is None else compiler_for(tokenizer).matcher(sampling.grammar)
-    state = HostLogits.start(sampling, prompt, sorted(stop_ids), vocab_size, mask)
+    state = HostLogits.start(sampling, prompt, sorted(stop_ids), mask)
     return replace(params, sampling=state)
 
 

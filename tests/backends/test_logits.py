@@ -4,6 +4,9 @@ penalties; its state follows the applied tokens only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy
 import pytest
 import torch
 from transformers import (
@@ -15,6 +18,7 @@ from transformers import (
 
 from app.backends.base import SamplingParams
 from app.backends.logits import HostLogits, apply_host_logits
+from app.backends.sampling import SamplingTensors, pick, sample_tokens
 
 VOCAB = 64
 PROMPT = (1, 5, 9, 9, 13)
@@ -28,13 +32,11 @@ def adjusted(
     """(raw logits, logits after the host path) with `output` generated after `prompt`."""
     torch.manual_seed(0)
     logits = torch.randn(1, VOCAB)
-    state = HostLogits.start(params, prompt, (EOS,), VOCAB, mask).host
-    assert state is not None
+    params = HostLogits.start(params, prompt, (EOS,), mask)
+    assert params.host is not None
     for token in output:
-        state.accept(token)
-    row = logits[0].clone()
-    state.apply(row)
-    return logits, row[None, :]
+        params.host.accept(token)
+    return logits, apply_host_logits(logits, [params])
 
 
 def history(prompt=PROMPT, output=OUTPUT) -> torch.Tensor:
@@ -91,10 +93,12 @@ class OnlyToken:
     def __init__(self, token: int) -> None:
         self.token, self.seen = token, []
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        allowed = torch.zeros(vocab_size, dtype=torch.bool)
-        allowed[self.token] = self.token not in self.seen
-        return allowed
+    def fill(self, masks: list[OnlyToken]) -> numpy.ndarray:
+        bitmask = numpy.zeros((len(masks), (VOCAB + 31) // 32), dtype=numpy.int32)
+        for row, mask in enumerate(masks):
+            if mask.token not in mask.seen:
+                bitmask[row, mask.token // 32] = 1 << (mask.token % 32)
+        return bitmask
 
     def accept(self, token_id: int) -> None:
         self.seen.append(token_id)
@@ -110,11 +114,71 @@ def test_a_grammar_masks_and_a_dead_end_allows_the_stop_id() -> None:
 def test_rows_without_host_logits_pass_through_untouched() -> None:
     logits = torch.randn(3, VOCAB)
     assert apply_host_logits(logits, [SamplingParams()] * 3) is logits
-    with_state = HostLogits.start(SamplingParams(logit_bias=((0, 1.0),)), PROMPT, (EOS,), VOCAB, None)
+    with_state = HostLogits.start(SamplingParams(logit_bias=((0, 1.0),)), PROMPT, (EOS,), None)
     out = apply_host_logits(logits, [SamplingParams(), with_state, SamplingParams()])
     torch.testing.assert_close(out[[0, 2]], logits[[0, 2]])
     assert out[1, 0] == logits[1, 0] + 1.0
 
 
 def test_params_without_host_fields_get_no_state() -> None:
-    assert HostLogits.start(SamplingParams(temperature=1.0), PROMPT, (EOS,), VOCAB, None).host is None
+    assert HostLogits.start(SamplingParams(temperature=1.0), PROMPT, (EOS,), None).host is None
+
+
+class Allows:
+    """A grammar matcher that allows a fixed set of tokens."""
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+
+    def fill(self, masks: list[Allows]) -> numpy.ndarray:
+        bitmask = numpy.zeros((len(masks), (VOCAB + 31) // 32), dtype=numpy.int32)
+        for row, mask in enumerate(masks):
+            for token in mask.tokens:
+                bitmask[row, token // 32] |= numpy.int32(1 << (token % 32) if token % 32 < 31 else -(1 << 31))
+        return bitmask
+
+    def accept(self, token_id: int) -> None:
+        pass
+
+
+def batch(seed: int) -> list[SamplingParams]:
+    """Rows of every kind, each with its own history: restricted by a grammar, by allowed ids, by both,
+    and unrestricted with penalties, sampled at temperature 1 with and without top-p."""
+    rows = [
+        (SamplingParams(repetition_penalty=1.3, grammar=object()), Allows((5, 9, 31, 40, 63))),  # type: ignore[arg-type]
+        (SamplingParams(allowed_token_ids=(3, 8, 9, 40), logit_bias=((8, 2.0),), top_p=0.7), None),
+        (SamplingParams(allowed_token_ids=(9, 31, 50), grammar=object(), min_tokens=9), Allows((9, 31, 2))),  # type: ignore[arg-type]
+        (SamplingParams(frequency_penalty=0.5, bad_words=((7, 50),)), None),
+        (SamplingParams(), None),
+    ]
+    params = []
+    for row, (row_params, mask) in enumerate(rows):
+        sampled = replace(row_params, temperature=1.0, seed=seed * 10 + row)
+        params.append(HostLogits.start(sampled, PROMPT, (EOS,), mask))
+        if params[-1].host is not None:
+            for token in OUTPUT:
+                params[-1].host.accept(token)
+    return params
+
+
+def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_row_draws() -> None:
+    """`sample_tokens` draws a restricted row among its allowed ids only, in one batch with rows of other
+    kinds; the reference draws every row from its whole adjusted row."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, VOCAB) * 2
+    for seed in range(40):
+        params, positions = batch(seed), [seed] * 5
+        ours = [t.token_id for t in sample_tokens(logits, params, positions, VOCAB)]
+        tensors = SamplingTensors.build(params, positions, 5, VOCAB, torch.device("cpu"))
+        reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
+        assert ours == reference
+        assert ours[0] in (5, 9, 31, 40, 63) and ours[1] in (3, 8, 9, 40) and ours[2] in (9, 31)
+
+
+def test_adjustments_batched_over_rows_are_each_rows_own() -> None:
+    logits = torch.randn(5, VOCAB)
+    params = batch(0)
+    together = apply_host_logits(logits, params)
+    for row, row_params in enumerate(params):
+        alone = apply_host_logits(logits[row : row + 1], [row_params])
+        torch.testing.assert_close(together[row : row + 1], alone)

@@ -502,15 +502,18 @@ class NxdiBackend(NeuronBackend):
     ) -> list[SampledToken]:
         """The tokens of the output's `rows`, in that order (one `params` each; `positions[i]`: where row
         i's token goes): the device's, except on host rows, drawn here from the row's logits."""
-        logits = output.logits[rows, -1, : self.model.vocab_size]
-        tokens = device_tokens(output.tokens[rows], logits, params)
+        logits = output.logits[rows, -1, : self.model.vocab_size].float()
+        all_logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = device_tokens(output.tokens[rows], all_logprobs, params)
         host = [i for i, p in enumerate(params) if _on_host(p)]
-        if host:
+        if host:  # drawn from the rows in place, their logprobs already computed: no copy of a row
             drawn = sample_tokens(
-                logits[host].float(),
+                logits,
                 [params[i] for i in host],
                 [positions[i] for i in host],
                 self.model.vocab_size,
+                rows=host,
+                logprobs=all_logprobs,
             )
             for i, token in zip(host, drawn, strict=True):
                 tokens[i] = token

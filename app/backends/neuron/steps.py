@@ -168,11 +168,10 @@ def decode_rows(
 
 
 def device_tokens(
-    ids: torch.Tensor, logits: torch.Tensor, params: Sequence[SamplingParams]
+    ids: torch.Tensor, all_logprobs: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[SampledToken]:
     """Tokens the device sampled (`ids` [n], one per `params`), with their logprobs and top alternatives
-    read from the logits [n, vocab] returned alongside them."""
+    read from the log-softmax [n, vocab] of the logits returned alongside them."""
     token_ids = ids.to(torch.int64)
-    all_logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = all_logprobs.gather(1, token_ids[:, None]).squeeze(1)
     return sampled_tokens(SampleOutput(token_ids, chosen, all_logprobs), params)

@@ -48,7 +48,7 @@ def test_host_rows_are_drawn_on_the_host_and_the_others_keep_the_devices_tokens(
     nxdi_fresh: NxdiBackend,
 ) -> None:
     device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
-    host = HostLogits.start(SamplingParams(allowed_token_ids=ALLOWED), PROMPTS[1], (2,), 512, None)
+    host = HostLogits.start(SamplingParams(allowed_token_ids=ALLOWED), PROMPTS[1], (2,), None)
     mixed = decode_all(nxdi_fresh, [GREEDY, host, GREEDY])
     assert mixed[1] in ALLOWED and device_only[1] not in ALLOWED
     assert [mixed[0], mixed[2]] == [device_only[0], device_only[2]]

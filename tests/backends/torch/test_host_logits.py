@@ -23,7 +23,7 @@ STOP = 426  # greedy stories260K generates it 6th after PROMPT: the minimum leng
 def generate_with_host(backend: TorchBackend, slot: int, params: SamplingParams, steps: int) -> list[int]:
     """As the engine runs it: a fresh state, advanced by each token as it is applied (STOP is the stop
     id that min_tokens holds back)."""
-    params = HostLogits.start(params, PROMPT, (STOP,), backend.model.vocab_size, None)
+    params = HostLogits.start(params, PROMPT, (STOP,), None)
     grid = backend.spec.grid
     batch = PrefillBatch((slot,), (PROMPT,), (params,), grid.context_bucket(len(PROMPT)))
     tokens = [backend.prefill(batch)[0].token_id]
@@ -68,7 +68,7 @@ def test_greedy_generation_with_processors_matches_transformers(
 def test_a_host_row_leaves_its_batch_mates_tokens_alone(stories_backend: TorchBackend) -> None:
     banned = SamplingParams(allowed_token_ids=(300, 301))
     alone = generate(stories_backend, 1, PROMPT, 2)
-    params = HostLogits.start(banned, PROMPT, (STOP,), stories_backend.model.vocab_size, None)
+    params = HostLogits.start(banned, PROMPT, (STOP,), None)
     grid = stories_backend.spec.grid
     batch = PrefillBatch((0, 1), (PROMPT, PROMPT), (params, GREEDY), grid.context_bucket(len(PROMPT)))
     constrained, free = stories_backend.prefill(batch)
