@@ -19,9 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import ConnectionPool, RequestResult, completion_body, stream_completion
-from loadtest.harness.server import BIN, ServerProcess, free_port
+from loadtest.harness.server import ServerProcess
 from loadtest.replica_bench import replica_pids
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
+from tests.replicas.helpers import serve_two_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +59,7 @@ async def scenario(server: ServerProcess) -> tuple[list[RequestResult], str, int
 
 
 def test_replicas_serve_export_aggregated_metrics_and_drain(sim_artifact: Path, tmp_path: Path) -> None:
-    port = free_port()
-    argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(sim_artifact), "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--replicas", "2", "--drain-s", "0.2", "--no-verify-golden"]
-    server = ServerProcess(argv, {}, port, tmp_path / "server.log").start()
+    server = serve_two_replicas(sim_artifact, tmp_path, "--drain-s", "0.2", "--no-verify-golden")
     try:
         server.wait_ready()
         assert server.process is not None
@@ -87,11 +85,9 @@ def replica_server(
 ) -> ServerProcess:
     """Two replicas, round-robin (requests alternate), on a sim device with room for LONG_TOKENS."""
     artifact = build_sim_artifact(tmp_path / "artifacts", checkpoint, sim_grid(4, 512), TEN_MS_STEP)
-    port = free_port()
-    argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--replicas", "2", "--replica-routing", "round_robin"]
-    argv += ["--drain-s", str(drain_s), "--shutdown-timeout-s", str(shutdown_timeout_s)]
-    return ServerProcess(argv, {}, port, tmp_path / "server.log").start()
+    routing = ("--replica-routing", "round_robin")
+    timing = ("--drain-s", str(drain_s), "--shutdown-timeout-s", str(shutdown_timeout_s))
+    return serve_two_replicas(artifact, tmp_path, *routing, *timing)
 
 
 async def stream_events(client: httpx.AsyncClient, started: asyncio.Event) -> tuple[int, list[str]]:
