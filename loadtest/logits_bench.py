@@ -10,6 +10,10 @@ applying of its tokens to the rows' states (`HostLogits.accept`, as the engine d
 own work for the same rows in the same run: the same tokens replayed through fresh matchers, one batched
 mask call and one token commit per row a step (`GrammarMatcher.fill`, `accept`: llguidance and nothing
 of ours), per row; `k=K_ratio` is extra / grammar (1.0: a constrained row costs only its grammar).
+What a step costs splits into a part paid once by any step with a constrained row (a few dozen array
+operations) and a part per row: `marginal_per_row_us` is (step at 32 - step at 8) / 24, next to the
+grammar engine's own, `grammar_marginal_per_row_us`, their `marginal_ratio`, and `fixed_per_step_us` the
+rest of the step at k = 8.
 - sim (zero-cost device, so the whole call is host work) at stories260K's 512-token vocabulary, and at
   Llama 3's 128,256 with the grammar compiled for a synthetic 128,256-token byte-level vocabulary
   (`loadtest.grammar_bench.synthetic_vocabulary`), so masks and allowed sets have Llama 3's size;
@@ -163,7 +167,14 @@ def figures(run: Run, rounds: int) -> dict[str, float]:
             f"k={k}_grammar_per_row_us": round(own / k, 1),
             f"k={k}_ratio": round(extra / (own / k), 2),
         }
-    return report
+    marginal = (ours[32] - ours[8]) / 24
+    grammar_marginal = (grammar[32] - grammar[8]) / 24
+    return report | {
+        "marginal_per_row_us": round(marginal, 1),
+        "grammar_marginal_per_row_us": round(grammar_marginal, 1),
+        "marginal_ratio": round(marginal / grammar_marginal, 2),
+        "fixed_per_step_us": round(ours[8] - ours[0] - 8 * marginal, 1),
+    }
 
 
 def sim_backend(vocab_size: int) -> SimBackend:
