@@ -106,6 +106,7 @@ class HostLogits:
             self.mask.accept(token_id)
 
     def _add_edits(self, row: int, edits: _Edits) -> None:
+        """Add this request's adjustments of its next token to `edits`, as row `row`."""
         params = self.params
         if params.repetition_penalty != 1.0:
             edits.scale.add(row, self._seen, params.repetition_penalty)
@@ -207,8 +208,8 @@ def _sparse_columns(keys: np.ndarray, starts: np.ndarray, vocab_size: int) -> _C
 
     def columns(rows: np.ndarray, tokens: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
         wanted = rows * vocab_size + tokens
-        place = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
-        found = keys[place] == wanted
+        place = np.minimum(np.searchsorted(keys, wanted), max(len(keys) - 1, 0))
+        found = keys[place] == wanted if len(keys) else np.zeros(len(wanted), bool)
         return rows[found], (place - starts[rows])[found], values[found]
 
     return columns  # type: ignore[return-value]
@@ -295,10 +296,10 @@ Gather = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 @dataclass(frozen=True, slots=True)
 class Restricted:
-    """Restricted rows' candidates: `tokens` [rows, n] ascending, each row's allowed ids padded with the
-    vocabulary size, and `logits` fp32 [rows, n] their adjusted logits (-inf on padding). Sampling among
-    them draws what sampling the whole adjusted row would (every other token has probability 0), at the
-    cost of the allowed tokens only."""
+    """Restricted rows' candidates: `tokens` [rows, n] ascending, each row's allowed ids padded with id 0,
+    and `logits` fp32 [rows, n] their adjusted logits (-inf on padding). Sampling among them draws what
+    sampling the whole adjusted row would (every other token has probability 0), at the cost of the
+    allowed tokens only. A row with nothing allowed and no stop id to end on draws id 0."""
 
     tokens: np.ndarray
     logits: np.ndarray
@@ -310,11 +311,12 @@ class Restricted:
         rows = keys.keys // vocab_size
         counts = np.bincount(rows, minlength=len(states))
         starts = np.cumsum(counts) - counts
-        tokens = np.full((len(states), max(int(counts.max()), 1)), vocab_size, np.int64)
+        width = max(int(counts.max()), 1)
+        tokens = np.zeros((len(states), width), np.int64)
         tokens[rows, np.arange(len(rows)) - starts[rows]] = keys.keys % vocab_size
-        padding = tokens == vocab_size
-        logits = gather(np.arange(len(states)), np.where(padding, 0, tokens))
-        logits[padding] = -np.inf
+        logits = gather(np.arange(len(states)), tokens)
+        logits[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
         _Edits.of(states).apply(logits, _sparse_columns(keys.keys, starts, vocab_size))
-        logits[keys.rescued, 0] = 0.0
+        if keys.rescued:
+            logits[keys.rescued, 0] = 0.0
         return cls(tokens, logits)

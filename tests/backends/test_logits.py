@@ -182,3 +182,11 @@ def test_adjustments_batched_over_rows_are_each_rows_own() -> None:
     for row, row_params in enumerate(params):
         alone = apply_host_logits(logits[row : row + 1], [row_params])
         torch.testing.assert_close(together[row : row + 1], alone)
+
+
+def test_a_row_allowed_nothing_without_a_stop_id_draws_a_valid_id() -> None:
+    """A grammar in its error state with no stop id to end on (ignore_eos), beside a row of its kind."""
+    dead = SamplingParams(temperature=1.0, repetition_penalty=1.2, grammar=object())  # type: ignore[arg-type]
+    params = [HostLogits.start(dead, PROMPT, (), Allows(())) for _ in range(2)]
+    tokens = [t.token_id for t in sample_tokens(torch.randn(2, VOCAB), params, [3, 3], VOCAB)]
+    assert all(0 <= t < VOCAB for t in tokens)
