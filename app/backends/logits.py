@@ -255,8 +255,9 @@ def _grammar_keys(states: Sequence[HostLogits], vocab_size: int) -> np.ndarray |
     bits = np.unpackbits(words[mask_row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
     bit_row, bit = np.nonzero(bits)
     tokens = word[bit_row] * 32 + bit
-    keys = np.array(rows, np.int64)[mask_row[bit_row]] * vocab_size + tokens
-    return keys[tokens < vocab_size]
+    state_row = mask_row[bit_row] if len(rows) == len(states) else np.array(rows, np.int64)[mask_row[bit_row]]
+    keys = state_row * vocab_size + tokens
+    return keys[tokens < vocab_size] if words.shape[1] * 32 > vocab_size else keys
 
 
 def _intersect_rows(

@@ -54,18 +54,16 @@ class SamplingTensors:
         steps = [*positions, *[0] * (rows - len(positions))]
         # One array of every row's fields, cut into columns: numpy's per-op cost is a fraction of torch's.
         table = np.array(
-            [(p.temperature, p.top_k or vocab_size, p.top_p, p.min_p, _fold_seed(p.seed)) for p in padded],
-            np.float64,
-        ).reshape(rows, 5)
+            [(p.temperature, p.top_k or vocab_size, p.top_p, p.min_p) for p in padded], np.float64
+        ).reshape(rows, 4)
         temperature = table[:, 0]
-        draws = uniform(row_keys(table[:, 4].astype(np.int64), np.array(steps, np.int64)))
         columns = {
             "greedy": temperature == 0.0,
             "temperature": np.where(temperature == 0.0, 1.0, temperature).astype(np.float32),
             "top_k": table[:, 1].astype(np.int64),
             "top_p": table[:, 2].astype(np.float32),
             "min_p": table[:, 3].astype(np.float32),
-            "draws": draws,
+            "draws": draws(padded, steps),
         }
         return cls(**{name: torch.from_numpy(column).to(device) for name, column in columns.items()})
 
@@ -191,11 +189,31 @@ def _pick_allowed(
     gather: Gather,
 ) -> torch.Tensor:
     allowed = Restricted.of([p.host for p in params], vocab_size, gather)  # type: ignore[misc]
-    tensors = SamplingTensors.build(params, positions, len(params), vocab_size, HOST)
-    column = pick(
-        torch.from_numpy(allowed.logits), tensors, random=_random(params), filtered=_filtered(params)
-    )
-    return torch.from_numpy(allowed.tokens[np.arange(len(params)), column.numpy()])
+    if _filtered(params):  # top-k, top-p, min-p: the filters of `pick`
+        tensors = SamplingTensors.build(params, positions, len(params), vocab_size, HOST)
+        column = pick(
+            torch.from_numpy(allowed.logits), tensors, random=_random(params), filtered=True
+        ).numpy()
+    else:
+        column = _inverse_cdf(allowed.logits, params, positions)
+    return torch.from_numpy(allowed.tokens[np.arange(len(params)), column])
+
+
+def _inverse_cdf(
+    logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]
+) -> np.ndarray:
+    """`pick` without filters, on fp32 `logits` [rows, columns] in numpy (on a step's few candidates its
+    per-op cost is a fraction of torch's): greedy rows take the argmax, the others invert their tempered
+    distribution at their draw. A row whose logits are all -inf takes column 0."""
+    greedy = logits.argmax(axis=1)
+    temperature = np.array([p.temperature for p in params], np.float32)
+    if not temperature.any():
+        return greedy
+    scaled = logits / np.where(temperature == 0.0, 1.0, temperature)[:, None]
+    with np.errstate(invalid="ignore"):  # a row allowed nothing is all -inf: nan, and column 0
+        cdf = np.cumsum(np.exp(scaled - scaled.max(axis=1, keepdims=True)), axis=1)
+    below = (cdf < draws(params, positions)[:, None] * cdf[:, -1:]).sum(axis=1)
+    return np.where(temperature == 0.0, greedy, np.minimum(below, logits.shape[1] - 1))
 
 
 def _random(params: Sequence[SamplingParams]) -> bool:
@@ -263,6 +281,12 @@ def _cutoff(
     in_nucleus = (mass_before < nucleus_mass) | (top_p[:, None] >= 1.0)
     kept = (in_top_k & in_nucleus).sum(dim=-1, keepdim=True).clamp_(min=1)
     return torch.maximum(ordered.gather(1, kept - 1), min_p[:, None] * ordered[:, :1])
+
+
+def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:
+    """float32 [len(params)]: row i's uniform, from its seed and the position of the token it draws."""
+    seeds = np.array([_fold_seed(p.seed) for p in params], np.int64)
+    return uniform(row_keys(seeds, np.array(positions, np.int64)))
 
 
 def row_keys(seeds: Ints, positions: Ints) -> Ints:

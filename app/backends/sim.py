@@ -50,6 +50,7 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from app.backends.base import (
@@ -238,8 +239,9 @@ class SimBackend(Backend):
         self._clear_slots()
         self._busy_until = 0.0  # when the last queued call ends
         ids = torch.arange(self.model.vocab_size, dtype=torch.int64)  # a host row's logits, rolled per token
-        self._made_up_logits = mix32(ids).float() * (SIM_LOGIT_SCALE / MASK32)
-        self._made_up_normaliser = torch.logsumexp(self._made_up_logits, dim=0)
+        made_up = mix32(ids).float() * (SIM_LOGIT_SCALE / MASK32)
+        self._made_up_logits = made_up.numpy()
+        self._made_up_normaliser = float(torch.logsumexp(made_up, dim=0))
         self._check_positions = True
 
     def warmup(self) -> None:
@@ -408,19 +410,18 @@ class SimBackend(Backend):
         (a grammar, `allowed_token_ids`) read only their allowed ids' logits, as a host reading a device's
         logits would; their logprob is exact (a roll keeps the row's log-normaliser). Others, and any
         batch asking for top logprobs, get whole rows."""
-        vocab = self.model.vocab_size
-        shifts = torch.tensor([h % vocab for h in hashes], dtype=torch.int64)
+        vocab, made_up = self.model.vocab_size, self._made_up_logits
+        shifts = np.array([h % vocab for h in hashes], np.int64)
+
+        def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+            return made_up[(ids - shifts[rows][:, None]) % vocab]
+
+        def whole(rows: list[int]) -> torch.Tensor:
+            return torch.from_numpy(gather(np.array(rows, np.int64), np.arange(vocab)[None, :]))
+
         if any(p.num_top_logprobs for p in params):
-            logits = self._made_up_logits[(torch.arange(vocab)[None, :] - shifts[:, None]) % vocab]
-            return sample_tokens(logits, params, positions, vocab)
-        made_up, shifted = self._made_up_logits, shifts.numpy()
-        tokens = pick_tokens(
-            params,
-            positions,
-            vocab,
-            rows=lambda index: made_up[(torch.arange(vocab)[None, :] - shifts[index][:, None]) % vocab],
-            gather=lambda rows, ids: made_up.numpy()[(ids - shifted[rows][:, None]) % vocab],
-        )
+            return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)
+        tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather).numpy()
         logprobs = made_up[(tokens - shifts) % vocab] - self._made_up_normaliser
         return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import llguidance
 import numpy
+import torch
 
 from app.backends.logits import Grammar, HostLogits
 from app.engine.types import GenerationParams
@@ -151,14 +152,16 @@ class GrammarMatcher:
     def fill(self, masks: Sequence[GrammarMatcher]) -> numpy.ndarray:  # type: ignore[override]
         """Every matcher's mask in one call of llguidance's executor (bit k of 32-bit word w: token
         32 w + k), which computes them on its own threads, outside the GIL."""
-        bitmask = numpy.empty((len(masks), self._words), dtype=numpy.int32)
+        bitmask = torch.empty(
+            (len(masks), self._words), dtype=torch.int32
+        )  # data_ptr() is cheaper than ctypes
         _EXECUTOR.unsafe_compute_mask_ptr(
             [(mask._matcher, i) for i, mask in enumerate(masks)],
-            bitmask.ctypes.data,
+            bitmask.data_ptr(),
             self._words * 4,
             len(masks),
         )
-        return bitmask
+        return bitmask.numpy()
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token leaves it in its error state: EOS next

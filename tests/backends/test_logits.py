@@ -141,19 +141,19 @@ class Allows:
         pass
 
 
-def batch(seed: int) -> list[SamplingParams]:
+def batch(seed: int, top_p: float = 0.7) -> list[SamplingParams]:
     """Rows of every kind, each with its own history: restricted by a grammar, by allowed ids, by both,
-    and unrestricted with penalties, sampled at temperature 1 with and without top-p."""
+    and unrestricted with penalties, sampled at temperatures 1 and 0.5, one of them with `top_p`."""
     rows = [
         (SamplingParams(repetition_penalty=1.3, grammar=object()), Allows((5, 9, 31, 40, 63))),  # type: ignore[arg-type]
-        (SamplingParams(allowed_token_ids=(3, 8, 9, 40), logit_bias=((8, 2.0),), top_p=0.7), None),
+        (SamplingParams(allowed_token_ids=(3, 8, 9, 40), logit_bias=((8, 2.0),), top_p=top_p), None),
         (SamplingParams(allowed_token_ids=(9, 31, 50), grammar=object(), min_tokens=9), Allows((9, 31, 2))),  # type: ignore[arg-type]
         (SamplingParams(frequency_penalty=0.5, bad_words=((7, 50),)), None),
         (SamplingParams(), None),
     ]
     params = []
     for row, (row_params, mask) in enumerate(rows):
-        sampled = replace(row_params, temperature=1.0, seed=seed * 10 + row)
+        sampled = replace(row_params, temperature=0.5 if row % 2 else 1.0, seed=seed * 10 + row)
         params.append(HostLogits.start(sampled, PROMPT, (EOS,), mask))
         if params[-1].host is not None:
             for token in OUTPUT:
@@ -161,13 +161,15 @@ def batch(seed: int) -> list[SamplingParams]:
     return params
 
 
-def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_row_draws() -> None:
+@pytest.mark.parametrize("top_p", [0.7, 1.0], ids=["filtered", "unfiltered"])
+def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_row_draws(top_p: float) -> None:
     """`sample_tokens` draws a restricted row among its allowed ids only, in one batch with rows of other
-    kinds; the reference draws every row from its whole adjusted row."""
+    kinds (through the torch sampler's filters, or without them in numpy); the reference draws every row
+    from its whole adjusted row."""
     torch.manual_seed(3)
     logits = torch.randn(5, VOCAB) * 2
     for seed in range(40):
-        params, positions = batch(seed), [seed] * 5
+        params, positions = batch(seed, top_p), [seed] * 5
         ours = [t.token_id for t in sample_tokens(logits, params, positions, VOCAB)]
         tensors = SamplingTensors.build(params, positions, 5, VOCAB, torch.device("cpu"))
         reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
