@@ -198,15 +198,19 @@ class Serving:
 
     async def validate(self, api: Api | None, raw: bytes) -> Validated:
         """The validation step (`Validator.validate`), in a worker thread."""
-        return self.with_stream_deadline(await self.run(self.validator.validate, api, raw))
+        return self.as_delivered(await self.run(self.validator.validate, api, raw))
 
-    def with_stream_deadline(self, validated: Validated) -> Validated:
+    def as_delivered(self, validated: Validated) -> Validated:
         """A streamed request gets `stream_timeout_s` as its deadline; others keep the engine's
-        `request_timeout_s` (a stream sends bytes all along: a limit on silent responses need not cut it)."""
-        if not validated.stream or self.stream_timeout_s is None:
+        `request_timeout_s` (a stream sends bytes all along: a limit on silent responses need not cut it)
+        and read their deltas once they end (`GenerationParams.read_at_end`)."""
+        if not validated.stream:
+            update: dict[str, object] = {"read_at_end": True}
+        elif self.stream_timeout_s is not None:
+            update = {"deadline": time.monotonic() + self.stream_timeout_s}
+        else:
             return validated
-        deadline = time.monotonic() + self.stream_timeout_s
-        requests = [replace(r, params=replace(r.params, deadline=deadline)) for r in validated.requests]
+        requests = [replace(r, params=replace(r.params, **update)) for r in validated.requests]
         return replace(validated, requests=requests)
 
     async def run(self, work: Callable[..., T], *args: object) -> T:

@@ -112,7 +112,7 @@ class LLMEngine:
     ) -> RequestStream:
         """Admit a request at once (or raise InvalidRequestError / OverloadedError / NotReadyError) and return
         its deltas as an async iterator bound to the running event loop."""
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort, params.read_at_end)
         self._admit(request_id, prompt_token_ids, params, stream)
         timeout_s = self.config.request_timeout_s
         if params.deadline is not None:

@@ -51,13 +51,19 @@ class RequestStream:
         "_expiry",
         "_generated",
         "_waiter",
+        "_wake_each",
         "loop",
         "request_id",
     )
 
     def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable[[str], None],
+        read_at_end: bool = False,
     ) -> None:
+        """`read_at_end`: wake the reader at the final delta only (`GenerationParams.read_at_end`)."""
         self.request_id = request_id
         self.loop = loop
         self._abort = abort
@@ -65,6 +71,7 @@ class RequestStream:
         # waits, one future's result (the front pays this per streamed token).
         self._deltas: deque[RequestOutput] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._wake_each = not read_at_end
         self._done = False  # the reader has had the final delta, or left
         self._ended = False  # the final delta is queued
         self._generated = 0
@@ -99,7 +106,7 @@ class RequestStream:
             self._expiry.cancel()
         self._deltas.append(output)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is not None and (self._wake_each or self._ended) and not waiter.done():
             waiter.set_result(None)
 
     def expire_after(self, seconds: float, num_prompt_tokens: int) -> None:

@@ -33,6 +33,9 @@ class GenerationParams:
     skip_special_tokens: bool = True  # special tokens' text is left out of the output text
     include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    # The caller reads the deltas only once the request has ended (a whole-body response): its stream
+    # wakes it at the final delta, not at every token. What it reads is the same.
+    read_at_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -254,7 +254,7 @@ class ReplicaPool:
             self.config.max_waiting * ready, self.config.max_queue_wait_s, self._refusals, params.max_tokens
         )
         params = self._with_deadline(params)
-        stream = RequestStream(request_id, loop, self.abort)
+        stream = RequestStream(request_id, loop, self.abort, params.read_at_end)
         routed = Routed(request_id, tuple(prompt_token_ids), params, stream, -1)
         self._routed[request_id] = routed
         if params.deadline is not None:

@@ -75,6 +75,13 @@ def test_sampling_parameters_reach_the_engine(client, engine):
     assert params.ignore_eos and params.max_tokens == 3
 
 
+def test_only_a_whole_body_reads_its_deltas_at_the_end(client, engine):
+    complete(client, prompt="x", max_tokens=2)
+    complete(client, prompt="x", max_tokens=2, stream=True)
+    whole, streamed = list(engine.requests.values())[-2:]
+    assert whole.read_at_end and not streamed.read_at_end
+
+
 def test_stop_string_ends_with_stop(client):
     text = expected_text(2, 10)
     body = complete(client, prompt="x", max_tokens=10, temperature=0, stop=text[4]).json()
