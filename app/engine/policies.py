@@ -300,8 +300,9 @@ class SloPolicy(Policy):
         return late
 
     def _finish_s(self, request: Request) -> float:
-        """Decoding time until the request's last token (projected: it may end earlier)."""
-        return (request.token_limit - request.num_tokens - request.pending) * self.costs.decode_s
+        """Decoding time until the request's last token (projected: it may end earlier). The tokens in
+        flight count: running ahead, the policy plans the next step while they are still decoding."""
+        return (request.token_limit - request.num_tokens) * self.costs.decode_s
 
     def _budget(self, request: Request, now: float) -> float:
         """The stall a request that has its first token can still absorb and meet its TPOT."""

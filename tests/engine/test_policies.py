@@ -127,6 +127,31 @@ def test_slo_defers_a_prefill_that_would_break_a_decoding_request_s_tpot_until_i
     assert steps[2:-1] and all(step == ([], ["r0"]) for step in steps[2:-1]) and steps[-1] == (["r2"], [])
 
 
+def slo_decision_on_a_tight_budget(ahead: bool) -> list[str]:
+    """r0 (60 tokens) has decoded 41 of them, a step every 10 ms, when r1 arrives: what the slo policy
+    prefills, planned while r0's next decode is in flight (`ahead`, as the engine runs ahead) or once its
+    token is back. Its TPOT (12.35 ms) leaves r0 a budget just short of r1's 100 ms prefill and the stalls
+    to expect until its end."""
+    s = scheduler("slo", slo_ttft_ms=2000, slo_tpot_ms=12.35)
+    s.add(make_request(0, max_tokens=60))
+    execute(s, s.schedule(0.0), now=0.1)
+    now = 0.1
+    for _ in range(40):
+        execute(s, s.schedule(now), now=now + 0.01, decode_s=0.01)
+        now += 0.01
+    in_flight = s.schedule(now)
+    if not ahead:
+        execute(s, in_flight, now=now + 0.01, decode_s=0.01)
+        now += 0.01
+    s.add(make_request(1, max_tokens=4, arrival=now))
+    return prefilled(s.schedule(now))
+
+
+def test_slo_counts_the_decode_in_flight_when_it_plans_running_ahead() -> None:
+    assert slo_decision_on_a_tight_budget(ahead=False) == []  # r0's budget cannot absorb r1's prefill
+    assert slo_decision_on_a_tight_budget(ahead=True) == []  # nor one decode step earlier
+
+
 def test_slo_prefills_at_once_a_request_that_would_otherwise_miss_its_ttft() -> None:
     s = scheduler("slo", slo_ttft_ms=105, slo_tpot_ms=25)
     short_and_long_decoding(s)
