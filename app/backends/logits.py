@@ -217,55 +217,67 @@ def _sparse_columns(keys: np.ndarray, starts: np.ndarray, vocab_size: int) -> _C
 
 @dataclass(frozen=True, slots=True)
 class Allowed:
-    """The allowed next tokens of restricted rows as ascending keys (row * vocab_size + token); `rescued`
-    are the rows where nothing was allowed, given their first stop id instead."""
+    """The tokens restricted rows may draw next, as one bitmask: bit k of 32-bit word w of row i is set
+    where states[i] allows token 32 w + k (its grammar's mask and its `allowed_token_ids`). `counts`: how
+    many each row allows; `rescued`: the rows allowed nothing, given their first stop id instead."""
 
-    keys: np.ndarray  # int64 [n]
+    words: np.ndarray  # uint32 [rows, words]
+    counts: np.ndarray  # int64 [rows]
     rescued: list[int]
 
     @classmethod
     def of(cls, states: Sequence[HostLogits], vocab_size: int) -> Allowed:
-        """For `states` (each restricted), row i being states[i]: the grammar masks in one call."""
-        keys = _grammar_keys(states, vocab_size)
-        only = [(i, s._only) for i, s in enumerate(states) if s._only is not None]
-        if only:
-            only_keys = np.concatenate([i * vocab_size + ids[ids < vocab_size] for i, ids in only])
-            # a row with both keeps their intersection; a row with one keeps it
-            with_both = [i for i, _ in only if states[i].mask is not None]
-            keys = only_keys if keys is None else _intersect_rows(keys, only_keys, with_both, vocab_size)
-        assert keys is not None
-        counts = np.bincount(keys // vocab_size, minlength=len(states))
+        """For `states` (each restricted), row i being states[i]: every grammar's mask in one call."""
+        words = _grammar_words(states, (vocab_size + 31) // 32)
+        for i, state in enumerate(states):
+            if state._only is not None:
+                only = _bits(state._only[state._only < vocab_size], words.shape[1])
+                words[i] = only if state.mask is None else words[i] & only
+        counts = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
         rescued = [i for i in np.flatnonzero(counts == 0).tolist() if states[i].stop_ids]
-        if rescued:
-            stops = [i * vocab_size + states[i].stop_ids[0] for i in rescued]
-            keys = np.sort(np.concatenate([keys, np.array(stops, np.int64)]))
-        return cls(keys, rescued)
+        for i in rescued:
+            words[i] = _bits(np.array(states[i].stop_ids[:1], np.int64), words.shape[1])
+            counts[i] = 1
+        return cls(words, counts, rescued)
+
+    def keys(self, rows: np.ndarray, vocab_size: int) -> np.ndarray:
+        """j * vocab_size + token for each token row rows[j] allows, ascending. Only the words with a bit
+        set are unpacked: a row costs the tokens it allows, not the vocabulary."""
+        words = self.words[rows]
+        row, word = np.nonzero(words)
+        # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
+        bits = np.unpackbits(words[row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+        bit_row, bit = np.nonzero(bits)
+        tokens = word[bit_row] * 32 + bit
+        keys = row[bit_row] * vocab_size + tokens
+        return keys[tokens < vocab_size] if words.shape[1] * 32 > vocab_size else keys
+
+    def refused(self, rows: np.ndarray | list[int], vocab_size: int) -> np.ndarray:
+        """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""
+        bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
+        return bits[:, :vocab_size].view(bool)
 
 
-def _grammar_keys(states: Sequence[HostLogits], vocab_size: int) -> np.ndarray | None:
-    """row * vocab_size + token for each token a grammar allows, ascending; None without grammar rows."""
+def _grammar_words(states: Sequence[HostLogits], width: int) -> np.ndarray:
+    """uint32 [len(states), width]: each grammar row's mask (one call for them all), 0 elsewhere."""
     rows = [i for i, s in enumerate(states) if s.mask is not None]
     if not rows:
-        return None
+        return np.zeros((len(states), width), np.uint32)
     masks = [states[i].mask for i in rows]
-    words = masks[0].fill(masks)  # type: ignore[union-attr, arg-type]
-    # Only the words with a bit set are unpacked: a row costs its allowed tokens, not the vocabulary.
-    # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
-    mask_row, word = np.nonzero(words)
-    bits = np.unpackbits(words[mask_row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
-    bit_row, bit = np.nonzero(bits)
-    tokens = word[bit_row] * 32 + bit
-    state_row = mask_row[bit_row] if len(rows) == len(states) else np.array(rows, np.int64)[mask_row[bit_row]]
-    keys = state_row * vocab_size + tokens
-    return keys[tokens < vocab_size] if words.shape[1] * 32 > vocab_size else keys
+    filled = masks[0].fill(masks).view(np.uint32)  # type: ignore[union-attr, arg-type]
+    if len(rows) == len(states) and filled.shape[1] == width:
+        return filled
+    words = np.zeros((len(states), width), np.uint32)
+    shared = min(width, filled.shape[1])
+    words[rows, :shared] = filled[:, :shared]
+    return words
 
 
-def _intersect_rows(
-    grammar: np.ndarray, only: np.ndarray, with_both: list[int], vocab_size: int
-) -> np.ndarray:
-    grammar_kept = ~np.isin(grammar // vocab_size, with_both) | np.isin(grammar, only)
-    only_kept = ~np.isin(only // vocab_size, with_both)
-    return np.sort(np.concatenate([grammar[grammar_kept], only[only_kept]]))
+def _bits(tokens: np.ndarray, width: int) -> np.ndarray:
+    """uint32 [width]: a bitmask with `tokens` set."""
+    words = np.zeros(width, np.uint32)
+    np.bitwise_or.at(words, tokens >> 5, np.left_shift(np.uint32(1), (tokens & 31).astype(np.uint32)))
+    return words
 
 
 def apply_host_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -281,10 +293,9 @@ def apply_host_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     restricted = [i for i, s in enumerate(states) if s.restricts]
     if restricted:
         allowed = Allowed.of([states[i] for i in restricted], vocab)
-        row, token = np.array(restricted)[allowed.keys // vocab], allowed.keys % vocab
-        kept = values[row, token]
-        values[restricted] = -np.inf
-        values[row, token] = kept
+        values[restricted] = np.where(
+            allowed.refused(np.arange(len(restricted)), vocab), -np.inf, values[restricted]
+        )
         for i in allowed.rescued:
             values[restricted[i], states[restricted[i]].stop_ids[0]] = 0.0
     adjusted = logits.clone()
@@ -293,31 +304,60 @@ def apply_host_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
 
 
 Gather = Callable[[np.ndarray, np.ndarray], np.ndarray]
+WHOLE_ROW_SHARE = 8  # a row allowed over 1 / 8 of the vocabulary is drawn over its whole row
 
 
 @dataclass(frozen=True, slots=True)
 class Restricted:
-    """Restricted rows' candidates: `tokens` [rows, n] ascending, each row's allowed ids padded with id 0,
-    and `logits` fp32 [rows, n] their adjusted logits (-inf on padding). Sampling among them draws what
-    sampling the whole adjusted row would (every other token has probability 0), at the cost of the
-    allowed tokens only. A row with nothing allowed and no stop id to end on draws id 0."""
+    """A group of restricted rows' candidates: `rows` [m], which rows of the batch; `tokens` [m, n] the
+    ids their columns hold; `logits` fp32 [m, n] their adjusted logits (-inf where not allowed); `whole`:
+    whether they are whole rows (n = the vocabulary).
+    Sampling among them draws what sampling the whole adjusted row would (every other token has
+    probability 0), at the cost of the allowed tokens only. A row with nothing allowed and no stop id
+    to end on draws id 0."""
 
+    rows: np.ndarray
     tokens: np.ndarray
     logits: np.ndarray
+    whole: bool
 
     @classmethod
-    def of(cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather) -> Restricted:
-        """`gather(rows, tokens)`: fp32 raw logits of row rows[i] at tokens[i, j] (each in range)."""
-        keys = Allowed.of(states, vocab_size)
-        rows = keys.keys // vocab_size
-        counts = np.bincount(rows, minlength=len(states))
+    def groups(cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather) -> list[Restricted]:
+        """The rows of `states` allowed a few ids, each padded to the widest of them, then the rows allowed
+        much of the vocabulary (inside a JSON string, say) over their whole rows, where the passes over
+        the vocabulary cost less than listing their ids. `gather(rows, tokens)`: fp32 raw logits of
+        batch row rows[i] at tokens[i, j] (a copy), where `tokens` [1, vocab] asks for whole rows."""
+        allowed = Allowed.of(states, vocab_size)
+        whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
+        if not whole.any():
+            return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
+        few, many = np.flatnonzero(~whole), np.flatnonzero(whole)
+        groups = [cls._whole(states, many, allowed, vocab_size, gather)]
+        return [cls._among(states, few, allowed, vocab_size, gather), *groups] if len(few) else groups
+
+    @classmethod
+    def _among(
+        cls, states: Sequence[HostLogits], rows: np.ndarray, allowed: Allowed, vocab_size: int, gather: Gather
+    ) -> Restricted:
+        keys = allowed.keys(rows, vocab_size)
+        key_rows, counts = keys // vocab_size, allowed.counts[rows]
         starts = np.cumsum(counts) - counts
         width = max(int(counts.max()), 1)
-        tokens = np.zeros((len(states), width), np.int64)
-        tokens[rows, np.arange(len(rows)) - starts[rows]] = keys.keys % vocab_size
-        logits = gather(np.arange(len(states)), tokens)
+        tokens = np.zeros((len(rows), width), np.int64)
+        tokens[key_rows, np.arange(len(keys)) - starts[key_rows]] = keys % vocab_size
+        logits = gather(rows, tokens)
         logits[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
-        _Edits.of(states).apply(logits, _sparse_columns(keys.keys, starts, vocab_size))
-        if keys.rescued:
-            logits[keys.rescued, 0] = 0.0
-        return cls(tokens, logits)
+        _Edits.of([states[i] for i in rows]).apply(logits, _sparse_columns(keys, starts, vocab_size))
+        if allowed.rescued:
+            logits[np.isin(rows, allowed.rescued), 0] = 0.0
+        return cls(rows, tokens, logits, whole=False)
+
+    @classmethod
+    def _whole(
+        cls, states: Sequence[HostLogits], rows: np.ndarray, allowed: Allowed, vocab_size: int, gather: Gather
+    ) -> Restricted:
+        ids = np.arange(vocab_size)
+        logits = gather(rows, ids[None, :])
+        _Edits.of([states[i] for i in rows]).apply(logits, _dense_columns(vocab_size))
+        np.putmask(logits, allowed.refused(rows, vocab_size), -np.inf)
+        return cls(rows, np.broadcast_to(ids, logits.shape), logits, whole=True)

@@ -130,9 +130,7 @@ def sample_tokens(
         positions,
         vocab_size,
         rows=dense,
-        gather=lambda of, ids: (
-            logits[torch.from_numpy(index[of][:, None]), torch.from_numpy(ids)].float().cpu().numpy()
-        ),
+        gather=lambda of, ids: _gathered(logits, index[of], ids, vocab_size),
     )
     if logprobs is None:
         logprobs, index = torch.log_softmax(dense(list(range(len(params)))), dim=-1), np.arange(len(params))
@@ -140,6 +138,14 @@ def sample_tokens(
     chosen = logprobs[at, tokens.to(logprobs.device)]
     needed = logprobs if rows is None or not any(p.num_top_logprobs for p in params) else logprobs[at]
     return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
+
+
+def _gathered(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """fp32 `logits` of rows[i] at ids[i, j] on the host, whole rows (a copy each) for ids [1, vocab]."""
+    at = torch.from_numpy(rows)
+    if ids.shape == (1, vocab_size):
+        return logits[at, :vocab_size].float().cpu().numpy()
+    return logits[at[:, None], torch.from_numpy(ids)].float().cpu().numpy()
 
 
 def pick_tokens(
@@ -188,15 +194,18 @@ def _pick_allowed(
     vocab_size: int,
     gather: Gather,
 ) -> torch.Tensor:
-    allowed = Restricted.of([p.host for p in params], vocab_size, gather)  # type: ignore[misc]
-    if _filtered(params):  # top-k, top-p, min-p: the filters of `pick`
-        tensors = SamplingTensors.build(params, positions, len(params), vocab_size, HOST)
-        column = pick(
-            torch.from_numpy(allowed.logits), tensors, random=_random(params), filtered=True
-        ).numpy()
-    else:
-        column = _inverse_cdf(allowed.logits, params, positions)
-    return torch.from_numpy(allowed.tokens[np.arange(len(params)), column])
+    chosen = np.empty(len(params), np.int64)
+    for group in Restricted.groups([p.host for p in params], vocab_size, gather):  # type: ignore[misc]
+        members = [params[i] for i in group.rows]
+        at = [positions[i] for i in group.rows]
+        if _filtered(members) or group.whole:  # the filters of `pick`; torch's passes over a vocabulary
+            tensors = SamplingTensors.build(members, at, len(members), vocab_size, HOST)
+            logits = torch.from_numpy(group.logits)
+            column = pick(logits, tensors, random=_random(members), filtered=_filtered(members)).numpy()
+        else:
+            column = _inverse_cdf(group.logits, members, at)
+        chosen[group.rows] = group.tokens[np.arange(len(members)), column]
+    return torch.from_numpy(chosen)
 
 
 def _inverse_cdf(

@@ -241,6 +241,7 @@ class SimBackend(Backend):
         ids = torch.arange(self.model.vocab_size, dtype=torch.int64)  # a host row's logits, rolled per token
         made_up = mix32(ids).float() * (SIM_LOGIT_SCALE / MASK32)
         self._made_up_logits = made_up.numpy()
+        self._made_up_twice = np.concatenate([self._made_up_logits, self._made_up_logits])
         self._made_up_normaliser = float(torch.logsumexp(made_up, dim=0))
         self._check_positions = True
 
@@ -414,10 +415,15 @@ class SimBackend(Backend):
         shifts = np.array([h % vocab for h in hashes], np.int64)
 
         def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+            if ids.shape == (1, vocab):
+                return whole(rows.tolist()).numpy()
             return made_up[(ids - shifts[rows][:, None]) % vocab]
 
-        def whole(rows: list[int]) -> torch.Tensor:
-            return torch.from_numpy(gather(np.array(rows, np.int64), np.arange(vocab)[None, :]))
+        def whole(rows: list[int]) -> torch.Tensor:  # a row rolled by s: twice the logits, cut at vocab - s
+            twice = self._made_up_twice
+            return torch.from_numpy(
+                np.stack([twice[vocab - s : 2 * vocab - s] for s in shifts[rows].tolist()])
+            )
 
         if any(p.num_top_logprobs for p in params):
             return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)

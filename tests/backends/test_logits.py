@@ -16,6 +16,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
+from app.backends import logits as host_logits
 from app.backends.base import SamplingParams
 from app.backends.logits import HostLogits, apply_host_logits
 from app.backends.sampling import SamplingTensors, pick, sample_tokens
@@ -162,10 +163,15 @@ def batch(seed: int, top_p: float = 0.7) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("top_p", [0.7, 1.0], ids=["filtered", "unfiltered"])
-def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_row_draws(top_p: float) -> None:
+@pytest.mark.parametrize("share", [8, 16], ids=["among-allowed", "and-whole-rows"])
+def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_row_draws(
+    top_p: float, share: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`sample_tokens` draws a restricted row among its allowed ids only, in one batch with rows of other
-    kinds (through the torch sampler's filters, or without them in numpy); the reference draws every row
-    from its whole adjusted row."""
+    kinds (through the torch sampler's filters, or without them in numpy; with 1/16 of the vocabulary the
+    row allowed 5 ids is drawn over its whole row instead); the reference draws every row from its
+    whole adjusted row."""
+    monkeypatch.setattr(host_logits, "WHOLE_ROW_SHARE", share)
     torch.manual_seed(3)
     logits = torch.randn(5, VOCAB) * 2
     for seed in range(40):

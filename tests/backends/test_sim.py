@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.backends import backend_class
 from app.backends.base import (
@@ -18,7 +19,9 @@ from app.backends.base import (
     PrefillBatch,
     SamplingParams,
 )
-from app.backends.sim import COST_MODEL_ENV, PRESETS, CostModel, SimBackend
+from app.backends.logits import HostLogits
+from app.backends.sampling import MASK32, mix32, sample_tokens
+from app.backends.sim import COST_MODEL_ENV, PRESETS, SIM_LOGIT_SCALE, CostModel, SimBackend, sim_hash
 from app.errors import BatchError, ConfigError
 from app.shapes import ShapeGrid
 
@@ -181,3 +184,21 @@ def test_a_sim_artifact_compiled_for_prefix_caching_keeps_its_kv_in_blocks() -> 
     spec = BackendSpec("sim", 1, "bf16", ShapeGrid(4, 256, (128, 256), (128, 256), (4,)))
     assert SimBackend.create(spec).kv_blocks is None
     assert SimBackend.create(spec, prefix_caching=True).kv_blocks == KvBlocks(32, 4 * 8)
+
+
+@pytest.mark.parametrize("allowed", [range(10, 14), range(5, 45)], ids=["among-allowed", "whole-row"])
+def test_a_restricted_host_row_draws_from_its_made_up_row(allowed: range) -> None:
+    """A row allowed few ids reads the made-up logits at those ids, one allowed most of the vocabulary
+    builds its whole row: both draw what the portable sampler draws from the whole made-up row (a fixed
+    hash per vocabulary entry rotated by a hash of seed, position and previous token)."""
+    backend, prompt = sim(), (1, 7, 9)
+    made_up = mix32(torch.arange(50)).float() * (SIM_LOGIT_SCALE / MASK32)
+    for seed in range(20):
+        params = SamplingParams(temperature=1.0, seed=seed, allowed_token_ids=tuple(allowed))
+        token = backend.prefill(
+            PrefillBatch((0,), (prompt,), (HostLogits.start(params, prompt, (2,), None),), 8)
+        )
+        row = made_up.roll(sim_hash(seed, len(prompt), prompt[-1]) % 50)[None, :]
+        expected = sample_tokens(row, [HostLogits.start(params, prompt, (2,), None)], [len(prompt)], 50)
+        assert token[0].token_id == expected[0].token_id and token[0].token_id in allowed
+        assert token[0].logprob == pytest.approx(expected[0].logprob, abs=1e-5)
