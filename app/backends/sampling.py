@@ -123,7 +123,7 @@ def sample_tokens(
     live = logits[: len(params)] if rows is None else None  # the rows in order: no copy
 
     def dense(of: list[int]) -> torch.Tensor:
-        return live if live is not None and len(of) == len(params) else logits[index[of]]
+        return live if live is not None and len(of) == len(params) else logits[torch.from_numpy(index[of])]
 
     tokens = pick_tokens(
         params,
@@ -157,12 +157,13 @@ def pick_tokens(
 ) -> torch.Tensor:
     """The token id [len(params)] each row draws. `rows(index)`: raw fp32 logits [len(index), vocab] of
     those rows; `gather(rows, ids)`: raw logits [len(rows), n] of row rows[i] at ids[i, j]. A row whose
-    tokens are restricted (`HostLogits.restricts`) draws among its allowed ids only, read by `gather`;
-    the others draw from their whole rows, adjusted where they use the host logits path."""
+    tokens are restricted (`HostLogits.restricts`) draws among its allowed ids only, read by `gather`
+    (`Restricted`: over its whole row, masked, where it allows much of the vocabulary); the others draw
+    from their whole rows, adjusted where they use the host logits path."""
     restricted = [i for i, p in enumerate(params) if p.host is not None and p.host.restricts]
     if not restricted:
         return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
-    others = [i for i in range(len(params)) if i not in set(restricted)]
+    others = sorted(set(range(len(params))) - set(restricted))
     index = np.array(restricted, np.int64)
     among = _pick_allowed(
         [params[i] for i in restricted],
