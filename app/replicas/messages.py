@@ -16,7 +16,7 @@ from operator import attrgetter
 from typing import Any
 
 from app.backends.base import SampledToken
-from app.engine.stats import StepStats
+from app.engine.stats import CallStats, FinishedRequest, FirstToken, StepStats
 from app.engine.types import GenerationParams, RequestOutput, RequestTimings
 
 HEARTBEAT_S = 0.25
@@ -28,10 +28,11 @@ def _by_constructor(cls: type) -> Callable[[Any], tuple[type, tuple[Any, ...]]]:
     return lambda obj: (cls, values(obj))
 
 
-# What a step's deltas are made of crosses the pipe once per token: a frozen dataclass otherwise
-# unpickles field by field (dataclasses' __setstate__), about twice the cost of its constructor.
-for _delta_part in (RequestOutput, RequestTimings, SampledToken):
-    ForkingPickler.register(_delta_part, _by_constructor(_delta_part))
+# A step's deltas and statistics cross the pipe for every step: a slotted dataclass otherwise unpickles
+# field by field (dataclasses' __setstate__, which looks up its fields each time), about twice the cost
+# of its constructor.
+for _part in (RequestOutput, RequestTimings, SampledToken, StepStats, CallStats, FirstToken, FinishedRequest):
+    ForkingPickler.register(_part, _by_constructor(_part))
 
 
 @dataclass(frozen=True, slots=True)
