@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic_core import to_json
 
 from app.api import streaming
 from app.api.auth import presented_key
@@ -53,6 +54,9 @@ from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
 from app.structured.tools import ToolCallParser, parse_tool_calls
+
+# Stands for a chunk's text while its halves are rendered: private use, so never escaped, and in no id.
+TEXT_MARK = "\ue000inf2serve-text\ue000"
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -88,6 +92,7 @@ class OpenAIRenderer(ABC):
         self.include_usage = options is not None and bool(options.include_usage)
         self.continuous_usage = options is not None and bool(options.continuous_usage_stats)
         self.token_ids_as_text = bool(body.return_tokens_as_token_ids)
+        self.text_chunks: dict[int, tuple[bytes, bytes] | None] = {}
         self.header = {
             "id": self.id,
             "created": self.created,
@@ -99,6 +104,11 @@ class OpenAIRenderer(ABC):
     def chunk_choice(self, index: int, out: RequestOutput) -> CompletionChoice | ChatChunkChoice: ...
 
     @abstractmethod
+    def text_only(self, index: int) -> bool:
+        """Whether a non-final chunk of choice `index` varies only in its text (no logprobs, no role, no
+        echo, nothing held back)."""
+
+    @abstractmethod
     def response(self, job: Job) -> CompletionResponse | ChatCompletionResponse: ...
 
     def token_text(self, token_id: int) -> str:
@@ -106,11 +116,28 @@ class OpenAIRenderer(ABC):
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
         """One chunk; the last of a choice also carries its engine timings."""
+        if not out.finished and not self.continuous_usage and self.text_only(index):
+            halves = self.text_chunk_halves(index)
+            if halves is not None:
+                return halves[0] + to_json(out.text)[1:-1] + halves[1]
+        return self.chunk(index, out)
+
+    def chunk(self, index: int, out: RequestOutput) -> bytes:
         extras: dict[str, object] = {"timings": asdict(out.timings)} if out.finished else {}
         if self.continuous_usage:
             extras["usage"] = usage_info(self.job, self.score_only)
         chunk = self.chunk_type(**self.header, choices=[self.chunk_choice(index, out)], **extras)
         return streaming.sse(chunk.model_dump_json())
+
+    def text_chunk_halves(self, index: int) -> tuple[bytes, bytes] | None:
+        """The bytes of choice `index`'s text-only chunk before and after its text, rendered once with
+        a marker for the text: a streamed token then costs the text's JSON escaping, not a model built
+        and serialized (the same bytes: the text is escaped by the same serializer)."""
+        if index not in self.text_chunks:
+            marked = self.chunk(index, RequestOutput("", (), TEXT_MARK, (), 0, 0))
+            halves = marked.split(TEXT_MARK.encode())
+            self.text_chunks[index] = (halves[0], halves[1]) if len(halves) == 2 else None
+        return self.text_chunks[index]
 
     def end(self, job: Job) -> bytes:
         if not self.include_usage:
@@ -172,6 +199,9 @@ class CompletionRenderer(OpenAIRenderer):
 
     def chunk_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
         return self.choice(index, out.text, out.samples, finish_reason(out.finish_reason))
+
+    def text_only(self, index: int) -> bool:
+        return index in self.offsets and self.logprobs is None and not self.score_only
 
     def response(self, job: Job) -> CompletionResponse:
         choices = [
@@ -235,6 +265,9 @@ class ChatRenderer(OpenAIRenderer):
     def top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    def text_only(self, index: int) -> bool:
+        return index in self.started and self.top_logprobs is None and not self.offers_tools
 
     def chunk_choice(self, index: int, out: RequestOutput) -> ChatChunkChoice:
         role = None if index in self.started else "assistant"  # the role comes in a choice's first chunk
