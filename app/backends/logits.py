@@ -233,7 +233,7 @@ class Allowed:
             if state._only is not None:
                 only = _bits(state._only[state._only < vocab_size], words.shape[1])
                 words[i] = only if state.mask is None else words[i] & only
-        counts = np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+        counts = _ONES_IN_BYTE[words.view(np.uint8)].sum(axis=1, dtype=np.int64)
         rescued = [i for i in np.flatnonzero(counts == 0).tolist() if states[i].stop_ids]
         for i in rescued:
             words[i] = _bits(np.array(states[i].stop_ids[:1], np.int64), words.shape[1])
@@ -256,6 +256,11 @@ class Allowed:
         """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""
         bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
         return bits[:, :vocab_size].view(bool)
+
+
+# bits set in each byte value: a row's count from its mask's bytes (numpy 1.x, which Neuron compilers
+# have pinned, has no bitwise_count)
+_ONES_IN_BYTE = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(axis=1)
 
 
 def _grammar_words(states: Sequence[HostLogits], width: int) -> np.ndarray:
