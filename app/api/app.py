@@ -37,12 +37,13 @@ def create_app(
     settings: ServerSettings,
     build_runtime: RuntimeBuilder | None = None,
     on_fatal: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] = lambda: None,
 ) -> FastAPI:
     state = ServerState()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        starting = asyncio.create_task(_start(app, settings, build_runtime, on_fatal))
+        starting = asyncio.create_task(_start(app, settings, build_runtime, on_fatal, on_ready))
         try:
             yield
         finally:
@@ -90,7 +91,11 @@ def _openapi_of(app: FastAPI) -> Callable[[], Awaitable[JSONResponse]]:
 
 
 async def _start(
-    app: FastAPI, settings: ServerSettings, build: RuntimeBuilder | None, on_fatal: Callable[[], None] | None
+    app: FastAPI,
+    settings: ServerSettings,
+    build: RuntimeBuilder | None,
+    on_fatal: Callable[[], None] | None,
+    on_ready: Callable[[], None],
 ) -> None:
     state: ServerState = app.state.server
     try:
@@ -105,5 +110,6 @@ async def _start(
     state.device_metrics = DeviceMetrics.for_backend(runtime.backend_name, runtime.runtime_tags)
     state.device_metrics.start()
     state.runtime = runtime
+    on_ready()
     metrics.record_ready(not state.draining)
     log.info("ready", extra={"artifact_id": runtime.artifact_id, "model": runtime.model_name})

@@ -30,6 +30,7 @@ from app.api.app import create_app
 from app.api.connections import ConnectionLimits, LimitedHttpToolsProtocol
 from app.api.state import ServerState
 from app.logs import configure_logging
+from app.runtime import freeze_startup_heap
 from app.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def serve(settings: ServerSettings) -> int:
         if server is not None:
             server.fail()
 
-    app = create_app(settings, on_fatal=on_fatal)
+    app = create_app(settings, on_fatal=on_fatal, on_ready=freeze_startup_heap)
     server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings)
     log.info("listening", extra={"host": settings.host, "port": settings.port, "artifact": settings.artifact})
     server.run()
