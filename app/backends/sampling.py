@@ -25,7 +25,8 @@ from app.backends.logits import Gather, Restricted, apply_host_logits
 
 MASK32 = 0xFFFFFFFF
 HOST = torch.device("cpu")
-Ints = TypeVar("Ints", torch.Tensor, np.ndarray)  # int64, holding 32-bit values
+Ints = TypeVar("Ints", torch.Tensor, np.ndarray, int)  # int64 (or Python ints) holding 32-bit values
+PER_ROW_DRAWS = 16  # up to this many rows, draws are hashed row by row
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,8 +296,10 @@ def _cutoff(
 
 def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:
     """float32 [len(params)]: row i's uniform, from its seed and the position of the token it draws."""
-    seeds = np.array([_fold_seed(p.seed) for p in params], np.int64)
-    return uniform(row_keys(seeds, np.array(positions, np.int64)))
+    seeds = [_fold_seed(p.seed) for p in params]
+    if len(seeds) <= PER_ROW_DRAWS:  # a few rows: Python ints cost less than numpy's per-op overhead
+        return np.array([uniform(row_keys(s, q)) for s, q in zip(seeds, positions, strict=True)], np.float32)
+    return uniform(row_keys(np.array(seeds, np.int64), np.array(positions, np.int64))).astype(np.float32)
 
 
 def row_keys(seeds: Ints, positions: Ints) -> Ints:
@@ -304,10 +307,10 @@ def row_keys(seeds: Ints, positions: Ints) -> Ints:
     return mix32(mix32(seeds) ^ (positions & MASK32))
 
 
-def uniform(keys: np.ndarray) -> np.ndarray:
-    """A float32 uniform in (0, 1) per key: the top 24 bits of a further hash, centred in their bin."""
-    bits = mix32(keys ^ 0x9E3779B9) >> 8
-    return (bits.astype(np.float32) + 0.5) / float(1 << 24)
+def uniform(keys: int | np.ndarray) -> float | np.ndarray:
+    """A uniform in (0, 1) per key, exact in float32: the top 24 bits of a further hash, centred in their
+    bin (computed in float64, (bits + 0.5) / 2**24 rounds to the float32 that float32 arithmetic gives)."""
+    return ((mix32(keys ^ 0x9E3779B9) >> 8) + 0.5) / float(1 << 24)
 
 
 def mix32(x: Ints) -> Ints:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy
+import pytest
 import torch
 
+from app.backends import sampling
 from app.backends.base import GREEDY, SamplingParams
 from app.backends.sampling import SamplingTensors, row_keys, sample, sample_tokens, uniform
 
@@ -115,3 +117,15 @@ def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely() -> None:
     kept = [draw(logits, [SamplingParams(temperature=1.0, min_p=0.5, seed=2)], [p])[0] for p in range(400)]
     assert set(kept) == {0, 1}  # 0.3 >= 0.5 * 0.5 > 0.15
     assert abs(frequencies(kept, 4)[0].item() - 0.5 / 0.8) < 0.07
+
+
+def test_draws_hashed_row_by_row_equal_the_vectorised_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few rows hash their uniforms with Python ints, many with numpy: the same float32 values."""
+    params = [SamplingParams(seed=s) for s in (0, 1, 12345, 0xFFFFFFFF, 2**40 + 7, 2**63 - 1) * 20]
+    positions = list(range(0, 4 * len(params), 4))
+    monkeypatch.setattr(sampling, "PER_ROW_DRAWS", len(params))
+    per_row = sampling.draws(params, positions)
+    monkeypatch.setattr(sampling, "PER_ROW_DRAWS", 0)
+    vectorised = sampling.draws(params, positions)
+    assert per_row.dtype == vectorised.dtype == numpy.float32
+    assert per_row.tolist() == vectorised.tolist()
