@@ -9,8 +9,14 @@ Side by side in one run:
    loop the big body: p99 inter-token gap and tokens/s of the innocent stream (goal: p99 moves < 10 %);
    and, as the control, while they loop the small malformed body instead: what any loop of cheap
    refusals costs the stream on this machine (the attackers' own CPU included: on a 2-core machine
-   they share the cores with the server).
-The machine may be shared: the load average is recorded.
+   they share the cores with the server);
+3. the same three streams with the attackers on a core of their own (`isolated`: the attacker process
+   pinned to the last CPU, every server thread to the others; needs 2 CPUs). Attackers on other
+   machines spend their own CPU, including the kernel's work of sending 2 MB over and over, which on
+   loopback runs in the sender's context: sharing the cores charges the server for the attackers' side
+   of the traffic, which (2) counts and a real deployment would not. Both figures are reported; the
+   attackers stay the same 4 closed loops of the same body.
+The machine may be shared: the load average is recorded (other processes run on either core).
 
     .venv/bin/python -m loadtest.amplification_bench [--attackers 4] [--tokens 400] [--refusals 40]
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -68,8 +75,18 @@ def refusal_cpu_ms(server: ServerProcess, body: bytes, count: int) -> dict[str, 
     }
 
 
-def attack(url: str, body: bytes, clients: int, stop: Any, refused: Any) -> None:
-    """`clients` threads, each posting `body` in a loop until `stop` is set (another process)."""
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def attack(url: str, body: bytes, clients: int, stop: Any, refused: Any, cpus: set[int] | None) -> None:
+    """`clients` threads, each posting `body` in a loop until `stop` is set (another process, on `cpus`
+    when given)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
     def loop() -> None:
         with httpx.Client(base_url=url, timeout=60) as client:
@@ -101,13 +118,16 @@ async def innocent_stream(url: str, tokens: int) -> dict[str, Any]:
     }
 
 
-def under_attack(server: ServerProcess, body: bytes, attackers: int, tokens: int) -> dict[str, Any]:
-    """The innocent stream while `attackers` loop `body`, and each side's share of a core meanwhile."""
+def under_attack(
+    server: ServerProcess, body: bytes, attackers: int, tokens: int, cpus: set[int] | None = None
+) -> dict[str, Any]:
+    """The innocent stream while `attackers` loop `body` (on `cpus` when given), and each side's share of
+    a core meanwhile."""
     assert server.process is not None
     url = server.url
     context = multiprocessing.get_context("spawn")
     stop, refused = context.Event(), context.Value("i", 0)
-    process = context.Process(target=attack, args=(url, body, attackers, stop, refused))
+    process = context.Process(target=attack, args=(url, body, attackers, stop, refused, cpus))
     process.start()
     try:
         while refused.value < attackers:  # every attacker is looping before the stream starts
@@ -141,23 +161,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "big": refusal_cpu_ms(server, big_body(), args.refusals),
                 "small": refusal_cpu_ms(server, SMALL_BODY, args.refusals),
             }
-            alone = asyncio.run(innocent_stream(server.url, args.tokens))
-            attacked = under_attack(server, big_body(), args.attackers, args.tokens)
-            control = under_attack(server, SMALL_BODY, args.attackers, args.tokens)
+            shared = streams(server, args, None)
+            cpus = sorted(os.sched_getaffinity(0))
+            isolated = None
+            if len(cpus) >= 2:
+                assert server.process is not None
+                pin(server.process.pid, set(cpus[:-1]))
+                isolated = streams(server, args, {cpus[-1]})
         finally:
             server.stop()
-    p99_alone = alone["inter_token_s"]["p99"]
     return {
         "load_average": os.getloadavg(),
         "attackers": args.attackers,
         "refusal": refusal,
+        **shared,
+        "isolated": isolated,
+        "goals": GOALS,
+    }
+
+
+def streams(server: ServerProcess, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
+    """The innocent stream alone, under the big-body attack and under the small-body loop (the
+    attackers on `cpus` when given), and how its p99 gap and rate moved."""
+    alone = asyncio.run(innocent_stream(server.url, args.tokens))
+    attacked = under_attack(server, big_body(), args.attackers, args.tokens, cpus)
+    control = under_attack(server, SMALL_BODY, args.attackers, args.tokens, cpus)
+    p99_alone = alone["inter_token_s"]["p99"]
+    return {
         "innocent_alone": alone,
         "innocent_under_attack": attacked,
         "innocent_under_small_loop": control,
         "p99_gap_change": attacked["inter_token_s"]["p99"] / p99_alone - 1,
         "p99_gap_change_small_loop": control["inter_token_s"]["p99"] / p99_alone - 1,
         "tokens_per_s_change": attacked["tokens_per_s"] / alone["tokens_per_s"] - 1,
-        "goals": GOALS,
     }
 
 
@@ -169,11 +205,18 @@ def report(result: dict[str, Any]) -> None:
         f"CPU ({big['wall_ms']:.1f} ms wall); a small malformed body: {small['cpu_ms']:.2f} ms "
         f"(goal < {GOALS['refusal_cpu_ms']:.0f} ms)"
     )
+    report_streams("cores shared", result, result["attackers"])
+    if result["isolated"] is not None:
+        report_streams("attackers on a core of their own", result["isolated"], result["attackers"])
+
+
+def report_streams(title: str, result: dict[str, Any], attackers: int) -> None:
+    print(f"{title}:")
     for name in ("innocent_alone", "innocent_under_attack", "innocent_under_small_loop"):
         stream = result[name]
         gaps = stream["inter_token_s"]
         print(
-            f"{name:22s} p50 gap {1000 * gaps['p50']:6.1f} ms  p99 {1000 * gaps['p99']:6.1f} ms  "
+            f"  {name:25s} p50 gap {1000 * gaps['p50']:6.1f} ms  p99 {1000 * gaps['p99']:6.1f} ms  "
             f"{stream['tokens_per_s']:6.1f} tokens/s"
             + (
                 f"  cores busy: server {stream['server_core_share']:.2f}, attackers "
@@ -183,7 +226,7 @@ def report(result: dict[str, Any]) -> None:
             )
         )
     print(
-        f"p99 gap change under {result['attackers']} attackers "
+        f"  p99 gap change under {attackers} attackers "
         f"({result['innocent_under_attack']['refusals_during_stream']} refusals): "
         f"{100 * result['p99_gap_change']:+.1f} % (goal < {100 * GOALS['p99_gap_change']:.0f} %); "
         f"tokens/s {100 * result['tokens_per_s_change']:+.1f} %; the same loop of small bodies "
