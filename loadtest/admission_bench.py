@@ -5,10 +5,15 @@ Against the real server (`inf2serve serve`, a separate process) on a fresh sim a
 20 ms decode step, 5 ms a prefill):
 1. burst: `--burst` requests of `--burst-tokens` tokens arrive at once (non-streamed completions).
    Counted: 200s, 429s and 504s (a request admitted and then failed for waiting past
-   `max_queue_wait_s`). Goal: no 504. A prober then sends one more request of the same size every
-   `--probe-every-s` until one is admitted: that time, minus when the 429s came back, is when a request
-   would really have fitted; each 429's Retry-After is compared with it (honest: the same order, never
-   a constant).
+   `max_queue_wait_s`). Goal: no 504. From the first 429 on, a prober (a process of its own) sends one
+   more request of the same size every `--probe-every-s` until one is admitted. A refusal is answered at
+   once and an admitted request only with its tokens, so a probe not answered within `--probe-answer-s`
+   was admitted (and is dropped). (This bench used to wait for the admitted probe's response instead,
+   and so reported the probe's own queue wait, about 15 s, as the time until a request fitted.) Each
+   429's Retry-After (told) is set against the time from that 429 to the first admission (actual):
+   told / actual for the refusals told the least (honest: near 1; under 1 would send them back too
+   early) and for all of them (later refusals are told later on purpose: a burst's refusals are spread
+   over the time the device needs to serve them).
 2. steady overload: Poisson arrivals at `--overload` x the device's capacity for `--poisson-s` seconds,
    `--poisson-tokens` tokens each, with `--poisson-queue-wait-s` as the bound (so admission binds within
    the run). Reported: goodput (requests completed per second of the run), 429s and 504s.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -49,10 +55,15 @@ def body(max_tokens: int, stream: bool = False) -> dict[str, Any]:
     return {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
 
 
-async def send(client: httpx.AsyncClient, max_tokens: int, started: float) -> dict[str, Any]:
-    """One non-streamed completion: its status, Retry-After (429) and when it came back."""
+async def send(
+    client: httpx.AsyncClient, max_tokens: int, started: float, refused: Any = None
+) -> dict[str, Any]:
+    """One non-streamed completion: its status, Retry-After (429) and when it came back (a 429 sets
+    `refused`, when given)."""
     response = await client.post("/v1/completions", json=body(max_tokens))
     retry_after = response.headers.get("retry-after")
+    if response.status_code == 429 and refused is not None:
+        refused.set()
     return {
         "status": response.status_code,
         "retry_after_s": None if retry_after is None else float(retry_after),
@@ -60,39 +71,88 @@ async def send(client: httpx.AsyncClient, max_tokens: int, started: float) -> di
     }
 
 
-async def first_fit(
-    client: httpx.AsyncClient, max_tokens: int, every_s: float, limit_s: float
-) -> float | None:
-    """Seconds until a request of `max_tokens` is admitted (a streamed one: its status line is enough,
-    then the connection closes, which aborts it)."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < limit_s:
-        async with client.stream("POST", "/v1/completions", json=body(max_tokens, stream=True)) as response:
-            if response.status_code == 200:
-                return time.perf_counter() - started
-        await asyncio.sleep(every_s)
-    return None
+async def admitted(client: httpx.AsyncClient, max_tokens: int, answer_s: float) -> bool:
+    """Whether a request of `max_tokens` is admitted now: a refusal (429) is answered at once, while an
+    admitted request's answer waits for its queue and its tokens, so no answer within `answer_s` means
+    it was admitted (it is then dropped, which aborts it)."""
+    try:
+        response = await asyncio.wait_for(client.post("/v1/completions", json=body(max_tokens)), answer_s)
+    except TimeoutError:
+        return True
+    return response.status_code != 429
+
+
+async def first_fit(url: str, max_tokens: int, every_s: float, limit_s: float, answer_s: float) -> float:
+    """When (perf_counter) a request of `max_tokens` is first admitted, probing every `every_s`; 0.0 if
+    none was within `limit_s`."""
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(limit_s)) as client:
+        started = time.perf_counter()
+        while time.perf_counter() - started < limit_s:
+            sent = time.perf_counter()
+            if await admitted(client, max_tokens, answer_s):
+                return sent
+            await asyncio.sleep(every_s)
+    return 0.0
+
+
+def probe(url: str, max_tokens: int, args: tuple[float, float, float], ready: Any, go: Any, fit: Any) -> None:
+    """The prober, in a process of its own (so that the burst's client, busy with 320 answers, does not
+    delay it): from the burst's first 429 (`go`) on, it probes for the first admission (`fit`). On Linux
+    perf_counter is the system's monotonic clock, the same in every process."""
+    ready.set()
+    go.wait()
+    fit.value = asyncio.run(first_fit(url, max_tokens, *args))
+
+
+def honesty(refused: list[dict[str, Any]], fit_s: float | None, first: int) -> dict[str, Any]:
+    """Each refusal's Retry-After (told) against the time from its 429 to when a same-size request was
+    first admitted (actual), for the refusals answered before that: told / actual for the `first` of
+    them to come back, and for all. Under 1: told to come back before anything could fit. (A 429 that
+    reached the client after the first admission, some do as the client reads 320 answers, says nothing
+    about the time until a fit.)"""
+    before = sorted(
+        (r for r in refused if fit_s is not None and r["back_s"] < fit_s), key=lambda r: r["back_s"]
+    )
+    if fit_s is None or not before:
+        return {"first_fit_s": fit_s, "refusals_before_fit": 0}
+    ratios = [r["retry_after_s"] / (fit_s - r["back_s"]) for r in before]
+    return {
+        "first_fit_s": fit_s,
+        "refusals_before_fit": len(before),
+        "first_told_s": before[0]["retry_after_s"],
+        "first_actual_s": fit_s - before[0]["back_s"],
+        "first_told_over_actual_p50": statistics.median(ratios[:first]),
+        "told_over_actual": {"min": min(ratios), "p50": statistics.median(ratios), "max": max(ratios)},
+        "told_before_any_fit": sum(ratio < 1 for ratio in ratios),
+    }
 
 
 async def burst(url: str, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=args.burst + 16)
     timeout = httpx.Timeout(args.burst_timeout_s)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
-        started = time.perf_counter()
-        tasks = [asyncio.create_task(send(client, args.burst_tokens, started)) for _ in range(args.burst)]
-        while not any(t.done() for t in tasks) and time.perf_counter() - started < 30:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(1.0)  # every refusal is back by now (they are immediate)
-        refused = [t.result() for t in tasks if t.done() and t.result()["status"] == 429]
-        refused_at = statistics.mean([r["back_s"] for r in refused]) if refused else None
-        probing_from = time.perf_counter() - started
-        fit_after = await first_fit(client, args.burst_tokens, args.probe_every_s, args.burst_timeout_s)
-        results = await asyncio.gather(*tasks)
+    context = multiprocessing.get_context("spawn")
+    ready, go, fit = context.Event(), context.Event(), context.Value("d", 0.0)
+    timing = (args.probe_every_s, args.burst_timeout_s, args.probe_answer_s)
+    prober = context.Process(target=probe, args=(url, args.burst_tokens, timing, ready, go, fit))
+    prober.start()
+    try:
+        await asyncio.to_thread(ready.wait, SERVER_START_TIMEOUT_S)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+            started = time.perf_counter()
+            tasks = [
+                asyncio.create_task(send(client, args.burst_tokens, started, go)) for _ in range(args.burst)
+            ]
+            results = await asyncio.gather(*tasks)
+        go.set()  # no refusal: nothing to probe for
+        await asyncio.to_thread(prober.join, args.burst_timeout_s)
+    finally:
+        prober.kill()
+    fit_at = fit.value or None
     statuses: dict[str, int] = {}
     for result in results:
         statuses[str(result["status"])] = statuses.get(str(result["status"]), 0) + 1
-    retry_afters = sorted(r["retry_after_s"] for r in results if r["retry_after_s"] is not None)
-    fit_s = None if fit_after is None or refused_at is None else probing_from + fit_after - refused_at
+    refused = [r for r in results if r["status"] == 429]
+    retry_afters = sorted(r["retry_after_s"] for r in refused)
     return {
         "statuses": statuses,
         "timeouts_504": statuses.get("504", 0),
@@ -103,8 +163,9 @@ async def burst(url: str, args: argparse.Namespace) -> dict[str, Any]:
             "max": retry_afters[-1] if retry_afters else None,
             "distinct": len(set(retry_afters)),
         },
-        "fit_after_refusal_s": fit_s,  # what an honest Retry-After says
+        "honesty": honesty(refused, None if fit_at is None else fit_at - started, args.first_refusals),
         "slowest_200_s": max((r["back_s"] for r in results if r["status"] == 200), default=None),
+        "refusals": [[r["back_s"], r["retry_after_s"]] for r in refused],
     }
 
 
@@ -159,8 +220,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="inf2serve-admission-bench-") as scratch:
         root = Path(scratch)
         artifact = build_sim_artifact(root / "artifacts", args.checkpoint, sim_grid(SLOTS), TWENTY_MS_STEP)
-        burst_result = run_server(artifact, root, args.queue_wait_s, burst, args)
-        poisson_result = run_server(artifact, root, args.poisson_queue_wait_s, poisson, args)
+        burst_result = (
+            run_server(artifact, root, args.queue_wait_s, burst, args) if "burst" in args.parts else None
+        )
+        poisson_result = (
+            run_server(artifact, root, args.poisson_queue_wait_s, poisson, args)
+            if "poisson" in args.parts
+            else None
+        )
     return {
         "config": {**{k: str(v) for k, v in vars(args).items()}, "device": "sim, 20 ms decode, 32 slots"},
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()},
@@ -169,13 +236,37 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def print_burst(burst_result: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"burst of {args.burst} x {args.burst_tokens} tokens at once: {burst_result['statuses']}")
+    print(f"  504s: {burst_result['timeouts_504']}; Retry-After (s): {burst_result['retry_after_s']}")
+    honest = burst_result["honesty"]
+    if not honest["refusals_before_fit"]:
+        print(
+            f"  no refusal came back before a request of the same size was admitted ({honest['first_fit_s']})"
+        )
+        return
+    print(
+        f"  a request of the same size was first admitted {honest['first_fit_s']:.2f} s into the burst; "
+        f"the first 429 was told {honest['first_told_s']:g} s (actual {honest['first_actual_s']:.2f} s); "
+        f"told / actual for the {args.first_refusals} first: p50 {honest['first_told_over_actual_p50']:.2f}; "
+        f"for all {honest['refusals_before_fit']} back before that admission: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in honest["told_over_actual"].items())
+        + f"; told to come back before anything fitted: {honest['told_before_any_fit']}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=["burst", "poisson"], default=["burst", "poisson"])
     parser.add_argument("--burst", type=int, default=320)
     parser.add_argument("--burst-tokens", type=int, default=400)
     parser.add_argument("--queue-wait-s", type=float, default=60.0, help="the server's max_queue_wait_s")
     parser.add_argument("--burst-timeout-s", type=float, default=150.0)
     parser.add_argument("--probe-every-s", type=float, default=0.25)
+    parser.add_argument(
+        "--probe-answer-s", type=float, default=2.0, help="a probe not refused within this was admitted"
+    )
+    parser.add_argument("--first-refusals", type=int, default=10, help="the refusals told the least")
     parser.add_argument("--overload", type=float, default=1.5, help="Poisson rate over the device capacity")
     parser.add_argument("--poisson-s", type=float, default=20.0)
     parser.add_argument("--poisson-tokens", type=int, default=64)
@@ -185,15 +276,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     report = bench(args)
-    burst_result, steady = report["burst"], report["poisson_overload"]
-    print(f"burst of {args.burst} x {args.burst_tokens} tokens at once: {burst_result['statuses']}")
-    print(f"  504s: {burst_result['timeouts_504']}; Retry-After (s): {burst_result['retry_after_s']}")
-    print(f"  a request of the same size was admitted {burst_result['fit_after_refusal_s']} s after the 429s")
-    print(
-        f"Poisson at {steady['rate_rps']:.1f}/s ({args.overload}x capacity) for {args.poisson_s:g} s: "
-        f"goodput {steady['goodput_rps']:.2f} requests/s, {steady['completed']} completed, "
-        f"{steady['refused_429']} 429s, {steady['timeouts_504']} 504s"
-    )
+    if report["burst"] is not None:
+        print_burst(report["burst"], args)
+    if report["poisson_overload"] is not None:
+        steady = report["poisson_overload"]
+        print(
+            f"Poisson at {steady['rate_rps']:.1f}/s ({args.overload}x capacity) for {args.poisson_s:g} s: "
+            f"goodput {steady['goodput_rps']:.2f} requests/s, {steady['completed']} completed, "
+            f"{steady['refused_429']} 429s, {steady['timeouts_504']} 504s"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

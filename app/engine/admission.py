@@ -10,11 +10,17 @@ The expectation counts work, not requests:
   about output length and are left out; a short request's share counts as much as a long one's, so
   neither can drag the estimate toward zero.
 - The slots generate one token each per decode step; `token_s` is the time from one decode's tokens to
-  the next's, whatever ran between them (prefill calls, the host's own work) included: an EWMA over
+  the next's less the prefill calls that ran between them (the host's own work stays in): an EWMA over
   decode steps, restarted after the engine idled. Before a decode was measured, DEFAULT_STEP_S stands in
   (a fresh server's first burst arrives before any decode has run), slower than inf2's decode steps.
+- A prefill stalls every running slot for its call: `prefill_s` is the measured stall per prefilled
+  request (an EWMA of call time over the requests in the call). Left in the decode cadence, a burst's
+  prefills (and the recomputes of the requests a policy preempts for them) inflated it for a while
+  after each wave of admissions, so the estimate rose and fell with them: a refusal told 1 s while the
+  same request was refused again seconds later. They are charged on their own instead.
 - A request that joins behind `waiting` requests with `free` slots free starts at once if
-  `waiting < free`, and otherwise once the work ahead of it drains: `work x fill x token_s / slots`.
+  `waiting < free`, and otherwise once the work ahead of it drains: `work x fill x token_s / slots`,
+  plus the prefills of the requests waiting ahead of it, `waiting x prefill_s`.
 - That is an average: requests admitted together start in waves, their prefills take steps too, so a
   request is admitted only if its expected wait is within ADMIT_SHARE of the bound.
 
@@ -53,7 +59,8 @@ class Backlog:
     num_waiting: int
     work_tokens: int  # tokens the held requests may still generate (their budgets left)
     fill: float  # the expected share of that budget they use
-    token_s: float  # seconds per decode step of every running slot (0.0: not measured yet)
+    token_s: float  # seconds per decode step of every running slot, prefills aside (0.0: not measured yet)
+    prefill_s: float = 0.0  # seconds a request's prefill stalls every slot (0.0: not measured yet)
 
     @property
     def measured(self) -> bool:
@@ -68,12 +75,17 @@ class Backlog:
         """Expected queue wait of a request that joins now."""
         if self.num_waiting < self.free_slots:
             return 0.0
-        return self.work_tokens * self.fill * self.step_s / self.num_slots
+        return self.work_tokens * self.fill * self.step_s / self.num_slots + self.num_waiting * self.prefill_s
+
+    def slot_time_s(self, tokens: int) -> float:
+        """How much a request of up to `tokens` output tokens delays those behind it: its share of the
+        slots' decode steps and its prefill."""
+        return tokens * self.fill * self.step_s / max(self.num_slots, 1) + self.prefill_s
 
     def expected_time_s(self, max_tokens: int) -> float:
-        """Seconds a request joining now with `max_tokens` is expected to take, at most: its wait plus
-        one step per token."""
-        return self.wait_s() + max_tokens * self.step_s
+        """Seconds a request joining now with `max_tokens` is expected to take, at most: its wait, its
+        prefill and one step per token."""
+        return self.wait_s() + self.prefill_s + max_tokens * self.step_s
 
     def check(
         self,
@@ -108,7 +120,9 @@ class Backlog:
     @classmethod
     def pooled(cls, parts: Sequence[Backlog]) -> Backlog:
         """Several engines as one: their slots, queues and work add up; the work drains at their summed
-        rate (an engine not measured yet is taken to run as fast as the measured ones, on average)."""
+        rate (an engine not measured yet is taken to run as fast as the measured ones, on average). A
+        prefill stalls only its own engine's slots: the pool's stall per waiting request is each
+        engine's, weighted by the share of the requests it takes and of the slots it stalls."""
         measured = [p for p in parts if p.measured]
         slots = sum(p.num_slots for p in parts)
         work = sum(p.work_tokens for p in parts)
@@ -123,6 +137,7 @@ class Backlog:
             work,
             expected / work if work else max((p.fill for p in parts), default=1.0),
             token_s,
+            sum(p.prefill_s * (p.num_slots / slots) ** 2 for p in parts) if slots else 0.0,
         )
 
 
@@ -130,7 +145,7 @@ class Refusals:
     """Retry-After across a burst. Each refusal's `fits_in` is when one more request would fit; told to
     every request refused together, they would all come back at once and all but a few be refused again.
     So each refused request is promised the time after those refused before it: the promise moves on by
-    the slot time the request's own work takes (`tokens x fill x step_s / slots`), and a burst's
+    the slot time the request's own work takes (`Backlog.slot_time_s`), and a burst's
     refusals are spread over the time the device needs to serve them. Not thread-safe: the engine calls
     it under its admission lock, the replica pool on its event loop."""
 
@@ -142,7 +157,7 @@ class Refusals:
         """Seconds until the refused request (of up to `tokens` output tokens) would fit."""
         now = self._clock()
         start = max(self._promised, now + fits_in)
-        self._promised = start + tokens * backlog.fill * backlog.step_s / max(backlog.num_slots, 1)
+        self._promised = start + backlog.slot_time_s(tokens)
         return start - now
 
 
@@ -152,20 +167,31 @@ class ServiceEstimator:
 
     def __init__(self) -> None:
         self.token_s = 0.0
+        self.prefill_s = 0.0
         self.fill = 1.0
         self._last_decode: float | None = None  # when the last decode's tokens were applied
+        self._prefilled_s = 0.0  # prefill calls since then
 
     def observe(self, calls: Iterable[CallTiming], now: float, idle: bool) -> None:
         """One step's calls, applied at `now` (the engine's clock); `idle`: the engine had nothing to do."""
         if idle:
-            self._last_decode = None  # the time it idled is no step's
+            self._last_decode, self._prefilled_s = None, 0.0  # the time it idled is no step's
             return
-        decode = next((call for call in calls if isinstance(call.batch, DecodeBatch)), None)
+        decode = None
+        for call in calls:
+            if isinstance(call.batch, DecodeBatch):
+                decode = call
+                continue
+            self._prefilled_s += call.seconds
+            per_request = call.seconds / max(len(call.batch.slots), 1)
+            self.prefill_s += (per_request - self.prefill_s) * EWMA_WEIGHT if self.prefill_s else per_request
         if decode is None:
             return
         # the first decode: its own time (the prefills before it stalled no decode)
-        sample = decode.seconds if self._last_decode is None else now - self._last_decode
-        self._last_decode = now
+        sample = decode.seconds
+        if self._last_decode is not None:
+            sample = max(sample, now - self._last_decode - self._prefilled_s)
+        self._last_decode, self._prefilled_s = now, 0.0
         self.token_s += (sample - self.token_s) * EWMA_WEIGHT if self.token_s else sample
 
     def finished(self, request: Request) -> None:
@@ -176,4 +202,6 @@ class ServiceEstimator:
         self.fill += EWMA_WEIGHT * (share - self.fill)
 
     def backlog(self, num_slots: int, free_slots: int, num_waiting: int, work_tokens: int) -> Backlog:
-        return Backlog(num_slots, free_slots, num_waiting, work_tokens, self.fill, self.token_s)
+        return Backlog(
+            num_slots, free_slots, num_waiting, work_tokens, self.fill, self.token_s, self.prefill_s
+        )

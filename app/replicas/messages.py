@@ -90,6 +90,7 @@ class Stats:
     stats: StepStats
     fill: float
     token_s: float
+    prefill_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,7 @@ class Heartbeat:
     ready: bool
     fill: float
     token_s: float
+    prefill_s: float
 
 
 FromReplica = Ready | Failed | Outputs | Stats | Heartbeat

@@ -121,6 +121,7 @@ class Replica:
         self.fine_since = 0.0  # when its heartbeats last said ready (time.monotonic())
         self.fill = 1.0
         self.token_s = 0.0
+        self.prefill_s = 0.0
         self.started_at = 0.0
         self.backoff_s = FIRST_BACKOFF_S
         self.requests: dict[str, Routed] = {}
@@ -144,7 +145,8 @@ class Replica:
         held = len(self.requests)
         work = sum(r.params.max_tokens - r.generated for r in self.requests.values())
         free = max(0, self.num_slots - held)
-        return Backlog(self.num_slots, free, max(0, held - self.num_slots), work, self.fill, self.token_s)
+        waiting = max(0, held - self.num_slots)
+        return Backlog(self.num_slots, free, waiting, work, self.fill, self.token_s, self.prefill_s)
 
 
 class ReplicaPool:
@@ -409,13 +411,13 @@ class ReplicaPool:
         match message:
             case Outputs(outputs):
                 self._on_outputs(replica, outputs)
-            case Stats(stats, fill, token_s):
+            case Stats(stats, fill, token_s, prefill_s):
                 metrics.record_step_stats(stats, replica.label)
-                replica.fill, replica.token_s = fill, token_s
-            case Heartbeat(ready, fill, token_s):
+                replica.fill, replica.token_s, replica.prefill_s = fill, token_s, prefill_s
+            case Heartbeat(ready, fill, token_s, prefill_s):
                 now = time.monotonic()
                 replica.last_heartbeat, replica.engine_ready = now, ready
-                replica.fill, replica.token_s = fill, token_s
+                replica.fill, replica.token_s, replica.prefill_s = fill, token_s, prefill_s
                 if ready:
                     replica.fine_since = now
             case Ready(eos_token_ids, vocab_size, backend_name, sampling_features):

@@ -69,12 +69,13 @@ class Sender:
     def stats(self, stats: StepStats) -> None:
         self.send(Stats(stats, *self.rates()))
 
-    def rates(self) -> tuple[float, float]:
-        """The engine's measured output share and decode step time (`Backlog.fill`, `.token_s`)."""
+    def rates(self) -> tuple[float, float, float]:
+        """The engine's measured output share, decode step and prefill stall (`Backlog.fill`, `.token_s`,
+        `.prefill_s`)."""
         if self.engine is None:
-            return 1.0, 0.0
+            return 1.0, 0.0, 0.0
         backlog = self.engine.backlog()
-        return backlog.fill, backlog.token_s
+        return backlog.fill, backlog.token_s, backlog.prefill_s
 
 
 def run_replica(

@@ -101,7 +101,7 @@ def test_a_replica_whose_engine_is_not_ready_takes_no_traffic(
 ) -> None:
     async def main() -> set[int]:
         replica = pool.replicas[0]
-        pool._on_message(replica, replica.incarnation, Heartbeat(False, 1.0, 0.0))
+        pool._on_message(replica, replica.incarnation, Heartbeat(False, 1.0, 0.0, 0.0))
         assert pool.is_ready and not replica.is_ready
         streams = [pool.generate(f"avoid-{i}", PROMPT, params(3)) for i in range(4)]
         placed = {pool._routed[f"avoid-{i}"].replica for i in range(4)}
