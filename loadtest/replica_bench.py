@@ -15,7 +15,8 @@ Side by side in one run, each against a real `inf2serve serve --replicas N` proc
 3. The router's CPU per request: `Router.pick` plus the bookkeeping for one request's life (route, one
    delta, finish) timed in this process on 3 replicas; and the front process's whole CPU per request and
    per generated token (HTTP, tokenizer, routing, relaying deltas) from /proc during (1) (goal with 3
-   replicas: at most 20 us a token).
+   replicas: at most 20 us a token), and the same with (1)'s 3-replica closed loop streamed (SSE
+   chunks, a final usage chunk).
 4. Six replicas (`--parts six`): the closed loop straight into a `ReplicaPool` of 6 replicas on a 10 ms
    decode step, against 6 x one replica's: aggregate tokens/s, apart from HTTP.
 The sim sleeps instead of computing, so replicas should scale even on a small host; the machine may be
@@ -96,8 +97,10 @@ def prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(5, 500) for _ in range(length)]
 
 
-async def closed_loop(url: str, concurrency: int, num_requests: int, max_tokens: int) -> dict[str, Any]:
-    """Non-streamed completions, `concurrency` in flight: tokens/s over the whole run."""
+async def closed_loop(
+    url: str, concurrency: int, num_requests: int, max_tokens: int, stream: bool = False
+) -> dict[str, Any]:
+    """Completions, `concurrency` in flight (non-streamed unless `stream`): tokens/s over the whole run."""
     rng = random.Random(0)
     bodies = iter(
         {"prompt": prompt(rng, SHORT_PROMPT_TOKENS), "max_tokens": max_tokens, "ignore_eos": True}
@@ -107,14 +110,24 @@ async def closed_loop(url: str, concurrency: int, num_requests: int, max_tokens:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
 
+        async def completion_tokens(body: dict[str, Any]) -> int | None:
+            if not stream:
+                response = await client.post("/v1/completions", json=body)
+                return response.json()["usage"]["completion_tokens"] if response.status_code == 200 else None
+            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                events = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+            usage = json.loads(events[-1][6:]).get("usage") if events else None
+            return usage["completion_tokens"] if response.status_code == 200 and usage else None
+
         async def worker() -> None:
             nonlocal tokens, failed
             for body in bodies:
-                response = await client.post("/v1/completions", json=body)
-                if response.status_code == 200:
-                    tokens += response.json()["usage"]["completion_tokens"]
-                else:
+                count = await completion_tokens(body)
+                if count is None:
                     failed += 1
+                else:
+                    tokens += count
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -147,14 +160,17 @@ async def pool_tokens_per_s(artifact: Path, replicas: int, args: argparse.Namesp
         await asyncio.to_thread(pool.close)
 
 
-def scaling_run(artifact: Path, replicas: int, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+def scaling_run(
+    artifact: Path, replicas: int, args: argparse.Namespace, log: Path, stream: bool = False
+) -> dict[str, Any]:
     server = start_server(artifact, replicas, "least_work", log)
     try:
         assert server.process is not None
         concurrency = SLOTS * replicas
         pids = replica_pids(server.process.pid) if replicas > 1 else []
         front_before, replicas_before = cpu_seconds(server.process.pid), sum(map(cpu_seconds, pids))
-        run = asyncio.run(closed_loop(server.url, concurrency, concurrency * args.waves, args.max_tokens))
+        num_requests = concurrency * args.waves
+        run = asyncio.run(closed_loop(server.url, concurrency, num_requests, args.max_tokens, stream))
         front_s = cpu_seconds(server.process.pid) - front_before
         replicas_s = sum(map(cpu_seconds, pids)) - replicas_before
     finally:
@@ -256,6 +272,7 @@ def scaling_part(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     one = scaling_run(artifact, 1, args, root / "one.log")
     three = scaling_run(artifact, 3, args, root / "three.log")
+    streamed = scaling_run(artifact, 3, args, root / "three-streamed.log", stream=True)
     pool_one = asyncio.run(pool_tokens_per_s(artifact, 1, args))
     pool_three = asyncio.run(pool_tokens_per_s(artifact, 3, args))
     results = {
@@ -268,12 +285,13 @@ def scaling_part(
         "front_cpu_ms_per_request_1": one["front_cpu_ms_per_request"],
         "front_cpu_ms_per_request_3": three["front_cpu_ms_per_request"],
         "front_cpu_us_per_token_3": three["front_cpu_us_per_token"],
+        "front_cpu_us_per_token_3_streamed": streamed["front_cpu_us_per_token"],
         "replica_cpu_us_per_token_3": three["replica_cpu_us_per_token"],
         "server_cpu_cores_busy_1": one["cpu_cores_busy"],
         "server_cpu_cores_busy_3": three["cpu_cores_busy"],
-        "failed_requests_scaling": one["failed"] + three["failed"],
+        "failed_requests_scaling": one["failed"] + three["failed"] + streamed["failed"],
     }
-    return {"one_replica": one, "three_replicas": three}, results
+    return {"one_replica": one, "three_replicas": three, "three_replicas_streamed": streamed}, results
 
 
 def routing_part(
