@@ -17,6 +17,7 @@ names its problem.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -28,6 +29,21 @@ _space = re.compile(r"[ \t\n\r]*").match
 _Step = Callable[[int], tuple[Any, int]]  # a walking step: from a position to (the next step, its position)
 _NOT_YET = (StopIteration, ValueError, IndexError)  # a scan that ran past the text (or malformed)
 MAX_PENDING_CHARS = 65536  # an unfinished value longer than this ends the count (the parser decides)
+
+
+# An element of the arrays a flood is made of: a string, a number, or a flat array of integers (token ids).
+_SIMPLE = (
+    r"(?:\"(?:[^\"\\\x00-\x1f]|\\.)*\""  # a string
+    r"|-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?"  # a number
+    r"|\[\s*(?:-?\d+\s*(?:,\s*-?\d+\s*)*)?\])"  # token ids
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _run_of(count: int) -> re.Pattern[str]:
+    """`count` simple elements, each followed by a comma (so one more follows): one C-level match
+    where a step per element costs microseconds in Python. Atomic groups: no backtracking."""
+    return re.compile(rf"(?>[ \t\n\r]*{_SIMPLE}[ \t\n\r]*,){{{count}}}")
 
 
 class _Unreadable(Exception):
@@ -75,6 +91,8 @@ class ArrayCounter:
         except UnicodeDecodeError:
             self.done = True
         at = 0
+        if self._step == self._element:
+            self._step = self._run  # more has arrived: try the whole run again
         try:
             while not self.done:
                 self._step, at = self._step(at)
@@ -109,7 +127,17 @@ class ArrayCounter:
         if char == "]":
             return self._after_member(first + 1)
         self._array, self._count = key, 0
-        return self._element, first
+        return self._run, first
+
+    def _run(self, at: int) -> tuple[_Step, int]:
+        """The elements still to count before the cap is passed, at once if they are all simple and
+        here; otherwise one at a time (`_element`)."""
+        needed = self._caps[self._array] + 1 - self._count
+        if _run_of(needed).match(self._text, at) is None:
+            return self._element, at
+        self._count += needed
+        self.over, self.done = self._array, True
+        return self._end, at
 
     def _element(self, at: int) -> tuple[_Step, int]:
         _, at = _scan(self._text, _skip_space(self._text, at))

@@ -18,6 +18,9 @@ BODIES = {
     "numbers": ({"prompt": [1, 22, 333], "stop": [4444, 5, 6]}, "stop"),
     "one-past-the-cap": ({"prompt": ["a"] * 100_000, "stop": ["b"] * 9}, "prompt"),
     "nested-key": ({"messages": [{"prompt": ["a"] * 9}]}, None),
+    "token-ids": ({"prompt": [[1, 2], [3], [], [4, 5, 6]]}, "prompt"),
+    "objects": ({"prompt": [{"a": 1}, {"b": [2]}, "c", {"d": "]"}]}, "prompt"),
+    "escapes": ({"prompt": ['\\"', "\\", '"\\', "\u00e9\n"]}, "prompt"),
     "empty": ({}, None),
 }
 
