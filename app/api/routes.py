@@ -60,21 +60,18 @@ async def get_serving(request: Request) -> Serving:
 ServingDep = Annotated[Serving, Depends(get_serving)]
 
 
-async def read_body(request: Request, serving: Serving) -> bytes:
-    """The body's bytes, refused with 413 past `max_body_bytes` and with 400 once an array in it is over
-    its limit (`Limits.array_check`), before reading the rest: uvicorn discards what is left unread and
-    keeps the connection."""
+async def read_body(request: Request) -> bytes:
+    """The body's bytes, refused with 413 past `max_body_bytes` (before reading all of it)."""
     settings: ServerSettings = request.app.state.settings
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"the body has {declared} bytes; max_body_bytes is {limit}")
-    chunks, size, check = [], 0, serving.validator.limits.array_check()
+    chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLargeError(f"the body is over max_body_bytes ({limit} bytes)")
-        check(chunk)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -153,7 +150,7 @@ probes = APIRouter()
 )
 async def completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI text completions; `stream: true` for server-sent events."""
-    validated = await serving.validate(Api.COMPLETION, await read_body(request, serving))
+    validated = await serving.validate(Api.COMPLETION, await read_body(request))
     return await openai.answer(openai.CompletionRenderer, serving, validated, request, request_id())
 
 
@@ -164,7 +161,7 @@ async def completions(request: Request, serving: ServingDep) -> Response:
 )
 async def chat_completions(request: Request, serving: ServingDep) -> Response:
     """OpenAI chat completions through the model's chat template; `stream: true` for events."""
-    validated = await serving.validate(Api.CHAT, await read_body(request, serving))
+    validated = await serving.validate(Api.CHAT, await read_body(request))
     return await openai.answer(openai.ChatRenderer, serving, validated, request, request_id())
 
 
@@ -188,7 +185,7 @@ def _model_card(serving: Serving) -> ModelCard:
 async def create_response(request: Request, serving: ServingDep) -> Response:
     """OpenAI's Responses API, run as a chat completion; `stream: true` for its typed events. Nothing is
     stored (`store: true` and `previous_response_id` are refused)."""
-    validated = await serving.validate(Api.RESPONSES, await read_body(request, serving))
+    validated = await serving.validate(Api.RESPONSES, await read_body(request))
     return await openai.answer(responses.ResponsesRenderer, serving, validated, request, request_id())
 
 
@@ -212,7 +209,7 @@ async def model(model_id: str, serving: ServingDep) -> ModelCard:
 )
 async def tokenize(request: Request, serving: ServingDep) -> TokenizeResponse:
     """vLLM's: the token ids of a prompt, or of chat messages through the chat template."""
-    raw = await read_body(request, serving)
+    raw = await read_body(request)
     return await serving.run(tokenization.tokenize, serving.validator, raw, serving.token_text)
 
 
@@ -221,7 +218,7 @@ async def tokenize(request: Request, serving: ServingDep) -> TokenizeResponse:
 )
 async def detokenize(request: Request, serving: ServingDep) -> DetokenizeResponse:
     """vLLM's: the text of token ids."""
-    return await serving.run(tokenization.detokenize, serving.validator, await read_body(request, serving))
+    return await serving.run(tokenization.detokenize, serving.validator, await read_body(request))
 
 
 @inference.get("/tokenizer_info", responses=_errors(401, 503))
@@ -239,7 +236,7 @@ async def version() -> VersionInfo:
 @inference.post("/invocations", **_documented(*BODY_MODELS), openapi_extra=_request_body(*REQUEST_MODELS))
 async def invocations(request: Request, serving: ServingDep) -> Response:
     """SageMaker: an OpenAI chat (`messages`) or completion (`prompt`) body, or TGI's `inputs` body."""
-    validated = await serving.validate(None, await read_body(request, serving))
+    validated = await serving.validate(None, await read_body(request))
     if validated.api is Api.CHAT:
         return await openai.answer(openai.ChatRenderer, serving, validated, request, request_id())
     if validated.api is Api.COMPLETION:

@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, NamedTuple, TypeVar
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, TypeVar
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 
-from app.api.body_scan import ArrayCounter
+from app.api.body_scan import array_lengths
 from app.api.constraints import bad_words_ids, logit_bias_pairs, request_constraint, tools_offered
 from app.api.errors import from_validation_error
 from app.api.protocol import (
@@ -206,9 +206,9 @@ class Limits:
                 param=param,
             )
 
-    def array_check(self) -> Callable[[bytes], None]:
-        """A check fed the body's bytes as they arrive (`body_scan.ArrayCounter`): an array longer than
-        any limit allows (100,000 prompts) is refused as soon as one element past the limit is in."""
+    def refuse_long_arrays(self, raw: bytes) -> None:
+        """Before the body is parsed: an array longer than any limit allows (100,000 prompts) is refused
+        after reading one element past the limit (`body_scan.array_lengths`)."""
         caps = {
             "prompt": max(self.max_sequences, self.max_prompt_tokens),
             "messages": self.max_prompt_tokens,
@@ -224,20 +224,11 @@ class Limits:
             "stop": f"max_stop_strings ({self.max_stop_strings})",
             "tokens": f"max_model_len ({self.max_positions})",
         }
-        counter = ArrayCounter(caps)
-
-        def check(chunk: bytes) -> None:
-            key = counter.feed(chunk)
-            if key is not None:
+        for key, length in array_lengths(raw, caps).items():
+            if length > caps[key]:
                 raise InvalidRequestError(
                     f"{key} has more than {caps[key]} elements: over {limits[key]}", param=key
                 )
-
-        return check
-
-    def refuse_long_arrays(self, raw: bytes) -> None:
-        """`array_check` on a whole body."""
-        self.array_check()(raw)
 
     def check_sequences(self, count: int) -> None:
         """More sequences than the queue can ever hold can never be admitted, whatever the load: that is
