@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 EXIT_CUT = 3
 # The event loop, the validation threads, the engine thread and the output thread share one GIL. At
 # CPython's default 5 ms switch interval, a thread that wakes for a step (the engine after a device call,
-# the output thread with its tokens) waits up to 5 ms for a loop kept busy by requests, per hand-off:
-# four clients looping refusals moved an innocent stream's p99 inter-token gap by 40-80 %. 0.5 ms bounds
-# that wait; the extra switches cost nothing measurable in http_bench (`loadtest/amplification_bench.py`
-# and the README's figures).
+# the output thread with its tokens) may wait up to 5 ms for a thread holding the lock, per hand-off.
+# 0.5 ms bounds that wait: scheduler_bench in step, with the engine and output threads alone, has its
+# host gap p99 at 0.4 ms instead of 4.3 ms; http_bench is unchanged. Its effect on an innocent stream
+# under a loop of refusals (amplification_bench) was not separable from the shared machine's noise.
 SWITCH_INTERVAL_S = 0.0005
 CUT_GRACE_S = 5.0  # after the cut: for the 503s and error events to be written before uvicorn cancels
 
