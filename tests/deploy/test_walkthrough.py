@@ -129,6 +129,7 @@ def test_the_walkthrough_has_each_platform_from_zero() -> None:
     for step in ("**Quotas.**", "**Image in ECR.**", "**IRSA**", "**Canary", "**Rollback"):
         assert step in text
     assert "WALKTHROUGH.md" in (REPO / "deploy" / "README.md").read_text()
+    assert len(commands()) >= 40, "the sh blocks' commands were not found, so none would be checked"
 
 
 @pytest.mark.parametrize("command", commands())

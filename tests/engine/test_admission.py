@@ -191,6 +191,9 @@ def test_the_server_refuses_an_overload_with_retry_after(tokenizer: Tokenizer) -
     with running_engine(tokenizer, backend, max_waiting=10_000, max_queue_wait_s=1.0) as engine:
         finished, refused = run(main(engine))
     assert finished and refused
+    assert all(out[-1].finish_reason is FinishReason.LENGTH for out in finished), [
+        out[-1].error for out in finished
+    ]
     for error in refused:
         assert error.status_code == 429 and error.retry_after_s > 0
         assert "max_queue_wait_s=1.0" in error.message

@@ -149,6 +149,8 @@ def test_while_draining_replicas_refuse_what_would_run_past_the_stop(
             for _ in range(3000):  # the SIGTERM handler runs at the server's next tick
                 if client.get("/ready").status_code == 503:
                     break
+            else:
+                pytest.fail(server.failure("/ready never answered 503 after SIGTERM"))
             refused = client.post("/v1/completions", json=long)
             served = client.post("/v1/completions", json=short)
         exit_code = server.wait(60)
