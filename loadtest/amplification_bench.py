@@ -131,6 +131,11 @@ def under_attack(
     process.start()
     try:
         while refused.value < attackers:  # every attacker is looping before the stream starts
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"the attacker process died (exit code {process.exitcode})"
+                    f" before all {attackers} attackers were looping"
+                )
             time.sleep(0.05)
         assert process.pid is not None
         cpu = [cpu_seconds(server.process.pid), cpu_seconds(process.pid), time.perf_counter()]
