@@ -40,7 +40,7 @@ from app.replicas.messages import (
     ResetPrefixCache,
     Stats,
 )
-from app.runtime import freeze_startup_heap, start_engine, stop_engine
+from app.runtime import start_engine, stop_engine
 from app.settings import ServerSettings
 from app.tokenizer import Tokenizer
 
@@ -96,7 +96,6 @@ def run_replica(
         sender.send(Failed(error.message if isinstance(error, Inf2ServeError) else repr(error)))
         return
     sender.engine = engine
-    freeze_startup_heap()
     stopping = threading.Event()
     try:
         backend = engine.backend
