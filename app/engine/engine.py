@@ -196,12 +196,6 @@ class LLMEngine:
         return max(STALL_FLOOR_S, STALL_STEPS * self.backlog().step_s)
 
     @property
-    def last_progress(self) -> float:
-        """The engine clock's time (`clock.monotonic()`) when a step last applied something or found no
-        work: the engine's heartbeat."""
-        return self.core.last_progress
-
-    @property
     def num_running(self) -> int:
         return self.core.scheduler.num_running
 
