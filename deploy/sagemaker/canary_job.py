@@ -50,9 +50,14 @@ def deployment_in_progress(sagemaker: Any, endpoint: str) -> Deployment:
     return Deployment(endpoint, described["EndpointConfigName"], pending)
 
 
-def one_instance_copy(sagemaker: Any, config: str, name: str) -> dict[str, Any]:
-    """CreateEndpointConfig arguments: `config`'s first production variant on one instance."""
+def first_variant(sagemaker: Any, config: str) -> dict[str, Any]:
+    """The config's first production variant (the one the template defines)."""
     (variant, *_) = sagemaker.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"]
+    return dict(variant)
+
+
+def one_instance_copy(variant: dict[str, Any], name: str) -> dict[str, Any]:
+    """CreateEndpointConfig arguments: the production variant on one instance."""
     keep = (
         "VariantName",
         "ModelName",
@@ -66,9 +71,8 @@ def one_instance_copy(sagemaker: Any, config: str, name: str) -> dict[str, Any]:
     return {"EndpointConfigName": name, "ProductionVariants": [{**copied, "InitialInstanceCount": 1}]}
 
 
-def artifact_of(sagemaker: Any, config: str) -> str:
-    """The S3 prefix the config's model mounts (its golden record is there)."""
-    (variant, *_) = sagemaker.describe_endpoint_config(EndpointConfigName=config)["ProductionVariants"]
+def artifact_of(sagemaker: Any, variant: dict[str, Any]) -> str:
+    """The S3 prefix the variant's model mounts (its golden record is there)."""
     container = sagemaker.describe_model(ModelName=variant["ModelName"])["PrimaryContainer"]
     return str(container["ModelDataSource"]["S3DataSource"]["S3Uri"])
 
@@ -97,14 +101,15 @@ def run(sagemaker: Any, deployment: Deployment, extra: Sequence[str]) -> int:
     from app.cli import main as inf2serve
 
     names = [deployment.evaluation(s) for s in EVALUATION_SUFFIXES]
+    variants = [first_variant(sagemaker, c) for c in (deployment.old_config, deployment.new_config)]
     try:
-        for name, config in zip(names, (deployment.old_config, deployment.new_config), strict=True):
-            sagemaker.create_endpoint_config(**one_instance_copy(sagemaker, config, name))
+        for name, variant in zip(names, variants, strict=True):
+            sagemaker.create_endpoint_config(**one_instance_copy(variant, name))
             sagemaker.create_endpoint(EndpointName=name, EndpointConfigName=name)
         waiter = sagemaker.get_waiter("endpoint_in_service")
         for name in names:
             waiter.wait(EndpointName=name, WaiterConfig={"Delay": 30, "MaxAttempts": 120})
-        artifacts = [artifact_of(sagemaker, c) for c in (deployment.old_config, deployment.new_config)]
+        artifacts = [artifact_of(sagemaker, variant) for variant in variants]
         return inf2serve(canary_argv(deployment, *artifacts, extra))
     finally:
         for name in names:

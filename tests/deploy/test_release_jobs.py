@@ -69,7 +69,9 @@ def test_sagemaker_job_judges_the_pending_config_on_evaluation_endpoints(
             {"EndpointConfigName": "cfg-new"},
         )
         deployment = canary_job.deployment_in_progress(sagemaker, "llm")
-        copy = canary_job.one_instance_copy(sagemaker, deployment.new_config, "llm-eval-new")
+        copy = canary_job.one_instance_copy(
+            canary_job.first_variant(sagemaker, deployment.new_config), "llm-eval-new"
+        )
     assert deployment == canary_job.Deployment("llm", "cfg-old", "cfg-new")
     # Same hardware, image and artifact as the new fleet, on one instance.
     assert copy == {
