@@ -213,7 +213,7 @@ def open_target(
         if not url.startswith(("http://", "https://")) or track not in ("stable", "canary"):
             raise ConfigError(f"ALB target {spec!r}: expected alb:<http(s) URL>#stable or #canary")
         return HttpTarget(spec, url, api_key, timeout_s, {TRACK_HEADER: track})
-    if spec.startswith("sagemaker:"):
+    if is_sagemaker(spec):
         path, _, component = spec.removeprefix("sagemaker:").partition("#")
         endpoint, _, variant = path.partition("/")
         if not endpoint:
