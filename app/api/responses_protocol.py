@@ -24,6 +24,7 @@ from app.api.protocol import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    FunctionDefinition,
     RequestModel,
     ResponseModel,
     Role,
@@ -99,12 +100,12 @@ class TextConfig(RequestModel):
     verbosity: Literal["medium"] | None = None
 
 
-class FunctionTool(RequestModel):
+class FunctionType(RequestModel):
     type: Literal["function"]
-    name: str = Field(max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+
+
+class FunctionTool(FunctionDefinition, FunctionType):
+    """Chat's function definition, flat as Responses sends it (`type` first: refuse another type by it)."""
 
 
 class NamedFunction(RequestModel):

@@ -100,6 +100,14 @@ def test_refusals_name_the_responses_field(sdk, fields, param) -> None:
     assert error.value.body["param"] == param
 
 
+def test_a_tool_name_chat_refuses_is_refused_under_its_responses_path(sdk) -> None:
+    body = {"model": "fake-model", "input": "x", "tools": [{"type": "function", "name": "my tool"}]}
+    with pytest.raises(openai.BadRequestError) as error:
+        sdk.post("/responses", body=body, cast_to=object)
+    assert error.value.body["param"] == "tools.0.name"
+    assert "tools.0.name" in error.value.body["message"]
+
+
 def test_a_model_is_retrieved_by_its_id(sdk) -> None:
     assert sdk.models.retrieve("fake-model").id == "fake-model"
     with pytest.raises(openai.NotFoundError):
