@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,6 +28,7 @@ from typing import Any
 from app.structured.grammar import Constraint, Kind, closed
 
 PYTHON_TAG = "<|python_tag|>"
+BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
 
 
 class ToolCallParser(StrEnum):
@@ -78,19 +80,32 @@ def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[To
 
 
 def _json_calls(body: str) -> list[ToolCall] | None:
+    if not body.startswith("{"):
+        return None
     calls = []
-    for part in body.split(";") if body.startswith("{") else ():
+    decoder = json.JSONDecoder()
+    end = 0
+    while end < len(body):
+        # One call at a time, not split at `;`: a `;` may sit inside a string argument.
         try:
-            call = json.loads(part)
+            call, end = decoder.raw_decode(body, end)
         except ValueError:
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        end = BETWEEN_JSON_CALLS.match(body, end).end()  # type: ignore[union-attr]  # `*` matches anywhere
+        tool_call = _json_call(call)
+        if tool_call is None:
             return None
-        arguments = call.get("parameters", call.get("arguments", {}))
-        if not isinstance(arguments, dict):
-            return None
-        calls.append(ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls or None
+        calls.append(tool_call)
+    return calls
+
+
+def _json_call(call: Any) -> ToolCall | None:
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("parameters", call.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _pythonic_calls(body: str) -> list[ToolCall] | None:

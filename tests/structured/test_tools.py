@@ -17,10 +17,11 @@ from app.structured.tools import Function, ToolCall, ToolCallParser, forced_call
         ('<|python_tag|>{"name": "f", "arguments": {"a": "x"}}', [ToolCall("f", '{"a": "x"}')]),
         ('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"b": [1]}}',
          [ToolCall("f", "{}"), ToolCall("g", '{"b": [1]}')]),
+        ('{"name": "f", "parameters": {"q": "a;b"}}', [ToolCall("f", '{"q": "a;b"}')]),
         ('[get_weather(city="Paris", days=3), now()]',
          [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
     ],
-    ids=["json", "python-tag", "two-json", "pythonic"],
+    ids=["json", "python-tag", "two-json", "semicolon-in-string", "pythonic"],
 )  # fmt: skip
 def test_calls_are_read(text: str, calls: list[ToolCall]) -> None:
     assert parse_tool_calls(text) == calls
@@ -36,6 +37,7 @@ def test_calls_are_read(text: str, calls: list[ToolCall]) -> None:
         "[__import__('os')]",
         "[]",
         "{",
+        '{"name": "f", "parameters": {}}; Hello',
     ],
 )
 def test_other_text_is_no_call(text: str) -> None:
