@@ -26,7 +26,7 @@ error state), the first stop id is, with logit 0, so the request ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -63,7 +63,20 @@ class TokenMask(Protocol):
 class HostLogits:
     """One request's host-side state: which tokens it has seen and generated, and its grammar matcher."""
 
-    __slots__ = ("_counts", "_keep", "_only", "_seen", "_tail", "mask", "num_output", "params", "stop_ids")
+    __slots__ = (
+        "_banned_tokens",
+        "_bias_tokens",
+        "_bias_values",
+        "_counts",
+        "_keep",
+        "_only",
+        "_seen",
+        "_tail",
+        "mask",
+        "num_output",
+        "params",
+        "stop_ids",
+    )
 
     def __init__(
         self, params: SamplingParams, prompt: Sequence[int], stop_ids: Sequence[int], mask: TokenMask | None
@@ -73,13 +86,17 @@ class HostLogits:
         self.num_output = 0
         self.mask = mask
         # Sparse (token ids, not vocabulary-wide rows): a step costs the tokens seen, not the vocabulary.
-        self._seen = dict.fromkeys(prompt, 0)  # prompt and output token -> times generated
-        self._counts: dict[int, int] = {}
+        self._seen = set(prompt)  # the prompt's and the output's tokens
+        self._counts: dict[int, int] = {}  # output token -> times generated
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
         self._tail = list(prompt[len(prompt) - self._keep :]) if self._keep else []
         only = params.allowed_token_ids
         self._only = None if only is None else np.array(sorted(set(only)), np.int64)
+        # the same every step: computed once
+        self._banned_tokens = [word[0] for word in params.bad_words if len(word) == 1]
+        self._bias_tokens = [token for token, _ in params.logit_bias]
+        self._bias_values = [bias for _, bias in params.logit_bias]
 
     @classmethod
     def start(
@@ -98,7 +115,7 @@ class HostLogits:
     def accept(self, token_id: int) -> None:
         """A token of this request was applied."""
         self.num_output += 1
-        self._seen[token_id] = self._seen.get(token_id, 0) + 1
+        self._seen.add(token_id)
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if self._keep:
             self._tail = [*self._tail, token_id][-self._keep :]
@@ -116,9 +133,9 @@ class HostLogits:
                 self._counts,
                 [-(params.frequency_penalty * c + params.presence_penalty) for c in self._counts.values()],
             )
-        if params.logit_bias:
-            edits.shift.add_values(row, [t for t, _ in params.logit_bias], [b for _, b in params.logit_bias])
-        banned = [word[0] for word in params.bad_words if len(word) == 1] + self._word_ends()
+        if self._bias_tokens:
+            edits.shift.add_values(row, self._bias_tokens, self._bias_values)
+        banned = self._banned_tokens + self._word_ends()
         if self.num_output < params.min_tokens:
             banned += self.stop_ids
         if banned:
@@ -144,10 +161,10 @@ class _Pairs:
         self.tokens: list[int] = []
         self.values: list[float] = []
 
-    def add(self, row: int, tokens: Sequence[int] | dict[int, int], value: float) -> None:
+    def add(self, row: int, tokens: Collection[int], value: float) -> None:
         self.add_values(row, tokens, [value] * len(tokens))
 
-    def add_values(self, row: int, tokens: Sequence[int] | dict[int, int], values: Sequence[float]) -> None:
+    def add_values(self, row: int, tokens: Collection[int], values: Sequence[float]) -> None:
         self.rows += [row] * len(values)
         self.tokens += tokens
         self.values += values
