@@ -151,6 +151,12 @@ class KvBlocks:
     num_blocks: int
 
 
+def min_kv_blocks(num_slots: int, max_positions: int, block_size: int) -> int:
+    """Blocks for every slot's longest sequence: with at least this many a running sequence always finds
+    a free block, so none is ever preempted for blocks (app/engine/blocks.py)."""
+    return num_slots * -(-max_positions // block_size)
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledPrefixCaching:
     """An artifact compiled for prefix caching (neuron-nxdi): its KV cache in `blocks`, and context

@@ -65,6 +65,7 @@ from app.backends.base import (
     SampledToken,
     SamplingParams,
     Tokens,
+    min_kv_blocks,
 )
 from app.backends.batches import check_decode, check_prefill
 from app.backends.sampling import MASK32, mix32, pick_tokens, sample_tokens
@@ -282,8 +283,9 @@ class SimBackend(Backend):
             clock=clock,
         )
         if prefix_caching:
-            per_sequence = -(-spec.grid.max_positions // PREFIX_BLOCK_SIZE)
-            backend.kv_blocks = KvBlocks(PREFIX_BLOCK_SIZE, spec.grid.num_slots * per_sequence)
+            grid = spec.grid
+            num_blocks = min_kv_blocks(grid.num_slots, grid.max_positions, PREFIX_BLOCK_SIZE)
+            backend.kv_blocks = KvBlocks(PREFIX_BLOCK_SIZE, num_blocks)
         return backend
 
     @classmethod

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.backends.base import min_kv_blocks
 from app.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ class SequenceBlocks:
     keys: list[bytes] = field(default_factory=list)
     table: list[Block] = field(default_factory=list)
     num_committed: int = 0  # leading blocks whose KV is on the device and registered (or duplicates)
-    num_cached_tokens: int = 0  # of its last admission: prefix tokens found cached
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -73,19 +73,17 @@ class BlockManager:
     counts (module docstring). Not thread-safe: the scheduler's."""
 
     def __init__(self, block_size: int, num_blocks: int, num_slots: int, max_positions: int) -> None:
-        per_sequence = -(-max_positions // block_size)
-        if block_size < 1 or num_blocks < num_slots * per_sequence:
+        needed = min_kv_blocks(num_slots, max_positions, max(block_size, 1))
+        if block_size < 1 or num_blocks < needed:
             raise ConfigError(
                 f"the prefix cache needs at least num_slots x ceil(max_positions / block_size) = "
-                f"{num_slots * per_sequence} blocks of {block_size} positions, got {num_blocks}"
+                f"{needed} blocks of {block_size} positions, got {num_blocks}"
             )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self._blocks)
         self._cached: dict[bytes, Block] = {}
-        self.queries = 0  # prompt tokens looked up, since start (vLLM's prefix_cache_queries)
-        self.hits = 0  # of them, found cached (prefix_cache_hits)
 
     @property
     def num_free(self) -> int:
@@ -112,11 +110,8 @@ class BlockManager:
             self._take(block)
             seq.table.append(block)
         seq.num_committed = hit
-        seq.num_cached_tokens = hit * self.block_size
-        self.queries += len(tokens)
-        self.hits += seq.num_cached_tokens
         self.grow(seq, len(tokens))
-        return seq.num_cached_tokens
+        return hit * self.block_size
 
     def grow(self, seq: SequenceBlocks, num_positions: int) -> None:
         """Blocks for positions < `num_positions`."""
@@ -148,14 +143,12 @@ class BlockManager:
         seq.table.clear()
         seq.num_committed = 0
 
-    def reset(self) -> int:
+    def reset(self) -> None:
         """Forget every cached prefix (`POST /reset_prefix_cache`); blocks in use stay with their requests,
-        no longer shareable. Returns how many prefixes were dropped."""
-        dropped = len(self._cached)
+        no longer shareable."""
         for block in self._cached.values():
             block.key = None
         self._cached.clear()
-        return dropped
 
     def _hit_blocks(self, seq: SequenceBlocks, tokens: Sequence[int]) -> int:
         cacheable = (len(tokens) - 1) // self.block_size  # the last token is always computed

@@ -58,6 +58,7 @@ from app.backends.base import (
     PrefillBatch,
     SampledToken,
     SamplingParams,
+    min_kv_blocks,
 )
 from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.block_kv import BlockKvInputs, BlockLayout
@@ -207,7 +208,7 @@ def check_prefix_caching(spec: BackendSpec, vocab_size: int) -> None:
         return
     refuse_prefix_caching_conflicts(graph_kwargs(spec, vocab_size))
     size, prefix = caching.blocks.block_size, caching.prefix_buckets
-    per_sequence = -(-grid.max_positions // max(size, 1))
+    min_blocks = min_kv_blocks(grid.num_slots, grid.max_positions, max(size, 1))
     longest_prefix = (grid.max_positions - 1) // max(size, 1) * size
     problems = {
         f"pa_block_size {size} must be at least 1": size < 1,
@@ -220,8 +221,7 @@ def check_prefix_caching(spec: BackendSpec, vocab_size: int) -> None:
             b % max(size, 1) for b in (*grid.token_buckets, *prefix)
         ),
         f"{caching.blocks.num_blocks} KV blocks hold fewer than num_slots x ceil(max_positions / "
-        f"block size) = {grid.num_slots * per_sequence}": caching.blocks.num_blocks
-        < grid.num_slots * per_sequence,
+        f"block size) = {min_blocks}": caching.blocks.num_blocks < min_blocks,
         f"the largest prefix bucket must hold the longest cached prefix, {longest_prefix} positions": (
             max(prefix, default=0) < longest_prefix
         ),
