@@ -11,7 +11,10 @@ from app.errors import BatchError
 from app.shapes import ShapeGrid
 
 
-def check_prefill(batch: PrefillBatch, grid: ShapeGrid, vocab_size: int) -> None:
+def check_prefill(
+    batch: PrefillBatch, grid: ShapeGrid, vocab_size: int, kv_blocks: KvBlocks | None = None
+) -> None:
+    """`kv_blocks`: the backend's KV blocks, which the batch's block tables must address."""
     count = _check_rows(batch.slots, batch.prompts, batch.sampling)
     _check_in(batch.context_bucket, grid.context_buckets, "context bucket")
     if (batch.cached or batch.block_tables) and not len(batch.cached) == len(batch.block_tables) == count:
@@ -25,13 +28,16 @@ def check_prefill(batch: PrefillBatch, grid: ShapeGrid, vocab_size: int) -> None
             )
         _check_tokens(prompt, vocab_size)
     _check_slots(batch.slots, grid.num_slots)
+    _check_block_tables(batch.block_tables, [len(p) for p in batch.prompts], kv_blocks)
 
 
-def check_block_tables(tables: BlockTables, lengths: Sequence[int], kv_blocks: KvBlocks) -> None:
+def _check_block_tables(tables: BlockTables, lengths: Sequence[int], kv_blocks: KvBlocks | None) -> None:
     """Each row's table covers its `lengths[i]` positions with distinct blocks of the pool (no tables: the
     batch runs without prefix caching)."""
     if not tables:
         return
+    if kv_blocks is None:
+        raise BatchError("block tables were passed to a backend whose KV cache is not in blocks")
     for table, length in zip(tables, lengths, strict=True):
         if len(table) * kv_blocks.block_size < length or len(set(table)) != len(table):
             raise BatchError(
@@ -42,11 +48,18 @@ def check_block_tables(tables: BlockTables, lengths: Sequence[int], kv_blocks: K
 
 
 def check_decode(
-    batch: DecodeBatch, grid: ShapeGrid, vocab_size: int, *, fed_back: bool = False, min_position: int = 0
+    batch: DecodeBatch,
+    grid: ShapeGrid,
+    vocab_size: int,
+    kv_blocks: KvBlocks | None = None,
+    *,
+    fed_back: bool = False,
+    min_position: int = 0,
 ) -> None:
-    """`fed_back`: the backend continues a `FED_BACK` row from the token it sampled last for the slot.
-    `min_position` 1 where a library routes a batch holding a position-0 row to context encoding (NxD
-    Inference); a sequence's first decode is at position 1 at the earliest anyway."""
+    """`kv_blocks` as for `check_prefill`. `fed_back`: the backend continues a `FED_BACK` row from the
+    token it sampled last for the slot. `min_position` 1 where a library routes a batch holding a
+    position-0 row to context encoding (NxD Inference); a sequence's first decode is at position 1 at the
+    earliest anyway."""
     count = _check_rows(batch.slots, batch.last_tokens, batch.positions, batch.sampling)
     _check_in(batch.batch_bucket, grid.batch_buckets, "batch bucket")
     _check_in(batch.token_bucket, grid.token_buckets, "token bucket")
@@ -61,6 +74,7 @@ def check_decode(
     _check_tokens([t for t in batch.last_tokens if not (fed_back and t == FED_BACK)], vocab_size)
     if batch.block_tables and len(batch.block_tables) != count:
         raise BatchError("a batch with prefix caching needs a block table per sequence")
+    _check_block_tables(batch.block_tables, [p + 1 for p in batch.positions], kv_blocks)
 
 
 def _check_rows(*columns: Sequence[object]) -> int:

@@ -322,7 +322,7 @@ class SimBackend(Backend):
         return partial(self._wait, batch, start, end, tokens)
 
     def _prefill_tokens(self, batch: PrefillBatch) -> list[SampledToken]:
-        check_prefill(batch, self.spec.grid, self.model.vocab_size)
+        check_prefill(batch, self.spec.grid, self.model.vocab_size, self.kv_blocks)
         tokens = self._with_host_rows(
             [
                 None
@@ -466,7 +466,7 @@ class SimBackend(Backend):
 
     def _check_decode(self, batch: DecodeBatch) -> None:
         """Besides the shapes: each row continues its slot exactly where the slot's sequence ended."""
-        check_decode(batch, self.spec.grid, self.model.vocab_size, fed_back=True)
+        check_decode(batch, self.spec.grid, self.model.vocab_size, self.kv_blocks, fed_back=True)
         for slot, position, last in zip(batch.slots, batch.positions, batch.last_tokens, strict=True):
             _require(
                 last != FED_BACK or self._last_token[slot] >= 0, f"slot {slot} has no token to feed back"

@@ -94,6 +94,7 @@ def test_presets_match_the_published_anchors() -> None:
         (DecodeBatch((0,), (5,), (3,), (GREEDY,), 1, 16), "holds 0 tokens but decode writes position 3"),
         (DecodeBatch((0,), (99,), (0,), (GREEDY,), 1, 16), "token ids must lie in"),
         (PrefillBatch((0,), ((5,) * 9,), (GREEDY,), 8), "prompt of 9 tokens"),
+        (PrefillBatch((0,), ((5, 6),), (GREEDY,), 8, (0,), ((0,),)), "KV cache is not in blocks"),
     ],
 )
 def test_refuses_what_a_device_could_not_run(batch: DecodeBatch | PrefillBatch, message: str) -> None:

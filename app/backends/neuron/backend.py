@@ -25,7 +25,7 @@ from app.backends.base import (
     PrefillBatch,
     SampledToken,
 )
-from app.backends.batches import check_block_tables, check_decode, check_prefill
+from app.backends.batches import check_decode, check_prefill
 from app.backends.neuron.runtime import RUNTIME_PACKAGE, apply_placement, runtime_version, visible_cores
 from app.backends.neuron.steps import DecodeRows, LeftOutRows, check_grid
 from app.llama import read_llama_config, read_model_info
@@ -52,9 +52,7 @@ class NeuronBackend(Backend):
         return cls._open(artifact_dir, spec, info)
 
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
-        check_prefill(batch, self.spec.grid, self.model.vocab_size)
-        if self.kv_blocks is not None:
-            check_block_tables(batch.block_tables, [len(p) for p in batch.prompts], self.kv_blocks)
+        check_prefill(batch, self.spec.grid, self.model.vocab_size, self.kv_blocks)
         tokens: list[SampledToken] = []
         for row, (slot, prompt) in enumerate(zip(batch.slots, batch.prompts, strict=True)):
             with torch.inference_mode():  # as the libraries' own guides run their steps
@@ -64,9 +62,8 @@ class NeuronBackend(Backend):
 
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         grid = self.spec.grid
-        check_decode(batch, grid, self.model.vocab_size, min_position=1)  # position 0 routes to prefill
-        if self.kv_blocks is not None:
-            check_block_tables(batch.block_tables, [p + 1 for p in batch.positions], self.kv_blocks)
+        # position 0 routes to prefill
+        check_decode(batch, grid, self.model.vocab_size, self.kv_blocks, min_position=1)
         rows = self._left_out.lay_out(batch, grid)
         try:
             with torch.inference_mode():

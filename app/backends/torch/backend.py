@@ -23,7 +23,7 @@ from app.backends.base import (
     PrefillBatch,
     SampledToken,
 )
-from app.backends.batches import check_block_tables, check_decode, check_prefill
+from app.backends.batches import check_decode, check_prefill
 from app.backends.sampling import SamplingTensors, prompt_logprobs, sample_tokens, sampled_tokens
 from app.backends.torch.cuda_graphs import DecodeGraphs
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
@@ -142,8 +142,7 @@ class TorchBackend(Backend):
 
     def _prefill_step(self, batch: PrefillBatch, score_rows: tuple[int, ...] = ()) -> PrefillStep:
         grid, bucket = self.spec.grid, batch.context_bucket
-        check_prefill(batch, grid, self.model.vocab_size)
-        check_block_tables(batch.block_tables, [len(p) for p in batch.prompts], self.kv_blocks)
+        check_prefill(batch, grid, self.model.vocab_size, self.kv_blocks)
         count = len(batch.slots)
         padding = grid.batch_bucket(count) - count
         computed = [batch.uncached(row) for row in range(count)]
@@ -163,8 +162,7 @@ class TorchBackend(Backend):
 
     def _decode_step(self, batch: DecodeBatch) -> DecodeStep:
         rows, span = batch.batch_bucket, batch.token_bucket
-        check_decode(batch, self.spec.grid, self.model.vocab_size)
-        check_block_tables(batch.block_tables, [p + 1 for p in batch.positions], self.kv_blocks)
+        check_decode(batch, self.spec.grid, self.model.vocab_size, self.kv_blocks)
         padding = rows - len(batch.slots)
         return DecodeStep(
             tokens=batch.last_tokens + (0,) * padding,
