@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.settings import ServerSettings
 from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
+from tests.sse import stream_events
 
 pytestmark = pytest.mark.slow
 
@@ -63,22 +64,11 @@ async def gauge(client: httpx.AsyncClient, name: str) -> float:
     return next(f for f in families if f.name == name).samples[0].value
 
 
-async def stream_events(client: httpx.AsyncClient, started: asyncio.Event) -> tuple[int, list[str]]:
-    body = {"prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "stream": True, "ignore_eos": True}
-    events = []
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                started.set()
-    return response.status_code, events
-
-
 async def scenario(server: ServerProcess) -> tuple[list, list[httpx.Response], int]:
     limits = httpx.Limits(max_connections=32)
     async with httpx.AsyncClient(base_url=server.url, timeout=60, limits=limits) as client:
         started = [asyncio.Event() for _ in range(SLOTS)]
-        streams = [asyncio.create_task(stream_events(client, event)) for event in started]
+        streams = [asyncio.create_task(stream_events(client, event, STREAM_TOKENS)) for event in started]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
         waiting_bodies = [
             {"prompt": "A waiting request", "max_tokens": 8},

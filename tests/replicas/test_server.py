@@ -23,6 +23,7 @@ from loadtest.harness.server import ServerProcess
 from loadtest.replica_bench import replica_pids
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
 from tests.replicas.helpers import serve_two_replicas
+from tests.sse import stream_events
 
 pytestmark = pytest.mark.slow
 
@@ -90,21 +91,10 @@ def replica_server(
     return serve_two_replicas(artifact, tmp_path, *routing, *timing)
 
 
-async def stream_events(client: httpx.AsyncClient, started: asyncio.Event) -> tuple[int, list[str]]:
-    body = {"prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "stream": True, "ignore_eos": True}
-    events = []
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                started.set()
-    return response.status_code, events
-
-
 async def hang_one_and_terminate(server: ServerProcess, replica: int) -> list[tuple[int, list[str]]]:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         started = [asyncio.Event() for _ in range(4)]
-        streams = [asyncio.create_task(stream_events(client, event)) for event in started]
+        streams = [asyncio.create_task(stream_events(client, event, LONG_TOKENS)) for event in started]
         await asyncio.gather(*(event.wait() for event in started))  # two streaming on each replica
         os.kill(replica, signal.SIGSTOP)
         server.terminate()
