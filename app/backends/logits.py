@@ -332,8 +332,7 @@ WHOLE_ROW_SHARE = 8  # a row allowed over 1 / 8 of the vocabulary is drawn over 
 @dataclass(frozen=True, slots=True)
 class Restricted:
     """A group of restricted rows' candidates: `rows` [m], which rows of the batch; `tokens` [m, n] the
-    ids their columns hold; `logits` fp32 [m, n] their adjusted logits (-inf where not allowed); `whole`:
-    whether they are whole rows (n = the vocabulary).
+    ids their columns hold; `logits` fp32 [m, n] their adjusted logits (-inf where not allowed).
     Sampling among them draws what sampling the whole adjusted row would (every other token has
     probability 0), at the cost of the allowed tokens only. A row with nothing allowed and no stop id
     to end on draws id 0."""
@@ -341,7 +340,6 @@ class Restricted:
     rows: np.ndarray
     tokens: np.ndarray
     logits: np.ndarray
-    whole: bool
 
     @classmethod
     def groups(cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather) -> list[Restricted]:
@@ -372,7 +370,7 @@ class Restricted:
         _Edits.of([states[i] for i in rows]).apply(logits, _sparse_columns(keys, starts, vocab_size))
         if allowed.rescued:
             logits[np.isin(rows, allowed.rescued), 0] = 0.0
-        return cls(rows, tokens, logits, whole=False)
+        return cls(rows, tokens, logits)
 
     @classmethod
     def _whole(
@@ -381,5 +379,5 @@ class Restricted:
         ids = np.arange(vocab_size)
         logits = gather(rows, ids[None, :])
         _Edits.of([states[i] for i in rows]).apply(logits, _dense_columns(vocab_size))
-        np.putmask(logits, allowed.refused(rows, vocab_size), -np.inf)
-        return cls(rows, np.broadcast_to(ids, logits.shape), logits, whole=True)
+        np.copyto(logits, -np.inf, where=allowed.refused(rows, vocab_size))
+        return cls(rows, np.broadcast_to(ids, logits.shape), logits)

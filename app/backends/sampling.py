@@ -200,7 +200,7 @@ def _pick_allowed(
     for group in Restricted.groups([p.host for p in params], vocab_size, gather):  # type: ignore[misc]
         members = [params[i] for i in group.rows]
         at = [positions[i] for i in group.rows]
-        if _filtered(members) or group.whole:  # the filters of `pick`; torch's passes over a vocabulary
+        if _filtered(members):  # the filters of `pick`
             tensors = SamplingTensors.build(members, at, len(members), vocab_size, HOST)
             logits = torch.from_numpy(group.logits)
             column = pick(logits, tensors, random=_random(members), filtered=_filtered(members)).numpy()
@@ -213,18 +213,42 @@ def _pick_allowed(
 def _inverse_cdf(
     logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> np.ndarray:
-    """`pick` without filters, on fp32 `logits` [rows, columns] in numpy (on a step's few candidates its
-    per-op cost is a fraction of torch's): greedy rows take the argmax, the others invert their tempered
-    distribution at their draw. A row whose logits are all -inf takes column 0."""
-    greedy = logits.argmax(axis=1)
+    """`pick` without filters, on fp32 `logits` [rows, columns] in numpy, which it overwrites: greedy rows
+    take the argmax, the others invert their tempered distribution at their draw. The cumulative sum runs
+    by blocks of `CDF_BLOCK` columns (their sums, then the one block holding the draw): numpy's cumsum is
+    serial, a block's sum is not. A row whose logits are all -inf takes column 0."""
     temperature = np.array([p.temperature for p in params], np.float32)
-    if not temperature.any():
-        return greedy
-    scaled = logits / np.where(temperature == 0.0, 1.0, temperature)[:, None]
+    greedy = temperature == 0.0
+    chosen = logits.argmax(axis=1) if greedy.any() else None
+    if chosen is not None and greedy.all():
+        return chosen
     with np.errstate(invalid="ignore"):  # a row allowed nothing is all -inf: nan, and column 0
-        cdf = np.cumsum(np.exp(scaled - scaled.max(axis=1, keepdims=True)), axis=1)
-    below = (cdf < draws(params, positions)[:, None] * cdf[:, -1:]).sum(axis=1)
-    return np.where(temperature == 0.0, greedy, np.minimum(below, logits.shape[1] - 1))
+        np.subtract(logits, logits.max(axis=1, keepdims=True), out=logits)
+        if (temperature != 1.0).any():
+            logits /= np.where(greedy, 1.0, temperature)[:, None]
+        weights = np.exp(logits, out=logits)
+        column = _invert(weights, draws(params, positions))
+    return column if chosen is None else np.where(greedy, chosen, column)
+
+
+CDF_BLOCK = 1024
+
+
+def _invert(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """The first column of each row of `weights` [rows, columns] (>= 0) where their running sum reaches
+    uniforms[i] times the row's total: a column of positive weight (the target is clamped into the
+    block found, whose running sum may round below its sum)."""
+    rows, width = weights.shape
+    starts = np.arange(0, width, CDF_BLOCK)
+    ends = np.cumsum(np.add.reduceat(weights, starts, axis=1), axis=1)
+    target = uniforms * ends[:, -1]
+    block = np.minimum((ends < target[:, None]).sum(axis=1), len(starts) - 1)
+    ahead = np.arange(rows)
+    before = np.where(block > 0, ends[ahead, block - 1], 0.0)
+    at = starts[block][:, None] + np.arange(min(CDF_BLOCK, width))
+    running = np.where(at < width, weights[ahead[:, None], np.minimum(at, width - 1)], 0.0).cumsum(axis=1)
+    inside = (running < np.minimum(target - before, running[:, -1])[:, None]).sum(axis=1)
+    return np.minimum(starts[block] + inside, width - 1)
 
 
 def _random(params: Sequence[SamplingParams]) -> bool:

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from app.backends import logits as host_logits
+from app.backends import sampling
 from app.backends.base import SamplingParams
 from app.backends.logits import HostLogits, apply_host_logits
 from app.backends.sampling import SamplingTensors, pick, sample_tokens
@@ -181,6 +182,37 @@ def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_ro
         reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
         assert ours == reference
         assert ours[0] in (5, 9, 31, 40, 63) and ours[1] in (3, 8, 9, 40) and ours[2] in (9, 31)
+
+
+@pytest.mark.parametrize("block", [1024, 7], ids=["one-block", "blocks-of-7"])
+def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows allowed over 1/8 of the vocabulary, drawn over their whole rows in numpy with the running sum
+    taken by blocks of `block` columns (several allowed ids a block), greedy and at three temperatures,
+    draw what the torch sampler draws from their whole adjusted rows."""
+    monkeypatch.setattr(sampling, "CDF_BLOCK", block)
+    generator = numpy.random.default_rng(5)
+    logits = torch.randn(4, VOCAB) * 3
+    for seed in range(40):
+        params = [
+            HostLogits.start(
+                SamplingParams(
+                    temperature=temperature,
+                    seed=seed * 10 + row,
+                    allowed_token_ids=tuple(generator.choice(VOCAB, 24, replace=False).tolist()),
+                ),
+                PROMPT,
+                (EOS,),
+                None,
+            )
+            for row, temperature in enumerate((1.0, 0.5, 0.0, 1.7))
+        ]
+        ours = [t.token_id for t in sample_tokens(logits, params, [seed] * 4, VOCAB)]
+        tensors = SamplingTensors.build(params, [seed] * 4, 4, VOCAB, torch.device("cpu"))
+        reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=False).tolist()
+        assert ours == reference
+        assert all(token in p.allowed_token_ids for token, p in zip(ours, params, strict=True))  # type: ignore[operator]
 
 
 def test_adjustments_batched_over_rows_are_each_rows_own() -> None:
