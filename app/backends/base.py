@@ -37,6 +37,7 @@ Either way the host's work between steps overlaps the device instead of idling i
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -222,6 +223,20 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmupTimings:
+    """Seconds the warm-up's calls took, for the shapes a fresh server's first requests run: a burst
+    fills every slot with short contexts, so the full batch bucket's decode at the smallest token bucket,
+    and one prompt's prefill at the smallest context bucket. Admission's figures until the engine has
+    measured its own steps (`app/engine/admission.py`); zero: not warmed up."""
+
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+NOT_WARMED_UP = WarmupTimings()
+
+
+@dataclass(frozen=True, slots=True)
 class BackendSpec:
     """What an artifact was compiled for: recorded in the manifest, hashed into its key."""
 
@@ -317,6 +332,7 @@ class Backend(ABC):
     sampling_features: ClassVar[frozenset[str]] = frozenset()  # NEUTRAL_SAMPLING fields it honours
     runs_ahead_in_call: bool = False  # the library runs the next decode step ahead (module docstring)
     kv_blocks: KvBlocks | None = None  # its KV cache in blocks: the engine can cache prefixes
+    warmup_timings: WarmupTimings = NOT_WARMED_UP  # set by `warmup`
     pinned_versions: ClassVar[Mapping[str, int | None]] = {}
     """The libraries that change a compiled result, each with how many leading version parts the running
     stack must match (None: the whole version): recorded in the manifest, compared at load."""
@@ -344,15 +360,29 @@ class Backend(ABC):
         represent. Called at admission, so a request is refused before it reaches a step."""
         check_sampling(params, self.model.vocab_size, self.sampling_features, self.name)
 
+    def perf_counter(self) -> float:
+        """The device's time, that calls are timed by (the sim's may be virtual)."""
+        return time.perf_counter()
+
     def warmup(self) -> None:
-        """Run every compiled shape once (and capture graphs where the backend has them)."""
+        """Run every compiled shape once (and capture graphs where the backend has them), timing the
+        shapes of `warmup_timings`."""
         grid = self.spec.grid
+        prefill_s: dict[int, float] = {}
+        decode_s: dict[tuple[int, int], float] = {}
         for bucket in grid.context_buckets:
+            start = self.perf_counter()
             self.prefill(PrefillBatch((0,), ((0,) * bucket,), (GREEDY,), bucket))
+            prefill_s[bucket] = self.perf_counter() - start
         for rows in grid.batch_buckets:
             for span in grid.token_buckets:
                 slots = tuple(range(rows))
+                start = self.perf_counter()
                 self.decode(DecodeBatch(slots, (0,) * rows, (span - 1,) * rows, (GREEDY,) * rows, rows, span))
+                decode_s[rows, span] = self.perf_counter() - start
+        self.warmup_timings = WarmupTimings(
+            decode_s[max(grid.batch_buckets), min(grid.token_buckets)], prefill_s[min(grid.context_buckets)]
+        )
 
     def close(self) -> None:  # noqa: B027  (a backend without device resources has nothing to release)
         """Release the device (NeuronCores, process group, CUDA graphs)."""

@@ -301,6 +301,9 @@ class SimBackend(Backend):
             prefix_caching=options.get("prefix_caching") is True,
         )
 
+    def perf_counter(self) -> float:
+        return time.perf_counter() if self.clock is None else self.clock.perf_counter()
+
     def prefill(self, batch: PrefillBatch) -> list[SampledToken]:
         return self.launch(batch)()
 
@@ -310,8 +313,7 @@ class SimBackend(Backend):
     def launch(self, batch: PrefillBatch | DecodeBatch) -> Tokens:
         """Queue a call: it starts when the device is free (now, or when the call before it ends) and its
         tokens are ready at start + cost; the returned function waits for them."""
-        now = time.perf_counter() if self.clock is None else self.clock.perf_counter()
-        start = max(now, self._busy_until)
+        start = max(self.perf_counter(), self._busy_until)
         if isinstance(batch, PrefillBatch):
             tokens = self._prefill_tokens(batch)
             cost = self.cost_model.cached_prefill_s(batch)

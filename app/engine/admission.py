@@ -11,10 +11,14 @@ The expectation counts work, not requests:
   neither can drag the estimate toward zero.
 - The slots generate one token each per decode step; `token_s` is the time from one decode's tokens to
   the next's less the prefill calls that ran between them (the host's own work stays in): an EWMA over
-  decode steps, restarted after the engine idled. Before a decode was measured, DEFAULT_STEP_S stands in
-  (a fresh server's first burst arrives before any decode has run), slower than inf2's decode steps.
+  decode steps, restarted after the engine idled. A fresh server's first burst arrives before any decode
+  has run: until one was measured, the backend's warm-up stands in (`Backend.warmup_timings`, the full
+  batch's decode timed as the server started; a constant told that burst's refusals to come back tens of
+  seconds after a request of theirs would have fitted). DEFAULT_STEP_S, slower than inf2's decode steps,
+  only for an engine on a backend nothing warmed up (the virtual-time benchmarks).
 - A prefill stalls every running slot for its call: `prefill_s` is the measured stall per prefilled
-  request (an EWMA of call time over the requests in the call). Left in the decode cadence, a burst's
+  request (an EWMA of call time over the requests in the call; the warm-up's one-prompt prefill until
+  one was measured). Left in the decode cadence, a burst's
   prefills (and the recomputes of the requests a policy preempts for them) inflated it for a while
   after each wave of admissions, so the estimate rose and fell with them: a refusal told 1 s while the
   same request was refused again seconds later. They are charged on their own instead.
@@ -35,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.backends.base import DecodeBatch
+from app.backends.base import NOT_WARMED_UP, DecodeBatch, WarmupTimings
 from app.engine.types import FinishReason
 from app.errors import OverloadedError
 
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
 
 EWMA_WEIGHT = 0.1
 MIN_FILL = 1 / 32  # a request is expected to use at least this share of its max_tokens
-DEFAULT_STEP_S = 0.05  # the decode step assumed before one was measured
+DEFAULT_STEP_S = 0.05  # the decode step assumed before one was measured or warmed up
 ADMIT_SHARE = 0.9  # of max_queue_wait_s that an admitted request's expected wait may take
 _OWN_END = (FinishReason.STOP, FinishReason.LENGTH)
 
@@ -64,7 +68,7 @@ class Backlog:
 
     @property
     def measured(self) -> bool:
-        """False: no decode step was measured yet (DEFAULT_STEP_S stands in)."""
+        """False: no decode step was measured, not even by a warm-up (DEFAULT_STEP_S stands in)."""
         return self.token_s > 0
 
     @property
@@ -163,9 +167,10 @@ class Refusals:
 
 class ServiceEstimator:
     """The measured figures behind a `Backlog`, kept by the engine core as steps complete (read from any
-    thread: plain floats)."""
+    thread: plain floats); the backend's warm-up stands in for each until it was measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: WarmupTimings = NOT_WARMED_UP) -> None:
+        self.warmup = warmup
         self.token_s = 0.0
         self.prefill_s = 0.0
         self.fill = 1.0
@@ -202,6 +207,6 @@ class ServiceEstimator:
         self.fill += EWMA_WEIGHT * (share - self.fill)
 
     def backlog(self, num_slots: int, free_slots: int, num_waiting: int, work_tokens: int) -> Backlog:
-        return Backlog(
-            num_slots, free_slots, num_waiting, work_tokens, self.fill, self.token_s, self.prefill_s
-        )
+        token_s = self.token_s or self.warmup.decode_s
+        prefill_s = self.prefill_s or self.warmup.prefill_s
+        return Backlog(num_slots, free_slots, num_waiting, work_tokens, self.fill, token_s, prefill_s)

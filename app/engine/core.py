@@ -115,7 +115,7 @@ class EngineCore:
         blocks = prefix_cache(backend, self.config)
         self.scheduler = Scheduler(self.grid, self.config, blocks, decode_first=backend.runs_ahead_in_call)
         self.run_ahead = self.config.run_ahead and backend.feeds_back_tokens
-        self.service = ServiceEstimator()
+        self.service = ServiceEstimator(backend.warmup_timings)
         self.last_progress = clock.monotonic()  # when a step last applied something, or found no work
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._ended: list[Request] = []  # finished between steps, reported by the next one

@@ -103,6 +103,7 @@ def run_replica(
             tuple(engine.eos_token_ids), backend.model.vocab_size, backend.name, backend.sampling_features
         )
         sender.send(ready)
+        sender.send(Heartbeat(engine.is_ready, *sender.rates()))  # the warm-up's rates, before any request
         heartbeat = threading.Thread(
             target=_beat, args=(engine, sender, stopping, index), name="inf2serve-heartbeat", daemon=True
         )
