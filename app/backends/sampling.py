@@ -218,21 +218,18 @@ def _inverse_cdf(
     logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> np.ndarray:
     """`pick` without filters, on fp32 `logits` [rows, columns] in numpy, which it overwrites: greedy rows
-    take the argmax, the others invert their tempered distribution at their draw. The cumulative sum runs
-    by blocks of `CDF_BLOCK` columns (their sums, then the one block holding the draw): numpy's cumsum is
-    serial, a block's sum is not. A row whose logits are all -inf takes column 0."""
-    temperature = np.array([p.temperature for p in params], np.float32)
-    greedy = temperature == 0.0
-    chosen = logits.argmax(axis=1) if greedy.any() else None
-    if chosen is not None and greedy.all():
+    take the argmax, the others invert their tempered distribution at their draw. A row whose logits are
+    all -inf takes column 0."""
+    temperatures = [p.temperature for p in params]  # Python lists: a step's few rows cost less than numpy
+    chosen = logits.argmax(axis=1) if 0.0 in temperatures else None
+    if chosen is not None and not any(temperatures):
         return chosen
     with np.errstate(invalid="ignore"):  # a row allowed nothing is all -inf: nan, and column 0
         np.subtract(logits, logits.max(axis=1, keepdims=True), out=logits)
-        if (temperature != 1.0).any():
-            logits /= np.where(greedy, 1.0, temperature)[:, None]
-        weights = np.exp(logits, out=logits)
-        column = _invert(weights, draws(params, positions))
-    return column if chosen is None else np.where(greedy, chosen, column)
+        if any(t not in (0.0, 1.0) for t in temperatures):
+            logits /= np.array([t or 1.0 for t in temperatures], np.float32)[:, None]
+        column = _invert(np.exp(logits, out=logits), draws(params, positions))
+    return column if chosen is None else np.where(np.array(temperatures) == 0.0, chosen, column)
 
 
 CDF_BLOCK = 1024
@@ -240,19 +237,28 @@ CDF_BLOCK = 1024
 
 def _invert(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     """The first column of each row of `weights` [rows, columns] (>= 0) where their running sum reaches
-    uniforms[i] times the row's total: a column of positive weight (the target is clamped into the
-    block found, whose running sum may round below its sum)."""
+    uniforms[i] times the row's total. Over `CDF_BLOCK` columns the running sum goes by blocks (their
+    sums, then the one block holding the target): numpy's cumsum is serial, a block's sum is not."""
     rows, width = weights.shape
+    if width <= CDF_BLOCK:
+        running = weights.cumsum(axis=1)
+        return _reaching(running, uniforms * running[:, -1])
     starts = np.arange(0, width, CDF_BLOCK)
-    ends = np.cumsum(np.add.reduceat(weights, starts, axis=1), axis=1)
+    ends = np.add.reduceat(weights, starts, axis=1).cumsum(axis=1)
     target = uniforms * ends[:, -1]
-    block = np.minimum((ends < target[:, None]).sum(axis=1), len(starts) - 1)
+    block = _reaching(ends, target)
     ahead = np.arange(rows)
     before = np.where(block > 0, ends[ahead, block - 1], 0.0)
-    at = starts[block][:, None] + np.arange(min(CDF_BLOCK, width))
+    at = starts[block][:, None] + np.arange(CDF_BLOCK)
     running = np.where(at < width, weights[ahead[:, None], np.minimum(at, width - 1)], 0.0).cumsum(axis=1)
-    inside = (running < np.minimum(target - before, running[:, -1])[:, None]).sum(axis=1)
-    return np.minimum(starts[block] + inside, width - 1)
+    return starts[block] + _reaching(running, target - before)
+
+
+def _reaching(running: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """The first column of each row of `running` [rows, n] (non-decreasing) at or past target[i], which is
+    where the running sum grows (a token of positive weight) even where rounding left the target past
+    the row's end."""
+    return (running < np.minimum(target, running[:, -1])[:, None]).sum(axis=1)
 
 
 def _random(params: Sequence[SamplingParams]) -> bool:
