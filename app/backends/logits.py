@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -386,8 +387,16 @@ class Restricted:
     def _whole(
         cls, states: Sequence[HostLogits], rows: np.ndarray, allowed: Allowed, vocab_size: int, gather: Gather
     ) -> Restricted:
-        ids = np.arange(vocab_size)
+        ids = _vocabulary(vocab_size)
         logits = gather(rows, ids[None, :])
         _Edits.of([states[i] for i in rows]).apply(logits, _dense_columns(vocab_size))
         np.copyto(logits, -np.inf, where=allowed.refused(rows, vocab_size))
         return cls(rows, np.broadcast_to(ids, logits.shape), logits)
+
+
+@lru_cache(maxsize=4)
+def _vocabulary(vocab_size: int) -> np.ndarray:
+    """The ids 0 .. vocab_size - 1, made once (at 128k a megabyte a step otherwise), read-only."""
+    ids = np.arange(vocab_size)
+    ids.flags.writeable = False
+    return ids

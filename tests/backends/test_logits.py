@@ -184,7 +184,7 @@ def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_ro
         assert ours[0] in (5, 9, 31, 40, 63) and ours[1] in (3, 8, 9, 40) and ours[2] in (9, 31)
 
 
-@pytest.mark.parametrize("block", [1024, 7], ids=["one-block", "blocks-of-7"])
+@pytest.mark.parametrize("block", [1024, 8, 7], ids=["one-block", "blocks-of-8", "blocks-of-7-and-1"])
 def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
     block: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
