@@ -6,10 +6,18 @@ A constrained row carries a JSON-schema grammar (llguidance) plus a repetition p
 state by each token as the engine does. Each configuration runs the same steps in turn within one
 process, several rounds (`figures`); a step's figure is the wall time of `Backend.decode` plus the
 applying of its tokens to the rows' states (`HostLogits.accept`, as the engine does), and
-`k=K_extra_per_row_us` is (step at k - step at 0) / k. `k=K_grammar_per_row_us` is the grammar engine's
-own work for the same rows in the same run: the same tokens replayed through fresh matchers, one batched
-mask call and one token commit per row a step (`GrammarMatcher.fill`, `accept`: llguidance and nothing
-of ours), per row; `k=K_ratio` is extra / grammar (1.0: a constrained row costs only its grammar).
+`k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three measures of the grammar
+engine's own work for the same rows in the same run, per row, each with its ratio (1.0: a constrained
+row costs only its grammar):
+- `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh matchers, one batched
+  mask call and one token commit per row a step (`GrammarMatcher.fill`, `accept`: llguidance and nothing
+  of ours), back to back;
+- `k=K_grammar_in_step_per_row_us`, `k=K_ratio_in_step`: those same llguidance calls timed where they run,
+  inside our steps (after a torch forward pass they find colder caches than in the replay);
+- `k=K_grammar_apply_per_row_us`, `k=K_ratio_with_apply`: the replay plus llguidance's own kernel that
+  applies its masks to the rows' fp32 logits (`llguidance.torch.apply_token_bitmask_inplace`, compiled by
+  torch.compile once at start), since applying a grammar engine's mask is part of using it; absent
+  where torch.compile cannot build it (no C++ compiler).
 What a step costs splits into a part paid once by any step with a constrained row (a few dozen array
 operations) and a part per row: `marginal_per_row_us` is (step at 32 - step at 8) / 24, next to the
 grammar engine's own, `grammar_marginal_per_row_us`, their `marginal_ratio`, and `fixed_per_step_us` the
@@ -40,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
@@ -47,7 +56,7 @@ from app.backends.logits import Grammar, HostLogits
 from app.backends.sampling import sample_tokens
 from app.backends.sim import SimBackend
 from app.shapes import ShapeGrid
-from app.structured.grammar import Constraint, GrammarCompiler, Kind, compiler_for
+from app.structured.grammar import Constraint, GrammarCompiler, GrammarMatcher, Kind, compiler_for
 from app.tokenizer import Tokenizer
 from loadtest.grammar_bench import GreedyTokenizer, synthetic_vocabulary
 
@@ -68,6 +77,38 @@ GRID = ShapeGrid(
 )
 
 
+class Clock:
+    """Seconds spent in the grammar engine's calls inside our steps."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+class TimedMatcher:
+    """A row's grammar matcher (`TokenMask`) whose llguidance calls add their wall time to `clock` (the
+    timer's own cost, a fraction of a microsecond a call, falls on our side of the figures)."""
+
+    __slots__ = ("clock", "matcher")
+
+    def __init__(self, matcher: GrammarMatcher, clock: Clock) -> None:
+        self.matcher, self.clock = matcher, clock
+
+    def fill(self, masks: Sequence[TimedMatcher]) -> np.ndarray:
+        inner = [mask.matcher for mask in masks]
+        start = time.perf_counter()
+        words = self.matcher.fill(inner)
+        self.clock.seconds += time.perf_counter() - start
+        return words
+
+    def accept(self, token_id: int) -> None:
+        start = time.perf_counter()
+        self.matcher.accept(token_id)
+        self.clock.seconds += time.perf_counter() - start
+
+
+ApplyMask = Callable[[torch.Tensor, torch.Tensor], None]  # (fp32 logits [k, V], int32 bitmask [k, words])
+
+
 @dataclass(frozen=True)
 class Rows:
     """The grammar rows of a run: how to make their matchers (`compiler`, `grammar`) and the vocabulary."""
@@ -76,23 +117,33 @@ class Rows:
     grammar: Grammar
     vocab_size: int
 
-    def params(self, k: int) -> list[SamplingParams]:
-        """BATCH rows, the first k with a fresh grammar and penalty state; all sampled at temperature 1."""
+    def params(self, k: int, clock: Clock) -> list[SamplingParams]:
+        """BATCH rows, the first k with a fresh grammar (timed on `clock`) and penalty state; all sampled
+        at temperature 1."""
         plain = SamplingParams(temperature=1.0, seed=1)
         rules = SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.1, grammar=self.grammar)
         return [
-            HostLogits.start(rules, PROMPT, (2,), self.compiler.matcher(self.grammar)) if i < k else plain
+            HostLogits.start(rules, PROMPT, (2,), TimedMatcher(self.compiler.matcher(self.grammar), clock))
+            if i < k
+            else plain
             for i in range(BATCH)
         ]
 
-    def grammar_seconds(self, k: int, tokens: Sequence[Sequence[int]]) -> list[float]:
+    def grammar_seconds(
+        self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None
+    ) -> list[float]:
         """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
-        one batched mask, then a token commit per row."""
+        one batched mask, then a token commit per row; with `apply`, its masks applied to fresh fp32
+        logits [k, vocab] in between."""
         masks = [self.compiler.matcher(self.grammar) for _ in range(k)]
+        logits = torch.randn(k, self.vocab_size)
         seconds = []
         for step in tokens:
+            scratch = logits.clone()
             start = time.perf_counter()
-            masks[0].fill(masks)
+            words = masks[0].fill(masks)
+            if apply is not None:
+                apply(scratch, torch.from_numpy(words))
             for mask, token in zip(masks, step, strict=False):
                 mask.accept(token)
             seconds.append(time.perf_counter() - start)
@@ -110,36 +161,57 @@ def llama3_sized_rows() -> Rows:
     return Rows(compiler, compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "bench")), LLAMA3_VOCAB)
 
 
-Run = Callable[[int], tuple[list[float], list[float]]]
+@dataclass(frozen=True)
+class Measured:
+    """Seconds per step of one run at some k: ours, and the grammar engine's own (`Rows.grammar_seconds`;
+    `in_step`: its calls inside ours; `applied`: with its mask kernel, where it could be built)."""
+
+    ours: list[float]
+    replay: list[float]
+    in_step: list[float]
+    applied: list[float] | None
 
 
-def backend_run(backend: Backend, rows: Rows, steps: int) -> Run:
-    def run(k: int) -> tuple[list[float], list[float]]:
-        seconds, tokens = step_times(backend, rows.params(k), steps)
-        return seconds, rows.grammar_seconds(k, tokens) if k else []
+Run = Callable[[int], Measured]
+Steps = Callable[[list[SamplingParams], Clock], tuple[list[float], list[float], list[list[int]]]]
 
-    return run
+
+def measured(rows: Rows, k: int, steps: Steps, apply: ApplyMask | None) -> Measured:
+    """`steps` over k constrained rows, then the grammar engine's own work replayed on their tokens."""
+    clock = Clock()
+    seconds, in_step, tokens = steps(rows.params(k, clock), clock)
+    if not k:
+        return Measured(seconds, [], [], None)
+    applied = None if apply is None else rows.grammar_seconds(k, tokens, apply)
+    return Measured(seconds, rows.grammar_seconds(k, tokens), in_step, applied)
+
+
+def backend_run(backend: Backend, rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
+    return lambda k: measured(rows, k, lambda params, clock: step_times(backend, params, clock, steps), apply)
 
 
 def step_times(
-    backend: Backend, params: list[SamplingParams], steps: int
-) -> tuple[list[float], list[list[int]]]:
+    backend: Backend, params: list[SamplingParams], clock: Clock, steps: int
+) -> tuple[list[float], list[float], list[list[int]]]:
     """Seconds per decode step of BATCH rows (prefilled again first), each row fed its own last token and
-    advanced by it; and the tokens of each step."""
+    advanced by it; the seconds of each step spent in the grammar engine (`clock`); the tokens of each
+    step."""
     prefill_all(backend)
     last = [PROMPT[-1]] * BATCH
-    seconds, tokens = [], []
+    seconds, grammar, tokens = [], [], []
     for step in range(steps):
         position = len(PROMPT) + step
         batch = DecodeBatch(tuple(range(BATCH)), tuple(last), (position,) * BATCH, tuple(params), BATCH, 256)
+        before = clock.seconds
         start = time.perf_counter()
         last = [t.token_id for t in backend.decode(batch)]
         for p, token in zip(params, last, strict=True):
             if p.host is not None:
                 p.host.accept(token)
         seconds.append(time.perf_counter() - start)
+        grammar.append(clock.seconds - before)
         tokens.append(last)
-    return seconds, tokens
+    return seconds, grammar, tokens
 
 
 def prefill_all(backend: Backend) -> None:
@@ -151,31 +223,58 @@ def figures(run: Run, rounds: int) -> dict[str, float]:
     """Microseconds per step for each k: the mean step of a round (not the median: the steps where rows are
     inside a JSON string, allowed most of the vocabulary, cost more), the least over `rounds` rounds that
     sweep every k in turn (on a shared machine the load drifts between configurations; the least round
-    is the one nearest the code's own cost); the grammar engine's own cost likewise."""
+    is the one nearest the code's own cost); the grammar engine's own cost by each measure likewise."""
     ours = {k: float("inf") for k in CONSTRAINED}
-    grammar = {k: float("inf") for k in CONSTRAINED if k}
+    own: dict[str, dict[int, float]] = {measure: {} for measure in REFERENCES}
     for _ in range(rounds):
         for k in CONSTRAINED:
-            seconds, grammar_seconds = run(k)
-            ours[k] = min(ours[k], statistics.fmean(seconds) * 1e6)
-            if k:
-                grammar[k] = min(grammar[k], statistics.fmean(grammar_seconds) * 1e6)
+            result = run(k)
+            ours[k] = min(ours[k], statistics.fmean(result.ours) * 1e6)
+            for measure, seconds in zip(
+                REFERENCES, (result.replay, result.in_step, result.applied), strict=True
+            ):
+                if k and seconds is not None:
+                    own[measure][k] = min(own[measure].get(k, float("inf")), statistics.fmean(seconds) * 1e6)
     report = {f"k={k}_ms": round(us / 1e3, 3) for k, us in ours.items()}
-    for k, own in grammar.items():
+    for k in CONSTRAINED[1:]:
         extra = (ours[k] - ours[0]) / k
-        report |= {
-            f"k={k}_extra_per_row_us": round(extra, 1),
-            f"k={k}_grammar_per_row_us": round(own / k, 1),
-            f"k={k}_ratio": round(extra / (own / k), 2),
-        }
+        report[f"k={k}_extra_per_row_us"] = round(extra, 1)
+        for measure, (per_row, ratio) in REFERENCES.items():
+            if k in own[measure]:
+                report |= {
+                    f"k={k}_{per_row}": round(own[measure][k] / k, 1),
+                    f"k={k}_{ratio}": round(extra / (own[measure][k] / k), 2),
+                }
     marginal = (ours[32] - ours[8]) / 24
-    grammar_marginal = (grammar[32] - grammar[8]) / 24
+    grammar_marginal = (own["replay"][32] - own["replay"][8]) / 24
     return report | {
         "marginal_per_row_us": round(marginal, 1),
         "grammar_marginal_per_row_us": round(grammar_marginal, 1),
         "marginal_ratio": round(marginal / grammar_marginal, 2),
         "fixed_per_step_us": round(ours[8] - ours[0] - 8 * marginal, 1),
     }
+
+
+# each measure of the grammar engine's own cost: its figures' names (per row, and our extra over it)
+REFERENCES = {
+    "replay": ("grammar_per_row_us", "ratio"),
+    "in_step": ("grammar_in_step_per_row_us", "ratio_in_step"),
+    "applied": ("grammar_apply_per_row_us", "ratio_with_apply"),
+}
+
+
+def llguidance_apply_kernel() -> ApplyMask | None:
+    """llguidance's kernel that applies its bitmask to torch logits, compiled (torch.compile: about 30 s,
+    once, here, for one row and for several), or None where it cannot be built."""
+    from llguidance.torch import apply_token_bitmask_inplace
+
+    try:
+        for rows in (1, 8):
+            apply_token_bitmask_inplace(torch.zeros(rows, 64), torch.zeros(rows, 2, dtype=torch.int32))
+    except Exception as error:  # torch.compile's failures are of many kinds (no compiler, no inductor)
+        print(f"llguidance's mask kernel cannot be built here ({error!r}): no *_with_apply figures")
+        return None
+    return apply_token_bitmask_inplace
 
 
 def sim_backend(vocab_size: int) -> SimBackend:
@@ -194,35 +293,39 @@ def torch_backend(model: Path, root: Path) -> Backend:
     return TorchBackend.load(artifact, BackendSpec("torch", 1, "fp32", GRID))
 
 
-def nxdi_run(rows: Rows, steps: int) -> Run:
+def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
     """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
     log-softmax of every row is computed whatever k, for the device rows' logprobs), tokens fed back as
     the engine does."""
     logits = torch.randn(BATCH, rows.vocab_size)
     all_logprobs = torch.log_softmax(logits, dim=-1)  # computed for every row whatever k
 
-    def run(k: int) -> tuple[list[float], list[float]]:
+    def host_steps(
+        params: list[SamplingParams], clock: Clock
+    ) -> tuple[list[float], list[float], list[list[int]]]:
+        k = sum(p.host is not None for p in params)
         if not k:
-            return [0.0] * steps, []
-        params = rows.params(k)[:k]
-        seconds, tokens = [], []
+            return [0.0] * steps, [], []
+        seconds, grammar, tokens = [], [], []
         for step in range(steps):
+            before = clock.seconds
             start = time.perf_counter()
             drawn = sample_tokens(
                 logits,
-                params,
+                params[:k],
                 [len(PROMPT) + step] * k,
                 rows.vocab_size,
                 rows=range(k),
                 logprobs=all_logprobs,
             )
-            for p, token in zip(params, drawn, strict=True):
+            for p, token in zip(params, drawn, strict=False):
                 p.host.accept(token.token_id)  # type: ignore[union-attr]
             seconds.append(time.perf_counter() - start)
+            grammar.append(clock.seconds - before)
             tokens.append([t.token_id for t in drawn])
-        return seconds, rows.grammar_seconds(k, tokens)
+        return seconds, grammar, tokens
 
-    return run
+    return lambda k: measured(rows, k, host_steps, apply)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,19 +340,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     tokenizer = Tokenizer.from_dir(args.model)
     report: dict[str, Any] = {"batch": BATCH, "steps": args.steps, "rounds": args.rounds, "threads": 1}
+    apply = llguidance_apply_kernel()
     stories = stories_rows(tokenizer, 512)
     llama3 = llama3_sized_rows()
     for rows in (stories, llama3):
         sim = sim_backend(rows.vocab_size)
-        report[f"sim_vocab{rows.vocab_size}"] = figures(backend_run(sim, rows, args.steps), args.rounds)
+        report[f"sim_vocab{rows.vocab_size}"] = figures(
+            backend_run(sim, rows, args.steps, apply), args.rounds
+        )
     with tempfile.TemporaryDirectory() as root:
         backend = torch_backend(args.model, Path(root))
         try:
             rows = stories_rows(tokenizer, backend.model.vocab_size)
-            report["torch_stories260K"] = figures(backend_run(backend, rows, args.steps), args.rounds)
+            report["torch_stories260K"] = figures(backend_run(backend, rows, args.steps, apply), args.rounds)
         finally:
             backend.close()
-    report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps), args.rounds)
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps, apply), args.rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     for name, value in report.items():
         print(f"{name}: {value}")
