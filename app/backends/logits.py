@@ -252,23 +252,26 @@ class Allowed:
                 only = _bits(state._only[state._only < vocab_size], words.shape[1])
                 words[i] = only if state.mask is None else words[i] & only
         counts = _ones(words)
-        rescued = [i for i in np.flatnonzero(counts == 0).tolist() if states[i].stop_ids]
+        empty = [] if counts.all() else np.flatnonzero(counts == 0).tolist()
+        rescued = [i for i in empty if states[i].stop_ids]
         for i in rescued:
             words[i] = _bits(np.array(states[i].stop_ids[:1], np.int64), words.shape[1])
             counts[i] = 1
         return cls(words, counts, rescued)
 
-    def keys(self, rows: np.ndarray, vocab_size: int) -> np.ndarray:
-        """j * vocab_size + token for each token row rows[j] allows, ascending. Only the words with a bit
-        set are unpacked: a row costs the tokens it allows, not the vocabulary."""
-        words = self.words[rows]
+    def ids(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(j, token) for each token row rows[j] allows, ascending. Only the words with a bit set are
+        unpacked: a row costs the tokens it allows, not the vocabulary."""
+        words = self.words if len(rows) == len(self.words) else self.words[rows]  # rows: ascending
         row, word = np.nonzero(words)
         # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
         bits = np.unpackbits(words[row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
         bit_row, bit = np.nonzero(bits)
         tokens = word[bit_row] * 32 + bit
-        keys = row[bit_row] * vocab_size + tokens
-        return keys[tokens < vocab_size] if words.shape[1] * 32 > vocab_size else keys
+        if words.shape[1] * 32 > vocab_size:
+            inside = tokens < vocab_size
+            return row[bit_row][inside], tokens[inside]
+        return row[bit_row], tokens
 
     def refused(self, rows: np.ndarray | list[int], vocab_size: int) -> np.ndarray:
         """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""
@@ -359,9 +362,9 @@ class Restricted:
         the vocabulary cost less than listing their ids. `gather(rows, tokens)`: fp32 raw logits of
         batch row rows[i] at tokens[i, j] (a copy), where `tokens` [1, vocab] asks for whole rows."""
         allowed = Allowed.of(states, vocab_size)
-        whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
-        if not whole.any():
+        if allowed.counts.max() * WHOLE_ROW_SHARE <= vocab_size:
             return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
+        whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
         few, many = np.flatnonzero(~whole), np.flatnonzero(whole)
         groups = [cls._whole(states, many, allowed, vocab_size, gather)]
         return [cls._among(states, few, allowed, vocab_size, gather), *groups] if len(few) else groups
@@ -370,14 +373,16 @@ class Restricted:
     def _among(
         cls, states: Sequence[HostLogits], rows: np.ndarray, allowed: Allowed, vocab_size: int, gather: Gather
     ) -> Restricted:
-        keys = allowed.keys(rows, vocab_size)
-        key_rows, counts = keys // vocab_size, allowed.counts[rows]
+        key_rows, ids = allowed.ids(rows, vocab_size)
+        counts = allowed.counts[rows]
         starts = np.cumsum(counts) - counts
         width = max(int(counts.max()), 1)
         tokens = np.zeros((len(rows), width), np.int64)
-        tokens[key_rows, np.arange(len(keys)) - starts[key_rows]] = keys % vocab_size
+        tokens[key_rows, np.arange(len(ids)) - starts[key_rows]] = ids
         logits = gather(rows, tokens)
-        logits[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
+        if counts.min() < width:
+            logits[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
+        keys = key_rows * vocab_size + ids
         _Edits.of([states[i] for i in rows]).apply(logits, _sparse_columns(keys, starts, vocab_size))
         if allowed.rescued:
             logits[np.isin(rows, allowed.rescued), 0] = 0.0
