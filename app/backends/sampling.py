@@ -124,7 +124,13 @@ def sample_tokens(
     live = logits[: len(params)] if rows is None else None  # the rows in order: no copy
 
     def dense(of: list[int]) -> torch.Tensor:
-        return live if live is not None and len(of) == len(params) else logits[torch.from_numpy(index[of])]
+        if live is not None and len(of) == len(params):
+            return live
+        return (
+            torch.from_numpy(logits.numpy()[index[of]])
+            if _on_host(logits)
+            else logits[torch.from_numpy(index[of])]
+        )
 
     tokens = pick_tokens(
         params,
@@ -142,15 +148,19 @@ def sample_tokens(
 
 
 def _gathered(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """fp32 `logits` of rows[i] at ids[i, j] on the host (a copy), whole rows for ids [1, vocab]. Logits
-    already on the host in fp32 are indexed by numpy (a sixth of torch's cost), others by torch."""
+    """fp32 `logits` of rows[i] at ids[i, j] on the host (a copy), whole rows for ids [1, vocab]."""
     whole = ids.shape == (1, vocab_size)
-    if logits.device == HOST and logits.dtype == torch.float32:
+    if _on_host(logits):
         values = logits.numpy()
         return values[rows, :vocab_size] if whole else values[rows[:, None], ids]
     at = torch.from_numpy(rows)
     chosen = logits[at, :vocab_size] if whole else logits[at[:, None], torch.from_numpy(ids)]
     return chosen.float().cpu().numpy()
+
+
+def _on_host(logits: torch.Tensor) -> bool:
+    """Whether `logits` are fp32 on the host, where numpy indexes them at a sixth of torch's cost."""
+    return logits.device == HOST and logits.dtype == torch.float32
 
 
 def pick_tokens(
@@ -168,7 +178,6 @@ def pick_tokens(
     restricted = [i for i, p in enumerate(params) if p.host is not None and p.host.restricts]
     if not restricted:
         return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
-    others = sorted(set(range(len(params))) - set(restricted))
     index = np.array(restricted, np.int64)
     among = _pick_allowed(
         [params[i] for i in restricted],
@@ -176,12 +185,16 @@ def pick_tokens(
         vocab_size,
         lambda r, ids: gather(index[r], ids),
     )
-    if not others:
+    if len(restricted) == len(params):
         return among
-    tokens = _pick_rows(rows(others), [params[i] for i in others], [positions[i] for i in others], vocab_size)
+    kept = np.ones(len(params), bool)
+    kept[index] = False
+    others = np.flatnonzero(kept)
+    listed = others.tolist()
+    tokens = _pick_rows(rows(listed), [params[i] for i in listed], [positions[i] for i in listed], vocab_size)
     merged = torch.empty(len(params), dtype=torch.int64, device=tokens.device)
-    merged[others] = tokens
-    merged[restricted] = among.to(tokens.device)
+    merged[torch.from_numpy(others).to(tokens.device)] = tokens  # index tensors: a list index costs 5x
+    merged[torch.from_numpy(index).to(tokens.device)] = among.to(tokens.device)
     return merged
 
 
