@@ -263,10 +263,12 @@ class Allowed:
         """(j, token) for each token row rows[j] allows, ascending. Only the words with a bit set are
         unpacked: a row costs the tokens it allows, not the vocabulary."""
         words = self.words if len(rows) == len(self.words) else self.words[rows]  # rows: ascending
-        row, word = np.nonzero(words)
+        # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
+        found = np.flatnonzero(words != 0)
+        row, word = np.divmod(found, words.shape[1])
         # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
-        bits = np.unpackbits(words[row, word].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
-        bit_row, bit = np.nonzero(bits)
+        bits = np.unpackbits(words.ravel()[found].view(np.uint8), bitorder="little")
+        bit_row, bit = np.divmod(np.flatnonzero(bits.view(bool)), 32)
         tokens = word[bit_row] * 32 + bit
         if words.shape[1] * 32 > vocab_size:
             inside = tokens < vocab_size
