@@ -13,7 +13,7 @@ A step's work is batched over its rows, so a row costs its own data, not a pass 
 row's mask is computed in one call of the grammar engine (`TokenMask.fill`), every row's adjustments
 are gathered into flat (row, token) lists and applied with one tensor op each, and a row whose tokens
 are restricted (a grammar or `allowed_token_ids`) is sampled among its allowed ids only (`Restricted`),
-never over the whole vocabulary.
+or over its whole row, masked, where it allows much of the vocabulary.
 
 Adjustments, in order (each as transformers' logits processor of the same name, or OpenAI's formula):
 repetition penalty over the prompt and the output (`RepetitionPenaltyLogitsProcessor`), frequency and
