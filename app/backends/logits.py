@@ -283,10 +283,12 @@ class Allowed:
 
 def _ones(words: np.ndarray) -> np.ndarray:
     """int64 [rows]: the bits set in each row of `words` [rows, n] (numpy 2's bitwise_count; numpy 1.x,
-    which Neuron compilers have pinned, has none: a table of the 16-bit halves' counts, 5x slower)."""
-    if hasattr(np, "bitwise_count"):
-        return np.bitwise_count(words).sum(axis=1, dtype=np.int64)
-    return _ONES_IN_HALF[words.view(np.uint16)].sum(axis=1, dtype=np.int64)
+    which Neuron compilers have pinned, has none: a table of the 16-bit halves' counts, 5x slower); summed
+    in uint32, which numpy adds three times faster than an int64 upcast of uint8."""
+    if hasattr(np, "bitwise_count"):  # over 64-bit words where they pair up: half the counts to add
+        paired = words.view(np.uint64) if words.shape[1] % 2 == 0 and words.flags.c_contiguous else words
+        return np.bitwise_count(paired).sum(axis=1, dtype=np.uint32).astype(np.int64)
+    return _ONES_IN_HALF[words.view(np.uint16)].sum(axis=1, dtype=np.uint32).astype(np.int64)
 
 
 _ONES_IN_HALF = (

@@ -233,14 +233,15 @@ def test_a_row_allowed_nothing_without_a_stop_id_draws_a_valid_id() -> None:
 
 
 @pytest.mark.parametrize("numpy_1", [False, True], ids=["bitwise_count", "numpy-1-table"])
-def test_allowed_counts_each_rows_ids(numpy_1: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """How many ids each restricted row allows, also where numpy (1.x, as Neuron's compilers pin it) has
-    no bitwise_count."""
+@pytest.mark.parametrize("vocab", [VOCAB, 96], ids=["even-words", "odd-words"])
+def test_allowed_counts_each_rows_ids(numpy_1: bool, vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """How many ids each restricted row allows, over an even or odd number of 32-bit mask words, also
+    where numpy (1.x, as Neuron's compilers pin it) has no bitwise_count."""
     if numpy_1:
         monkeypatch.delattr(numpy, "bitwise_count")
     sets = [(0, 31, 32, 63), tuple(range(1, 64, 2)), (7,)]
     states = [
         HostLogits.start(SamplingParams(allowed_token_ids=ids), PROMPT, (EOS,), None).host for ids in sets
     ]
-    allowed = host_logits.Allowed.of(states, VOCAB)  # type: ignore[arg-type]
+    allowed = host_logits.Allowed.of(states, vocab)  # type: ignore[arg-type]
     assert allowed.counts.tolist() == [4, 32, 1]
