@@ -18,6 +18,9 @@ row costs only its grammar):
   applies its masks to the rows' fp32 logits (`llguidance.torch.apply_token_bitmask_inplace`, compiled by
   torch.compile once at start), since applying a grammar engine's mask is part of using it; absent
   where torch.compile cannot build it (no C++ compiler).
+A row allowed much of the vocabulary (inside a JSON string) is drawn exactly over its whole row, which
+costs at least one exp over the row: `exp_pass_per_row_us_vocab128256` is that floor, above llguidance's
+own mask at 128k.
 What a step costs splits into a part paid once by any step with a constrained row (a few dozen array
 operations) and a part per row: `marginal_per_row_us` is (step at 32 - step at 8) / 24, next to the
 grammar engine's own, `grammar_marginal_per_row_us`, their `marginal_ratio`, and `fixed_per_step_us` the
@@ -328,6 +331,20 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
     return lambda k: measured(rows, k, host_steps, apply)
 
 
+def exp_pass_us(vocab_size: int) -> float:
+    """Microseconds a row of one numpy exp over fp32 logits [BATCH, vocab_size] in place, the least of
+    20 tries: the floor under any exact draw from a row allowed much of the vocabulary (its
+    normaliser needs every allowed logit's exp), which no constrained row inside a JSON string escapes."""
+    logits = np.random.default_rng(0).standard_normal((BATCH, vocab_size), dtype=np.float32)
+    best = float("inf")
+    for _ in range(20):
+        values = logits.copy()
+        start = time.perf_counter()
+        np.exp(values, out=values)
+        best = min(best, time.perf_counter() - start)
+    return round(best / BATCH * 1e6, 1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -357,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend.close()
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps, apply), args.rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
+    report[f"exp_pass_per_row_us_vocab{LLAMA3_VOCAB}"] = exp_pass_us(LLAMA3_VOCAB)
     for name, value in report.items():
         print(f"{name}: {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
