@@ -62,12 +62,17 @@ ToReplica = Generate | Abort | ResetPrefixCache | Stop
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """Loaded, warmed up and checked: the engine runs. What the front checks requests against."""
+    """Loaded, warmed up and checked: the engine runs. What the front checks requests against, and the
+    engine's rates (as in `Heartbeat`: its warm-up's, until it has measured steps), so that the front's
+    admission judges a fresh replica by its own device from the first request on."""
 
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     backend_name: str
     sampling_features: frozenset[str]
+    fill: float
+    token_s: float
+    prefill_s: float
 
 
 @dataclass(frozen=True, slots=True)

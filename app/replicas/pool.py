@@ -420,9 +420,10 @@ class ReplicaPool:
                 replica.fill, replica.token_s, replica.prefill_s = fill, token_s, prefill_s
                 if ready:
                     replica.fine_since = now
-            case Ready(eos_token_ids, vocab_size, backend_name, sampling_features):
+            case Ready(eos_token_ids, vocab_size, backend_name, sampling_features, fill, token_s, prefill_s):
                 self.eos_token_ids, self.vocab_size = frozenset(eos_token_ids), vocab_size
                 self.backend_name, self.sampling_features = backend_name, sampling_features
+                replica.fill, replica.token_s, replica.prefill_s = fill, token_s, prefill_s
                 now = time.monotonic()
                 replica.ready = replica.engine_ready = True
                 replica.started_at = replica.last_heartbeat = replica.fine_since = now

@@ -100,10 +100,13 @@ def run_replica(
     try:
         backend = engine.backend
         ready = Ready(
-            tuple(engine.eos_token_ids), backend.model.vocab_size, backend.name, backend.sampling_features
+            tuple(engine.eos_token_ids),
+            backend.model.vocab_size,
+            backend.name,
+            backend.sampling_features,
+            *sender.rates(),
         )
         sender.send(ready)
-        sender.send(Heartbeat(engine.is_ready, *sender.rates()))  # the warm-up's rates, before any request
         heartbeat = threading.Thread(
             target=_beat, args=(engine, sender, stopping, index), name="inf2serve-heartbeat", daemon=True
         )

@@ -22,6 +22,7 @@ from app.errors import ConfigError, InvalidRequestError, NotReadyError, ReplicaL
 from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
 from app.settings import ServerSettings
+from loadtest.sim_artifact import TEN_MS_STEP
 
 PROMPT = (5, 6, 7, 8)
 SPAWN_TIMEOUT_S = 120.0  # a bound on a hang: spawning replicas takes tens of seconds on a loaded host
@@ -62,6 +63,9 @@ def test_two_replicas_serve_concurrently_and_share_the_load(sim_artifact: Path) 
         pool = pool_for(sim_artifact)
         await pool.start()
         try:
+            # Ready, the replicas' warm-ups timed their 10 ms decodes: no stand-in step (issue 28 item 2)
+            fresh = pool.backlog()
+            assert fresh.measured and fresh.token_s >= TEN_MS_STEP["decode_fixed_s"], fresh
             with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
                 pool.check_request((5, 10**6), params(3))  # the front checks what needs no backend
             streams = [pool.generate(f"r{i}", PROMPT, params(12)) for i in range(8)]
