@@ -125,12 +125,18 @@ class Replica:
         self.started_at = 0.0
         self.backoff_s = FIRST_BACKOFF_S
         self.requests: dict[str, Routed] = {}
-        self.outstanding = 0
         self.started: asyncio.Future[str | None] | None = None  # the startup's outcome: None or why not
 
     @property
     def is_ready(self) -> bool:
         return self.ready and self.engine_ready
+
+    @property
+    def outstanding(self) -> int:
+        """Its requests' outstanding work in tokens (app/replicas/router.py), from the front's own books."""
+        return sum(
+            request_work(len(r.prompt), r.params.max_tokens, r.generated) for r in self.requests.values()
+        )
 
     def send(self, message: ToReplica) -> bool:
         pipe = self.pipe
@@ -305,11 +311,9 @@ class ReplicaPool:
     def _assign(self, routed: Routed, replica: Replica) -> bool:
         routed.replica = replica.index
         replica.requests[routed.request_id] = routed
-        replica.outstanding += request_work(len(routed.prompt), routed.params.max_tokens, 0)
         if replica.send(Generate(routed.request_id, routed.prompt, routed.params)):
             return True
         del replica.requests[routed.request_id]
-        replica.outstanding -= request_work(len(routed.prompt), routed.params.max_tokens, 0)
         return False
 
     def _on_outputs(self, replica: Replica, outputs: list[RequestOutput]) -> None:
@@ -317,18 +321,13 @@ class ReplicaPool:
             routed = replica.requests.get(output.request_id)
             if routed is None:
                 continue
-            before = request_work(len(routed.prompt), routed.params.max_tokens, routed.generated)
             if output.finished:
-                replica.outstanding -= before
                 del replica.requests[output.request_id]
                 if isinstance(output.error, OverloadedError) and self._reroute(routed, replica):
                     continue
                 self._forget(routed)
             else:
                 routed.generated = output.num_generated_tokens
-                replica.outstanding -= before - request_work(
-                    len(routed.prompt), routed.params.max_tokens, routed.generated
-                )
             routed.delivered = True
             routed.stream.put(output)
 
@@ -345,9 +344,7 @@ class ReplicaPool:
             return
         self.abort(routed.request_id)
         replica = self.replicas[routed.replica]
-        if replica.requests.pop(routed.request_id, None) is not None:
-            max_tokens, generated = routed.params.max_tokens, routed.generated
-            replica.outstanding -= request_work(len(routed.prompt), max_tokens, generated)
+        replica.requests.pop(routed.request_id, None)
         self._fail(routed, DeadlineExceededError("the request's deadline (request_timeout_s) passed"))
 
     def _forget(self, routed: Routed) -> None:
@@ -483,7 +480,7 @@ class ReplicaPool:
 
     def _rescue(self, replica: Replica) -> None:
         """Move the dead replica's requests that have handed out nothing; fail the others."""
-        requests, replica.requests, replica.outstanding = list(replica.requests.values()), {}, 0
+        requests, replica.requests = list(replica.requests.values()), {}
         for routed in requests:
             if not routed.delivered and self._route(routed):
                 log.info(
@@ -501,7 +498,7 @@ class ReplicaPool:
             self._fail_all(replica, NotReadyError("the server stopped before this request finished"))
 
     def _fail_all(self, replica: Replica, error: Inf2ServeError) -> None:
-        requests, replica.requests, replica.outstanding = list(replica.requests.values()), {}, 0
+        requests, replica.requests = list(replica.requests.values()), {}
         for routed in requests:
             self._fail(routed, error)
 
