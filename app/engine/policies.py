@@ -221,7 +221,9 @@ class SloPolicy(Policy):
     - Deadline order. Of the waiting requests, the most that can still meet their TTFT go first, in
       deadline order (`on_time_schedule`); the others go after them in arrival order, so a burst does
       not make the whole queue late. Aging: one that waited `aging_factor x slo_ttft` goes first, so
-      none starves.
+      none starves; or half its `max_queue_wait_s`, where that is sooner: admission took it on an
+      expected wait in arrival order (`app/engine/admission.py`), which a late request passed over by
+      on-time ones until it ages would overrun, failing with 504 for waiting too long.
     - Slot time-sharing. When every slot is taken and the next request would miss its TTFT waiting for
       one to free, a running request leaves its slot (recompute preemption) if its budget, after its
       expected stalls and its own prefill again, covers `preempt_margin` times both prefills: the one
@@ -243,6 +245,9 @@ class SloPolicy(Policy):
         super().__init__(grid, config)
         self.ttft_s = config.slo_ttft_ms / 1e3
         self.tpot_s = config.slo_tpot_ms / 1e3
+        self.aging_s = self.aging_factor * self.ttft_s
+        if config.max_queue_wait_s is not None:
+            self.aging_s = min(self.aging_s, config.max_queue_wait_s / 2)
         self.costs = CostEstimate()
 
     def observe(self, batch: PrefillBatch | DecodeBatch, seconds: float) -> None:
@@ -284,7 +289,7 @@ class SloPolicy(Policy):
             on_time.append((now + spare / 2, cost, request))  # back with half its spare, for what comes
         for request in scheduler.waiting():  # in arrival order
             cost = self._prefill_cost(scheduler, request)
-            aged_at = request.arrival_time + self.aging_factor * self.ttft_s
+            aged_at = request.arrival_time + self.aging_s
             if now >= aged_at:
                 return Candidate(request, cost, 0.0, on_time=False)
             deadline = request.arrival_time + self.ttft_s

@@ -172,6 +172,18 @@ def test_slo_serves_requests_that_can_still_meet_their_ttft_before_late_ones_and
     assert prefilled(s.schedule(4.6)) == ["r0"]  # waited 4x its TTFT target: it goes first
 
 
+def test_slo_ages_a_late_request_at_half_its_queue_wait_where_that_comes_before_4x_its_ttft() -> None:
+    """Admission took it on an expected wait in arrival order: passed over by newer requests until 4 x its
+    TTFT (4 s), it would fail for waiting past max_queue_wait_s (3 s)."""
+    s = scheduler("slo", slo_ttft_ms=1000, slo_tpot_ms=1000, max_queue_wait_s=3.0)
+    s.observe(PrefillBatch((0,), ((5,),), (SamplingParams(),), 16), 0.1)
+    s.add(make_request(0, arrival=0.0))
+    s.add(make_request(1, arrival=1.4))
+    assert prefilled(s.schedule(1.45)) == ["r1"]  # r0 missed its TTFT already and has not aged
+    s.add(make_request(2, arrival=1.55))
+    assert prefilled(s.schedule(1.6)) == ["r0"]  # waited half its queue bound: it goes first
+
+
 def test_on_time_schedule_keeps_the_most_requests_within_their_deadlines() -> None:
     long, short1, short2 = (make_request(i) for i in range(3))
     jobs = [(1.0, 0.8, long), (1.0, 0.3, short1), (1.1, 0.3, short2)]  # all three take 1.4 s
