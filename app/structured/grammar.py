@@ -152,9 +152,7 @@ class GrammarMatcher:
     def fill(self, masks: Sequence[GrammarMatcher]) -> numpy.ndarray:  # type: ignore[override]
         """Every matcher's mask in one call of llguidance's executor (bit k of 32-bit word w: token
         32 w + k), which computes them on its own threads, outside the GIL."""
-        bitmask = torch.empty(
-            (len(masks), self._words), dtype=torch.int32
-        )  # data_ptr() is cheaper than ctypes
+        bitmask = torch.empty((len(masks), self._words), dtype=torch.int32)  # data_ptr(): cheaper than ctypes
         _EXECUTOR.unsafe_compute_mask_ptr(
             [(mask._matcher, i) for i, mask in enumerate(masks)],
             bitmask.data_ptr(),
