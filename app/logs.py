@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from contextvars import ContextVar
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
@@ -24,12 +25,18 @@ _STANDARD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, fields: Mapping[str, object] | None = None) -> None:
+        """`fields`: logged on every line (which front process wrote it)."""
+        super().__init__()
+        self.fields = dict(fields or {})
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **self.fields,
         }
         request_id = REQUEST_ID.get()
         if request_id is not None:
@@ -40,10 +47,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str) -> None:
-    """Route every logger (uvicorn's included) to one JSON handler on stdout."""
+def configure_logging(level: str, fields: Mapping[str, object] | None = None) -> None:
+    """Route every logger (uvicorn's included) to one JSON handler on stdout; `fields` go on every line."""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(fields))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, Metric, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -145,17 +145,22 @@ class _ServerTotals(Collector):
         states = list(_engine_state.values())
         running, waiting = sum(s[0] for s in states), sum(s[1] for s in states)
         slots = sum(s[2] for s in states)
-        yield GaugeMetricFamily(
-            _name("server_requests_waiting"), "Requests waiting for a slot, all replicas.", value=waiting
-        )
-        yield GaugeMetricFamily(
-            _name("server_requests_running"), "Requests holding a slot, all replicas.", value=running
-        )
-        yield GaugeMetricFamily(
-            _name("server_slot_usage_perc"),
-            "Fraction of the compiled slots (KV cache) in use over all replicas (0..1).",
-            value=running / slots if slots else 0.0,
-        )
+        yield from _server_totals(waiting, running, slots)
+
+
+def _server_totals(waiting: float, running: float, slots: float) -> Iterator[GaugeMetricFamily]:
+    yield GaugeMetricFamily(
+        _name("server_requests_waiting"), "Requests waiting for a slot, all replicas.", value=waiting
+    )
+    yield GaugeMetricFamily(
+        _name("server_requests_running"), "Requests holding a slot, all replicas.", value=running
+    )
+    yield GaugeMetricFamily(_name("server_slots"), "Compiled slots (sequences), all replicas.", value=slots)
+    yield GaugeMetricFamily(
+        _name("server_slot_usage_perc"),
+        "Fraction of the compiled slots (KV cache) in use over all replicas (0..1).",
+        value=running / slots if slots else 0.0,
+    )
 
 
 REGISTRY.register(_ServerTotals())
@@ -236,6 +241,47 @@ ARTIFACT_MEMORY = Gauge(
 def render() -> bytes:
     """The text exposition of every metric, for `/metrics`."""
     return generate_latest(REGISTRY)
+
+
+def families() -> list[Metric]:
+    """Every metric family with its current samples (what `render` writes), for another front process
+    (`--api-servers`) to merge."""
+    return list(REGISTRY.collect())
+
+
+API_SERVER = "api_server"
+_TOTALS = tuple(family.name for family in _server_totals(0, 0, 0))
+
+
+def render_merged(by_front: Mapping[int, Sequence[Metric]]) -> bytes:
+    """The text exposition of several front processes' families, by front index: every sample labelled
+    with its front's `api_server`, except the server totals, which stay one series per server (summed)."""
+    merged: dict[str, Metric] = {}
+    totals = collections.Counter[str]()
+    for front, front_families in sorted(by_front.items()):
+        label = str(front)
+        for family in front_families:
+            if family.name in _TOTALS:
+                totals[family.name] += sum(sample.value for sample in family.samples)
+                continue
+            into = merged.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            into.samples += [s._replace(labels={**s.labels, API_SERVER: label}) for s in family.samples]
+    waiting, running, slots = (
+        totals[_name(n)] for n in ("server_requests_waiting", "server_requests_running", "server_slots")
+    )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families([*merged.values(), *_server_totals(waiting, running, slots)]))
+    return generate_latest(registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
 
 # Helpers for the HTTP layer and startup (app/api/).

@@ -55,6 +55,14 @@ class ServerSettings(BaseSettings):
     replica_routing: Literal["least_work", "round_robin"] = Field(
         "least_work", description="How the front picks a replica (round_robin: the benchmark baseline)."
     )
+    api_servers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Front (HTTP) processes sharing the port, as vLLM's --api-server-count: each serves the "
+        "whole API over its share of the replicas (front i: replicas i, i+N, ...), so the front's CPU is not "
+        "capped by one process's GIL; needs at least as many replicas.",
+    )
     visible_cores: str | None = Field(
         None,
         validation_alias=AliasChoices("INF2SERVE_VISIBLE_CORES", "NEURON_RT_VISIBLE_CORES"),
@@ -174,6 +182,16 @@ class ServerSettings(BaseSettings):
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
         return value
+
+    @model_validator(mode="after")
+    def _check_api_servers(self) -> ServerSettings:
+        """Each front process owns at least one replica (`auto` is checked once the placements are known)."""
+        if self.api_servers > 1 and self.replicas != "auto" and int(self.replicas) < self.api_servers:
+            raise ValueError(
+                f"api_servers ({self.api_servers}) needs at least as many replicas "
+                f"(replicas={self.replicas}): each front process serves its own share of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_shutdown(self) -> ServerSettings:

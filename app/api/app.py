@@ -9,6 +9,7 @@ A startup failure is logged (after the "started" line of the phase that failed) 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -20,9 +21,11 @@ from app import __version__, metrics
 from app.api import routes
 from app.api.auth import require_api_key
 from app.api.errors import install_error_handlers
+from app.api.fronts import ALONE, ApiServer
 from app.api.middleware import RequestContextMiddleware
+from app.api.peers import Peers
 from app.api.serving import Serving
-from app.api.startup import build_runtime
+from app.api.startup import build_runtime as build_server_runtime
 from app.api.state import Runtime, ServerState
 from app.device_metrics import DeviceMetrics
 from app.errors import Inf2ServeError
@@ -38,15 +41,22 @@ def create_app(
     build_runtime: RuntimeBuilder | None = None,
     on_fatal: Callable[[], None] | None = None,
     on_ready: Callable[[], None] = lambda: None,
+    api_server: ApiServer = ALONE,
 ) -> FastAPI:
+    """`api_server`: which front process this is (`--api-servers`); its share of the replicas is what
+    the default runtime builder starts."""
     state = ServerState()
+    peers = Peers(api_server, state)
+    build = build_runtime or functools.partial(build_server_runtime, api_server=api_server)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        starting = asyncio.create_task(_start(app, settings, build_runtime, on_fatal, on_ready))
+        await peers.start()
+        starting = asyncio.create_task(_start(app, settings, build, on_fatal, on_ready))
         try:
             yield
         finally:
+            await peers.stop()
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             metrics.record_ready(False)
@@ -73,6 +83,7 @@ def create_app(
         )
     app.state.settings = settings
     app.state.server = state
+    app.state.peers = peers
     app.state.serving = None
     app.include_router(routes.inference)
     app.include_router(routes.probes)
@@ -93,13 +104,13 @@ def _openapi_of(app: FastAPI) -> Callable[[], Awaitable[JSONResponse]]:
 async def _start(
     app: FastAPI,
     settings: ServerSettings,
-    build: RuntimeBuilder | None,
+    build: RuntimeBuilder,
     on_fatal: Callable[[], None] | None,
     on_ready: Callable[[], None],
 ) -> None:
     state: ServerState = app.state.server
     try:
-        runtime = await (build or build_runtime)(settings)
+        runtime = await build(settings)
     except Exception as error:
         state.startup_error = error.message if isinstance(error, Inf2ServeError) else repr(error)
         log.exception("startup failed", extra={"error": state.startup_error})

@@ -17,9 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app import __version__, metrics
+from app import __version__
 from app.api import openai, responses, tgi, tokenization
 from app.api.auth import require_api_key
+from app.api.peers import Peers
 from app.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -245,15 +246,19 @@ async def invocations(request: Request, serving: ServingDep) -> Response:
 
 
 @inference.post("/reset_prefix_cache", responses={401: {"model": ErrorResponse, "description": ERRORS[401]}})
-async def reset_prefix_cache(serving: ServingDep) -> dict[str, str]:
+async def reset_prefix_cache(request: Request, serving: ServingDep) -> dict[str, str]:
     """vLLM's route: forget every cached prefix (benchmarks call it between runs); requests admitted
-    after it find nothing cached."""
-    serving.engine.reset_prefix_cache()
+    after it find nothing cached (on every front process, with `--api-servers`)."""
+    await _peers(request).reset_prefix_cache()
     return {"status": "ok"}
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+def _peers(request: Request) -> Peers:
+    return request.app.state.peers
 
 
 @probes.get("/health", responses=PROBE)
@@ -266,9 +271,10 @@ async def health(request: Request) -> JSONResponse:
 @probes.get("/ready", responses=PROBE)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once every bucket is warm and the golden prompts pass, while the engine makes
-    progress (some replica does); 503 while starting, draining, or with the engine dead or stalled."""
-    state = _state(request)
-    return JSONResponse({"status": state.status}, status_code=200 if state.ready else 503)
+    progress (some replica does); 503 while starting, draining, or with the engine dead or stalled. With
+    `--api-servers`, every front process must be ready."""
+    ready, status = await _peers(request).readiness()
+    return JSONResponse({"status": status}, status_code=200 if ready else 503)
 
 
 @probes.get(
@@ -281,7 +287,8 @@ async def ready(request: Request) -> JSONResponse:
 )
 async def ping(request: Request) -> Response:
     """SageMaker's health check: readiness, with an empty body."""
-    return Response(status_code=200 if _state(request).ready else 503, media_type="text/plain")
+    ready, _ = await _peers(request).readiness()
+    return Response(status_code=200 if ready else 503, media_type="text/plain")
 
 
 @probes.get(
@@ -289,6 +296,6 @@ async def ping(request: Request) -> Response:
     response_class=Response,
     responses={200: {"description": "Prometheus text", "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}},
 )
-async def prometheus_metrics() -> Response:
-    """Prometheus text exposition of every metric."""
-    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+async def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text exposition of every metric (every front process's, with `--api-servers`)."""
+    return Response(await _peers(request).render_metrics(), media_type=CONTENT_TYPE_LATEST)

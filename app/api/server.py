@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import signal
 import socket
 import sys
 import time
+from multiprocessing.connection import Connection
 from types import FrameType
 
 import uvicorn
@@ -29,6 +31,7 @@ from starlette.types import ASGIApp
 from app import metrics
 from app.api.app import create_app
 from app.api.connections import ConnectionLimits, LimitedHttpToolsProtocol
+from app.api.fronts import ALONE, ApiServer, supervise, watch_supervisor
 from app.api.state import ServerState
 from app.logs import configure_logging
 from app.runtime import freeze_startup_heap
@@ -134,8 +137,26 @@ def uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
 
 
 def serve(settings: ServerSettings) -> int:
-    """Serve until stopped; 0 after a clean stop or drain, 1 if startup failed."""
+    """Serve until stopped; 0 after a clean stop or drain, 1 if startup failed, 3 if a stream was cut.
+    With `api_servers` above 1, this process supervises that many fronts (app/api/fronts.py)."""
     configure_logging(settings.log_level)
+    if settings.api_servers > 1:
+        return supervise(settings, front_main)
+    return serve_front(settings, ALONE, None)
+
+
+def front_main(
+    settings: ServerSettings, api_server: ApiServer, sock: socket.socket, link: Connection
+) -> None:
+    """A front process's entry point (spawned by the supervisor)."""
+    os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor alone, which forwards it once
+    configure_logging(settings.log_level, {"api_server": api_server.index})
+    watch_supervisor(link)
+    sys.exit(serve_front(settings, api_server, sock))
+
+
+def serve_front(settings: ServerSettings, api_server: ApiServer, sock: socket.socket | None) -> int:
+    """Serve on `sock` (a front process's), else on the settings' host and port."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server: DrainingServer | None = None
 
@@ -143,10 +164,10 @@ def serve(settings: ServerSettings) -> int:
         if server is not None:
             server.fail()
 
-    app = create_app(settings, on_fatal=on_fatal, on_ready=freeze_startup_heap)
+    app = create_app(settings, on_fatal=on_fatal, on_ready=freeze_startup_heap, api_server=api_server)
     server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings)
     log.info("listening", extra={"host": settings.host, "port": settings.port, "artifact": settings.artifact})
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     if server.failed or not server.started:
         return 1
     return EXIT_CUT if server.state.responses_cut else 0

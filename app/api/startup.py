@@ -17,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from app import metrics
+from app.api.fronts import ALONE, ApiServer
 from app.api.state import Runtime
 from app.artifacts.loader import LocalArtifact, load_artifact
 from app.artifacts.manifest import Manifest
 from app.artifacts.paths import manifest_view, remove_view
 from app.engine.types import EngineClient
+from app.errors import ConfigError
 from app.placement import replica_devices
 from app.replicas.pool import ReplicaPool
 from app.runtime import artifact_caveats, phase, record_phase, start_engine, stop_engine
@@ -61,11 +63,13 @@ async def start_replicas(
     artifact: LocalArtifact,
     tokenizer: Tokenizer,
     settings: ServerSettings,
-    devices: list[str],
+    share: list[tuple[int, str]],
     caveats: tuple[str, ...],
 ) -> Runtime:
-    """One engine process per device placement, behind the front's router; ready when all are."""
-    pool = ReplicaPool(artifact, settings, devices, settings.replica_routing)
+    """One engine process per device placement in this front's `share` (number on the server, device),
+    behind the front's router; ready when all are."""
+    numbers, devices = [number for number, _ in share], [device for _, device in share]
+    pool = ReplicaPool(artifact, settings, devices, settings.replica_routing, numbers)
     await pool.start()
 
     def close() -> None:
@@ -105,16 +109,17 @@ def quantization_label(manifest: Manifest) -> str | None:
     return scheme.label if scheme is not None else None
 
 
-async def build_runtime(settings: ServerSettings) -> Runtime:
+async def build_runtime(settings: ServerSettings, api_server: ApiServer = ALONE) -> Runtime:
+    """The runtime of this front process: every replica, or with `--api-servers` its share of them."""
     artifact = await asyncio.to_thread(fetch_artifact, settings)
     try:
-        return await _runtime_of(artifact, settings)
+        return await _runtime_of(artifact, settings, api_server)
     except BaseException:
         remove_view(artifact.root)
         raise
 
 
-async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runtime:
+async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings, api_server: ApiServer) -> Runtime:
     with phase("tokenizer"):
         tokenizer = await asyncio.to_thread(
             Tokenizer.from_dir, artifact.root / "model", settings.chat_template
@@ -126,9 +131,15 @@ async def _runtime_of(artifact: LocalArtifact, settings: ServerSettings) -> Runt
     devices = replica_devices(
         settings.device, settings.replicas, manifest.spec.tp_degree, settings.visible_cores
     )
-    if len(devices) > 1:
+    if len(devices) > 1 or api_server.count > 1:
+        share = api_server.share(devices)
+        if not share:
+            raise ConfigError(
+                f"api_servers={api_server.count} needs at least as many replicas; the placements give "
+                f"{len(devices)}"
+            )
         with phase("replicas"):
-            runtime = await start_replicas(artifact, tokenizer, settings, devices, caveats)
+            runtime = await start_replicas(artifact, tokenizer, settings, share, caveats)
         record_artifact(artifact, caveats)
         return runtime
     settings = settings.model_copy(update={"device": devices[0]})

@@ -107,9 +107,10 @@ class Replica:
     """One replica process and the requests routed to it. Touched on the front's event loop only,
     except `send` (any thread: a dropped stream aborts from the garbage collector)."""
 
-    def __init__(self, index: int, device: str, num_slots: int) -> None:
-        self.index = index
-        self.label = str(index)
+    def __init__(self, index: int, number: int, device: str, num_slots: int) -> None:
+        self.index = index  # in this pool
+        self.number = number  # on the server: replicas are numbered across the front processes
+        self.label = str(number)
         self.device = device
         self.num_slots = num_slots
         self.process: BaseProcess | None = None
@@ -162,12 +163,19 @@ class ReplicaPool:
         settings: ServerSettings,
         devices: Sequence[str],
         policy: RoutingPolicy = "least_work",
+        numbers: Sequence[int] | None = None,
     ) -> None:
+        """`numbers`: each replica's number on the server (metrics labels, logs, process names); by
+        default 0, 1, ... (one front process: its pool is all the replicas)."""
         self.artifact = artifact
         self.settings = settings
         self.config = settings.engine_config()
         self.grid = artifact.manifest.spec.grid
-        self.replicas = [Replica(index, device, self.grid.num_slots) for index, device in enumerate(devices)]
+        numbers = range(len(devices)) if numbers is None else numbers
+        self.replicas = [
+            Replica(index, number, device, self.grid.num_slots)
+            for index, (number, device) in enumerate(zip(numbers, devices, strict=True))
+        ]
         self.router = Router(policy)
         self.eos_token_ids: frozenset[int] = frozenset()
         self.vocab_size = 0
@@ -193,7 +201,7 @@ class ReplicaPool:
             self._spawn(replica)
         outcomes = await asyncio.gather(*(_started(r) for r in self.replicas))
         failures = [
-            f"replica {r.index} ({r.device}): {why}"
+            f"replica {r.number} ({r.device}): {why}"
             for r, why in zip(self.replicas, outcomes, strict=True)
             if why
         ]
@@ -217,7 +225,7 @@ class ReplicaPool:
                 continue
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
-                log.error("replica did not stop: killing it", extra={"replica": replica.index})
+                log.error("replica did not stop: killing it", extra={"replica": replica.number})
                 process.kill()
                 process.join()
 
@@ -366,27 +374,28 @@ class ReplicaPool:
         settings = self.settings.model_copy(update={"device": replica.device, "max_waiting": held})
         process = self._context.Process(
             target=worker.run_replica,
-            args=(theirs, replica.index, self.artifact, settings, self._runtime_tag(replica)),
-            name=f"inf2serve-replica-{replica.index}",
+            args=(theirs, replica.number, self.artifact, settings, self._runtime_tag(replica)),
+            name=f"inf2serve-replica-{replica.number}",
             daemon=True,
         )
         process.start()
         theirs.close()
         replica.process = process
-        replica.pipe = PipeWriter(ours, f"inf2serve-replica-{replica.index}-writer")
+        replica.pipe = PipeWriter(ours, f"inf2serve-replica-{replica.number}-writer")
         log.info(
-            "replica starting", extra={"replica": replica.index, "device": replica.device, "pid": process.pid}
+            "replica starting",
+            extra={"replica": replica.number, "device": replica.device, "pid": process.pid},
         )
         reader = threading.Thread(
             target=self._read,
             args=(replica, ours, replica.incarnation),
-            name=f"inf2serve-replica-{replica.index}-reader",
+            name=f"inf2serve-replica-{replica.number}-reader",
             daemon=True,
         )
         reader.start()
 
     def _runtime_tag(self, replica: Replica) -> str:
-        return replica_tag(self._server_tag, replica.index)
+        return replica_tag(self._server_tag, replica.number)
 
     def _read(self, replica: Replica, conn: Connection, incarnation: int) -> None:
         """A reader thread: hands each message to the event loop, then the pipe's end."""
@@ -424,10 +433,10 @@ class ReplicaPool:
                 now = time.monotonic()
                 replica.ready = replica.engine_ready = True
                 replica.started_at = replica.last_heartbeat = replica.fine_since = now
-                log.info("replica ready", extra={"replica": replica.index, "device": replica.device})
+                log.info("replica ready", extra={"replica": replica.number, "device": replica.device})
                 _resolve(replica.started, None)
             case Failed(why):
-                log.error("replica failed to start", extra={"replica": replica.index, "error": why})
+                log.error("replica failed to start", extra={"replica": replica.number, "error": why})
                 _resolve(replica.started, why)
 
     async def _watch(self) -> None:
@@ -443,7 +452,7 @@ class ReplicaPool:
         """Treat it as dead: kill it (its reader then sees the pipe close: `_on_exit`)."""
         if not replica.ready:
             return
-        log.error("replica hung: killing it", extra={"replica": replica.index, "why": why})
+        log.error("replica hung: killing it", extra={"replica": replica.number, "why": why})
         replica.ready = replica.engine_ready = False
         if replica.process is not None:
             replica.process.kill()
@@ -463,7 +472,7 @@ class ReplicaPool:
         exitcode = replica.process.exitcode if replica.process is not None else None
         log.error(
             "replica died: restarting it",
-            extra={"replica": replica.index, "exitcode": exitcode, "backoff_s": replica.backoff_s},
+            extra={"replica": replica.number, "exitcode": exitcode, "backoff_s": replica.backoff_s},
         )
         self._rescue(replica)
         if replica.started_at and time.monotonic() - replica.started_at >= HEALTHY_S:
@@ -488,7 +497,7 @@ class ReplicaPool:
                     extra={"request_id": routed.request_id, "replica": routed.replica},
                 )
                 continue
-            lost = f"replica {replica.index} stopped while generating this request; it may be sent again"
+            lost = f"replica {replica.number} stopped while generating this request; it may be sent again"
             self._fail(routed, ReplicaLostError(lost))
 
     def _end_all(self) -> None:
