@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from asyncio import TimerHandle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -61,6 +62,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._refused = False
         self._opened = next(_OPENED)
+        self.on_closed: Callable[[], None] | None = None  # a front process reports closes (app/api/fronts.py)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -71,6 +73,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_header_timer()
         super().connection_lost(exc)
+        if self.on_closed is not None:
+            self.on_closed()
 
     def data_received(self, data: bytes) -> None:
         if not self._refused:

@@ -15,6 +15,7 @@ SIGINT (or a second SIGTERM) stops at once, gracefully, with the same cut.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from starlette.types import ASGIApp
 from app import metrics
 from app.api.app import create_app
 from app.api.connections import ConnectionLimits, LimitedHttpToolsProtocol
-from app.api.fronts import ALONE, ApiServer, supervise, watch_supervisor
+from app.api.fronts import ALONE, CLOSED, ApiServer, supervise, watch_supervisor
 from app.api.state import ServerState
 from app.logs import configure_logging
 from app.runtime import freeze_startup_heap
@@ -51,9 +52,19 @@ CUT_GRACE_S = 5.0  # after the cut: for the 503s and error events to be written 
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        settings: ServerSettings,
+        handoff: socket.socket | None = None,
+    ) -> None:
+        """`handoff`: a front process's end of the supervisor's connection hand-off (app/api/fronts.py);
+        it then listens on nothing itself."""
         super().__init__(config)
         self.state = state
+        self.handoff = handoff
+        self._adopting: set[asyncio.Task[tuple[asyncio.Transport, asyncio.Protocol]]] = set()
         self.drain_s = settings.drain_s
         self.shutdown_timeout_s = settings.shutdown_timeout_s
         self.drain_deadline: float | None = None
@@ -89,8 +100,54 @@ class DrainingServer(uvicorn.Server):
             return True
         return await super().on_tick(counter)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.handoff is None:
+            await super().startup(sockets)
+            return
+        await super().startup(sockets=[])  # listens on nothing: the supervisor hands connections over
+        self._adopt_handed_connections(self.handoff)
+
+    def _adopt_handed_connections(self, handoff: socket.socket) -> None:
+        """Serve each connection the supervisor hands over, as if accepted here; report each close."""
+        loop = asyncio.get_running_loop()
+        config, server_state, app_state = self.config, self.server_state, self.lifespan.state
+        handoff.setblocking(False)
+
+        def closed() -> None:
+            with contextlib.suppress(OSError):  # the supervisor is gone: nobody counts any more
+                handoff.send(CLOSED)
+
+        def create_protocol() -> asyncio.Protocol:
+            protocol = config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=server_state, app_state=app_state
+            )
+            protocol.on_closed = closed
+            return protocol
+
+        def receive() -> None:
+            while True:
+                try:
+                    data, fds, _, _ = socket.recv_fds(handoff, 1, 1)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    data, fds = b"", []
+                if not data:  # the supervisor closed its end: no more connections
+                    loop.remove_reader(handoff.fileno())
+                    return
+                for fd in fds:
+                    adopting = loop.create_task(
+                        loop.connect_accepted_socket(create_protocol, socket.socket(fileno=fd))
+                    )
+                    self._adopting.add(adopting)  # held until done: the loop keeps only weak references
+                    adopting.add_done_callback(self._adopting.discard)
+
+        loop.add_reader(handoff.fileno(), receive)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's graceful shutdown, with the server's own cut `shutdown_timeout_s` into it."""
+        if self.handoff is not None:  # as uvicorn closes its listeners: no more connections
+            asyncio.get_running_loop().remove_reader(self.handoff.fileno())
         cut = asyncio.create_task(self._cut_after(self.shutdown_timeout_s))
         try:
             await super().shutdown(sockets)
@@ -146,17 +203,18 @@ def serve(settings: ServerSettings) -> int:
 
 
 def front_main(
-    settings: ServerSettings, api_server: ApiServer, sock: socket.socket, link: Connection
+    settings: ServerSettings, api_server: ApiServer, handoff: socket.socket, link: Connection
 ) -> None:
     """A front process's entry point (spawned by the supervisor)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor alone, which forwards it once
     configure_logging(settings.log_level, {"api_server": api_server.index})
     watch_supervisor(link)
-    sys.exit(serve_front(settings, api_server, sock))
+    sys.exit(serve_front(settings, api_server, handoff))
 
 
-def serve_front(settings: ServerSettings, api_server: ApiServer, sock: socket.socket | None) -> int:
-    """Serve on `sock` (a front process's), else on the settings' host and port."""
+def serve_front(settings: ServerSettings, api_server: ApiServer, handoff: socket.socket | None) -> int:
+    """Serve the connections handed over on `handoff` (a front process's), else on the settings' host
+    and port."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     server: DrainingServer | None = None
 
@@ -165,9 +223,9 @@ def serve_front(settings: ServerSettings, api_server: ApiServer, sock: socket.so
             server.fail()
 
     app = create_app(settings, on_fatal=on_fatal, on_ready=freeze_startup_heap, api_server=api_server)
-    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings)
+    server = DrainingServer(uvicorn_config(app, settings), app.state.server, settings, handoff)
     log.info("listening", extra={"host": settings.host, "port": settings.port, "artifact": settings.artifact})
-    server.run(sockets=None if sock is None else [sock])
+    server.run()
     if server.failed or not server.started:
         return 1
     return EXIT_CUT if server.state.responses_cut else 0

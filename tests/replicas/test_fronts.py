@@ -1,10 +1,11 @@
 """`--api-servers`: several front processes on one port (app/api/fronts.py, app/api/peers.py).
 
 The pieces: each front's share of the replicas, the exit code the supervisor reports, the metrics merge.
-The server as a process (sim device, `--replicas 2 --api-servers 2`): connections reach both fronts, any
-front's `/metrics` holds both fronts' samples and passes `promtool check metrics`, SIGTERM drains both
-(every stream whole, exit 0, no process left); a front that dies turns the other's `/ready` to 503 and
-the server exits 1; a supervisor killed outright leaves no front behind.
+The server as a process (sim device, `--replicas 2 --api-servers 2`): the supervisor hands connections to
+both fronts, evenly while they stay open; any front's `/metrics` holds both fronts' samples and passes
+`promtool check metrics`; SIGTERM drains both (every stream whole, exit 0, no process left); a front that
+dies turns the other's `/ready` to 503 and the server exits 1; a supervisor killed outright leaves no
+front behind.
 """
 
 from __future__ import annotations
@@ -125,8 +126,11 @@ def one_per_connection(server: ServerProcess) -> str:
         return client.get("/metrics").text
 
 
-async def streams_then_sigterm(server: ServerProcess) -> list[tuple[int, list[str]]]:
-    """STREAMS streams, each on a connection of its own; SIGTERM once every one has started."""
+async def streams_then_sigterm(
+    server: ServerProcess,
+) -> tuple[list[tuple[int, list[str]]], dict[str, float]]:
+    """STREAMS streams, each on a connection of its own; SIGTERM once every one has started. Returns
+    their status and events, and the requests each front ran while all streamed."""
     clients = [httpx.AsyncClient(base_url=server.url, timeout=60) for _ in range(STREAMS)]
     started = [asyncio.Event() for _ in clients]
     streams = [
@@ -134,12 +138,23 @@ async def streams_then_sigterm(server: ServerProcess) -> list[tuple[int, list[st
         for client, event in zip(clients, started, strict=True)
     ]
     await asyncio.gather(*(event.wait() for event in started))
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        text = (await client.get("/metrics")).text
     server.terminate()
     try:
-        return await asyncio.gather(*streams)
+        return await asyncio.gather(*streams), running_by_front(text)
     finally:
         for client in clients:
             await client.aclose()
+
+
+def running_by_front(text: str) -> dict[str, float]:
+    return {
+        s.labels["api_server"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "inf2serve_num_requests_running"
+        for s in f.samples
+    }
 
 
 @pytest.mark.slow
@@ -149,7 +164,7 @@ def test_two_fronts_share_the_connections_and_drain_together(sim_artifact: Path,
         fronts, replicas = processes(server)
         assert (len(fronts), len(replicas)) == (2, 2), server.failure("has not 2 fronts of 1 replica each")
         text = one_per_connection(server)
-        results = asyncio.run(streams_then_sigterm(server))
+        results, running = asyncio.run(streams_then_sigterm(server))
         exit_code = server.wait(60)
     finally:
         server.stop()
@@ -168,6 +183,7 @@ def test_two_fronts_share_the_connections_and_drain_together(sim_artifact: Path,
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert check.returncode == 0, check.stdout + check.stderr
+    assert running == {"0": STREAMS / 2, "1": STREAMS / 2}  # each connection to the front with fewest
     for status, events in results:
         assert status == 200 and events[-1] == "[DONE]", events[-3:]
         assert len(events) == STREAM_TOKENS + 1
