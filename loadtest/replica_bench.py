@@ -19,11 +19,17 @@ Side by side in one run, each against a real `inf2serve serve --replicas N` proc
    chunks, a final usage chunk).
 4. Six replicas (`--parts six`): the closed loop straight into a `ReplicaPool` of 6 replicas on a 10 ms
    decode step, against 6 x one replica's: aggregate tokens/s, apart from HTTP.
+5. Front processes (`--parts fronts`): (1)'s 3-replica streamed closed loop behind 1 front, then behind 3
+   (`--api-servers 3`, one replica each): each front's CPU per token it streamed (its generated tokens
+   from `/metrics`, by `api_server`), and the front capacity, the tokens/s the fronts could stream with a
+   core each (the sum over fronts of tokens per CPU second): 3 over 1 is how the front scales across
+   processes. The machine's busy cores are recorded: on 2 cores, 3 fronts, 3 replicas and the client
+   saturate it, so the aggregate tokens/s there says nothing about scaling.
 The sim sleeps instead of computing, so replicas should scale even on a small host; the machine may be
 shared, so its CPU count and load average are recorded with the figures.
 
     .venv/bin/python -m loadtest.replica_bench [--waves 3] [--rate 30] [--duration 15] [--rounds 2]
-        [--parts scaling,routing,six]
+        [--parts scaling,routing,six,fronts]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.artifacts.loader import load_artifact
 from app.backends.base import SamplingParams
@@ -63,7 +70,7 @@ SHORT_PROMPT_TOKENS = 8
 SHORT_MAX_TOKENS = 32
 POLICIES = ("least_work", "round_robin")
 TEN_MS_COST_MODEL = {"decode_fixed_s": 0.010, "prefill_points": [[64, 0.004], [2048, 0.128]]}
-PARTS = ("scaling", "routing", "six")
+PARTS = ("scaling", "routing", "six", "fronts")
 GOALS = {
     "scaling_3_over_3x1": 0.9,
     "p99_ttft_ours_over_round_robin": 0.7,
@@ -85,11 +92,14 @@ def replica_pids(pid: int) -> list[int]:
     return found
 
 
-def start_server(artifact: Path, replicas: int, routing: str, log_path: Path) -> ServerProcess:
+def start_server(
+    artifact: Path, replicas: int, routing: str, log_path: Path, api_servers: int = 1
+) -> ServerProcess:
     port = free_port()
     argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--drain-s", "0", "--log-level", "warning", "--no-verify-golden"]
     argv += ["--replicas", str(replicas), "--replica-routing", routing, "--max-waiting", "1024"]
+    argv += ["--api-servers", str(api_servers)]
     return ServerProcess(argv, {}, port, log_path).start().wait_ready(180.0)
 
 
@@ -183,6 +193,84 @@ def scaling_run(
     run["replica_cpu_us_per_token"] = replicas_s / run["tokens"] * 1e6 if pids else None
     run["cpu_cores_busy"] = (front_s + replicas_s) / run["wall_s"]
     return run
+
+
+def tokens_by_front(url: str) -> dict[str, float]:
+    """Generated tokens so far, by front process (`api_server` label; "0" for a lone front)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    by_front: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "inf2serve_generation_tokens_total":
+                front = sample.labels.get("api_server", "0")
+                by_front[front] = by_front.get(front, 0.0) + sample.value
+    return by_front
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (not idle or waiting for I/O), from /proc/stat."""
+    ticks = [int(field) for field in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def fronts_run(artifact: Path, api_servers: int, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """3 replicas behind `api_servers` front processes, the streamed closed loop: each front's CPU per
+    token it streamed, and the tokens/s the fronts could carry with a core each (sum of tokens per CPU
+    second over the fronts)."""
+    server = start_server(artifact, 3, "least_work", log, api_servers)
+    try:
+        assert server.process is not None
+        fronts = replica_pids(server.process.pid) if api_servers > 1 else [server.process.pid]
+        cpu_before = {pid: cpu_seconds(pid) for pid in [server.process.pid, *fronts]}
+        tokens_before, machine_before = tokens_by_front(server.url), machine_busy_s()
+        concurrency = SLOTS * 3
+        run = asyncio.run(
+            closed_loop(server.url, concurrency, concurrency * args.waves, args.max_tokens, True)
+        )
+        cpu = {pid: cpu_seconds(pid) - before for pid, before in cpu_before.items()}
+        machine_s = machine_busy_s() - machine_before
+        tokens = {f: n - tokens_before.get(f, 0.0) for f, n in tokens_by_front(server.url).items()}
+    finally:
+        server.stop()
+        server.wait(60)
+    per_front = [
+        {
+            "tokens": tokens[str(index)],
+            "cpu_s": cpu[pid],
+            "cpu_us_per_token": cpu[pid] / tokens[str(index)] * 1e6,
+        }
+        for index, pid in enumerate(fronts)
+    ]
+    return {
+        **run,
+        "api_servers": api_servers,
+        "tokens_per_s": run["tokens"] / run["wall_s"],
+        "fronts": per_front,
+        "supervisor_cpu_s": cpu[server.process.pid] if api_servers > 1 else 0.0,
+        "machine_cores_busy": machine_s / run["wall_s"],
+        "front_capacity_tokens_per_s": sum(f["tokens"] / f["cpu_s"] for f in per_front),
+        "front_cpu_us_per_token_max": max(f["cpu_us_per_token"] for f in per_front),
+    }
+
+
+def fronts_part(
+    artifact: Path, args: argparse.Namespace, root: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    one = fronts_run(artifact, 1, args, root / "fronts-1.log")
+    three = fronts_run(artifact, 3, args, root / "fronts-3.log")
+    results = {
+        "fronts_tokens_per_s_1": one["tokens_per_s"],
+        "fronts_tokens_per_s_3": three["tokens_per_s"],
+        "front_cpu_us_per_token_streamed_1_front": one["front_cpu_us_per_token_max"],
+        "front_cpu_us_per_token_streamed_3_fronts_max": three["front_cpu_us_per_token_max"],
+        "front_capacity_tokens_per_s_1": one["front_capacity_tokens_per_s"],
+        "front_capacity_tokens_per_s_3": three["front_capacity_tokens_per_s"],
+        "front_capacity_3_over_1": three["front_capacity_tokens_per_s"] / one["front_capacity_tokens_per_s"],
+        "machine_cores_busy_1_front": one["machine_cores_busy"],
+        "machine_cores_busy_3_fronts": three["machine_cores_busy"],
+        "failed_requests_fronts": one["failed"] + three["failed"],
+    }
+    return {"one_front": one, "three_fronts": three}, results
 
 
 def skewed_body(args: argparse.Namespace, round_index: int) -> Any:
@@ -338,6 +426,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             report["results"].update(results)
         if "routing" in parts:
             report["routing"], results = routing_part(artifact, args, root)
+            report["results"].update(results)
+        if "fronts" in parts:
+            report["fronts"], results = fronts_part(artifact, args, root)
             report["results"].update(results)
         if "six" in parts:
             report["six_replicas"], results = six_part(args, root)
