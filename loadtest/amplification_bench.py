@@ -18,7 +18,7 @@ Side by side in one run:
    attackers stay the same 4 closed loops of the same body.
 The machine may be shared: the load average is recorded (other processes run on either core).
 
-    .venv/bin/python -m loadtest.amplification_bench [--attackers 4] [--tokens 400] [--refusals 40]
+    .venv/bin/python -m loadtest.amplification_bench [--attackers 4] [--tokens 1600] [--refusals 40]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ STORIES = REPO.parent / "shared" / "models" / "stories260K"
 DEFAULT_OUT = REPO / "loadtest" / "reports" / "amplification_bench.json"
 TWENTY_MS_STEP = {"decode_fixed_s": 0.020, "prefill_points": [[64, 0.005]]}
 GOALS = {"refusal_cpu_ms": 50.0, "p99_gap_change": 0.10}
+MAX_POSITIONS = 2048
 
 
 def big_body(prompts: int = 100_000) -> bytes:
@@ -156,9 +157,11 @@ def under_attack(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="inf2serve-amplification-") as scratch:
         root = Path(scratch)
-        artifact = build_sim_artifact(root / "artifacts", STORIES, sim_grid(8, 1024), TWENTY_MS_STEP)
+        grid = sim_grid(8, MAX_POSITIONS)
+        artifact = build_sim_artifact(root / "artifacts", STORIES, grid, TWENTY_MS_STEP)
         port = free_port()
         argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(artifact), "--host", "127.0.0.1"]
+        argv += ["--max-output-tokens", str(MAX_POSITIONS - 64)]
         server = ServerProcess(argv, {"INF2SERVE_PORT": str(port)}, port, root / "server.log").start()
         try:
             server.wait_ready()
@@ -245,7 +248,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--attackers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=400, help="the innocent stream's length")
+    # The p99 of 400 gaps is their 4th largest: the stream alone moved it 20.4-22.6 ms run to run (±5 %,
+    # half the goal). 1,600 gaps (32 s a stream) put 16 gaps in the tail.
+    parser.add_argument("--tokens", type=int, default=1600, help="the innocent stream's length")
     parser.add_argument("--refusals", type=int, default=40, help="refusals timed for the CPU figure")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
