@@ -99,6 +99,13 @@ class ServerSettings(BaseSettings):
     max_connections: int = Field(
         1024, ge=1, description="Open connections (and requests in progress); beyond it, 503 at once."
     )
+    refusal_budget_per_s: float = Field(
+        100.0,
+        ge=0,
+        description="Refusals (4xx but 429) a second, each counted 1 plus 1 per 64 KiB of body it sent; "
+        "beyond it (a second's worth is kept), refusals are answered one at a time as the budget refills, "
+        "so a client looping bad requests is paced; nothing else waits; 0: no budget (app/api/refusals.py).",
+    )
 
     # Access control.
     api_keys: Annotated[tuple[str, ...], NoDecode] = Field(

@@ -24,6 +24,7 @@ from app.api.errors import install_error_handlers
 from app.api.fronts import ALONE, ApiServer
 from app.api.middleware import RequestContextMiddleware
 from app.api.peers import Peers
+from app.api.refusals import RefusalBudget
 from app.api.serving import Serving
 from app.api.startup import build_runtime as build_server_runtime
 from app.api.state import Runtime, ServerState
@@ -89,7 +90,10 @@ def create_app(
     app.include_router(routes.probes)
     routes.install_openapi(app)
     install_error_handlers(app)
-    app.add_middleware(RequestContextMiddleware, state=state, body_timeout_s=settings.body_timeout_s)
+    refusals = RefusalBudget(settings.refusal_budget_per_s) if settings.refusal_budget_per_s else None
+    app.add_middleware(
+        RequestContextMiddleware, state=state, body_timeout_s=settings.body_timeout_s, refusals=refusals
+    )
     return app
 
 

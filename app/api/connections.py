@@ -10,7 +10,7 @@ front of it, because the server runs bare too (SageMaker, EKS, `make run`):
   answers 408 and closes a connection whose request headers are not complete `header_timeout_s` after
   it opened or after the request's first byte (on a kept-alive connection), and 431 to headers (request
   line included) larger than `max_header_bytes`. Both are answered before the app sees the request.
-- `receive_with_deadline` (used by the request middleware) fails a request whose body is not complete
+- `BodyReceiver` (used by the request middleware) fails a request whose body is not complete
   `body_timeout_s` after its headers with 408 (`RequestTimeoutError`), closing the connection.
 - `max_connections` bounds open connections and requests in progress, for clients: beyond it a client's
   request is answered 503 at once (uvicorn's `limit_concurrency` rule), but a probe's (`PROBE_PATHS`)
@@ -164,24 +164,31 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def receive_with_deadline(receive: Receive, timeout_s: float) -> Receive:
-    """`receive`, failing with RequestTimeoutError if the request's body is not all in after `timeout_s`;
-    once it is, messages pass through unbounded (a stream waits for a disconnect as long as it lasts)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    body_done = False
+class BodyReceiver:
+    """`receive`, failing with RequestTimeoutError if the request's body is not all in `timeout_s` after
+    this was made; once it is, messages pass through unbounded (a stream waits for a disconnect as long
+    as it lasts). Counts the body's bytes (`received`)."""
 
-    async def bounded() -> Message:
-        nonlocal body_done
-        if body_done:
-            return await receive()
-        remaining = deadline - asyncio.get_running_loop().time()
+    def __init__(self, receive: Receive, timeout_s: float) -> None:
+        self._receive = receive
+        self._timeout_s = timeout_s
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        self._body_done = False
+        self.received = 0
+
+    async def __call__(self) -> Message:
+        if self._body_done:
+            return await self._receive()
+        remaining = self._deadline - asyncio.get_running_loop().time()
         try:
-            message = await asyncio.wait_for(receive(), max(remaining, 0.0))
+            message = await asyncio.wait_for(self._receive(), max(remaining, 0.0))
         except TimeoutError:
             raise RequestTimeoutError(
-                f"the request body was not received within {timeout_s} s (body_timeout_s)"
+                f"the request body was not received within {self._timeout_s} s (body_timeout_s)"
             ) from None
-        body_done = message["type"] != "http.request" or not message.get("more_body", False)
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            self._body_done = not message.get("more_body", False)
+        else:
+            self._body_done = True
         return message
-
-    return bounded

@@ -16,8 +16,9 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import metrics
-from app.api.connections import PROBE_PATHS, receive_with_deadline
+from app.api.connections import PROBE_PATHS, BodyReceiver
 from app.api.errors import error_headers, error_json, internal_error
+from app.api.refusals import RefusalBudget, is_charged
 from app.api.state import ServerState
 from app.logs import REQUEST_ID
 
@@ -38,10 +39,15 @@ def request_id_from(scope: Scope) -> str:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, state: ServerState, body_timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, state: ServerState, body_timeout_s: float, refusals: RefusalBudget | None
+    ) -> None:
+        """`refusals`: the refusal budget (app/api/refusals.py) each 4xx but a probe's is charged to and
+        held by; None: none."""
         self.app = app
         self.state = state
         self.body_timeout_s = body_timeout_s
+        self.refusals = refusals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,6 +63,9 @@ class RequestContextMiddleware:
             nonlocal status, response_started
             if message["type"] == "http.response.start":
                 status, response_started = message["status"], True
+                if refusals is not None and is_charged(status):
+                    refusals.charge(body.received)
+                    await refusals.hold()
                 headers = list(message.get("headers", []))
                 headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
                 if self.state.artifact_id:
@@ -64,8 +73,10 @@ class RequestContextMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
+        refusals = None if scope["path"] in PROBE_PATHS else self.refusals
+        body = BodyReceiver(receive, self.body_timeout_s)
         try:
-            await self.app(scope, receive_with_deadline(receive, self.body_timeout_s), send_with_headers)
+            await self.app(scope, body, send_with_headers)
         except Exception:
             log.exception("unhandled error", extra={"path": scope["path"]})
             if not response_started:
