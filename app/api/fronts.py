@@ -186,7 +186,13 @@ def supervise(settings: ServerSettings, front_main: FrontMain) -> int:
     fronts = Fronts(settings.drain_s)
     links: list[Connection] = []
     try:
-        listener = listen(settings.host, settings.port)
+        try:
+            listener = listen(settings.host, settings.port)
+        except OSError as error:  # as uvicorn says it for a lone front: one line, exit 1
+            log.error(
+                "cannot listen", extra={"host": settings.host, "port": settings.port, "error": str(error)}
+            )
+            return 1
         channels = []
         for index in range(count):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

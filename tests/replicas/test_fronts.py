@@ -11,9 +11,11 @@ front behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -56,6 +58,20 @@ def test_the_supervisor_reports_the_worst_exit() -> None:
     assert worst_exit_code([0, 0]) == 0
     assert worst_exit_code([0, -9]) == 1  # killed by a signal
     assert worst_exit_code([1, 3, 0]) == 3  # a cut stream outranks a failure
+
+
+def test_a_port_in_use_fails_the_start_with_one_line(sim_artifact: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [str(BIN / "inf2serve"), "serve", "--artifact", str(sim_artifact), "--host", "127.0.0.1"]
+        argv += ["--port", str(port), "--replicas", "2", "--api-servers", "2"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["msg"] for line in lines if line["level"] == "error"] == ["cannot listen"]
 
 
 def front_families(requests: int, running: float, slots: float) -> list[Metric]:
