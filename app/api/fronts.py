@@ -104,6 +104,7 @@ class Dispatcher:
         self.open = [0] * len(channels)  # connections handed to each front and not yet closed
         self.gone: set[int] = set()  # fronts whose end of the hand-off is closed
         self.deadline: float | None = None  # when to stop accepting (time.monotonic())
+        self._next = 0  # where ties start: the front after the last one handed a connection
         self._selector = selectors.DefaultSelector()
         self._thread = threading.Thread(target=self._run, name="inf2serve-dispatcher", daemon=True)
 
@@ -137,7 +138,7 @@ class Dispatcher:
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         with conn:
-            for front in sorted(set(range(len(self.channels))) - self.gone, key=self.open.__getitem__):
+            for front in self._in_order():
                 try:
                     socket.send_fds(self.channels[front], [HANDED], [conn.fileno()])
                 except BlockingIOError:  # that front is not reading its hand-offs: the next one
@@ -146,8 +147,15 @@ class Dispatcher:
                     self._lose(front)
                     continue
                 self.open[front] += 1
+                self._next = front + 1
                 return
         # no front took it: the connection closes
+
+    def _in_order(self) -> list[int]:
+        """The live fronts, fewest open connections first; ties from the one after the last handed one,
+        so that clients that come one after another are spread too."""
+        count = len(self.channels)
+        return sorted(set(range(count)) - self.gone, key=lambda f: (self.open[f], (f - self._next) % count))
 
     def _count_closes(self, front: int) -> None:
         try:

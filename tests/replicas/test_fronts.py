@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from app import metrics
-from app.api.fronts import ApiServer, worst_exit_code
+from app.api.fronts import ApiServer, Dispatcher, worst_exit_code
 from app.settings import ServerSettings
 from loadtest.harness.server import BIN, ServerProcess, free_port
 from loadtest.replica_bench import replica_pids
@@ -46,6 +46,22 @@ def test_each_front_owns_every_nth_replica() -> None:
         [(1, "neuron:2-3"), (3, "neuron:6-7")],
     ]
     assert ApiServer(1, 3, Path()).peers == (0, 2)
+
+
+def test_a_connection_goes_to_the_front_with_fewest_open_ties_taken_in_turn() -> None:
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    with socket.socket() as listener:
+        dispatcher = Dispatcher(listener, [ours for ours, _ in pairs])
+        assert dispatcher._in_order() == [0, 1, 2]
+        dispatcher.open, dispatcher._next = [0, 0, 0], 1  # front 0 was handed the last one, and it closed
+        assert dispatcher._in_order() == [1, 2, 0]
+        dispatcher.open = [0, 2, 1]
+        assert dispatcher._in_order() == [0, 2, 1]
+        dispatcher.gone.add(0)
+        assert dispatcher._in_order() == [2, 1]
+    for pair in pairs:
+        for end in pair:
+            end.close()
 
 
 def test_more_front_processes_than_replicas_is_refused() -> None:
