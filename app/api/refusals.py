@@ -8,13 +8,13 @@ each refusal is already small (a few ms); the rate is what hurts.
 
 So every response with a 4xx status is charged: one unit, plus one for each UNIT_BYTES of body the request
 sent. The budget refills at `refusal_budget_per_s` units a second and holds at most one second's worth.
-While it is not full, refusals are answered one at a time: each once the budget is not overspent and at
-least 1/rate after the one before. A client that waits for its answer before sending again is thereby
-paced; no other request waits. Pacing matters as much as the total: answered together, four clients send
-four 2 MB bodies together, a burst of about 10 ms of the front's CPU, and a stream whose step falls in
-it waits. Big bodies are charged more than their CPU (a 2 MB body costs about 5x a small one, and is
-charged 33x) because their bursts are what stretches a step. At most MAX_HELD refusals are held at
-once (each holds its body): beyond that, they are answered at once.
+Refusals are answered one at a time: each once the budget is not overspent and at least 1/rate after
+the one before (at once, for a refusal now and then). A client that waits for its answer before
+sending again is thereby paced; no other request waits. Pacing matters as much as the total: answered
+together, four clients send four 2 MB bodies together, a burst of about 10 ms of the front's CPU, and a
+stream whose step falls in it waits. Big bodies are charged more than their CPU (a 2 MB body costs about
+5x a small one, and is charged 33x) because their bursts are what stretches a step. At most MAX_HELD
+refusals are held at once (each holds its body): beyond that, they are answered at once.
 
 Never charged or held: the probes, requests that are served, 429 (the admission's own refusal, which
 tells the client when to come back) and 499 (the client left). A server that refuses nothing never waits.
@@ -42,8 +42,8 @@ class RefusalBudget:
         self.level = units_per_s  # full: one second's worth
         self._clock = clock
         self._updated = clock()
-        self._door = asyncio.Lock()  # first come, first through, while the budget is drawn on
-        self._last_through = -math.inf
+        self._door = asyncio.Lock()  # first come, first answered
+        self._last_answered = -math.inf
         self.held = 0
 
     def charge(self, body_bytes: int) -> None:
@@ -57,25 +57,18 @@ class RefusalBudget:
         return max(0.0, -self.level / self.rate)
 
     async def hold(self) -> None:
-        """Wait for this refusal's turn (`wait`), unless MAX_HELD are waiting already."""
+        """Wait for this refusal's turn: once the budget is not overspent and at least 1/rate after the
+        last refusal answered, first come first served; at once where MAX_HELD are waiting already."""
         if self.held >= MAX_HELD:
             return
         self.held += 1
         try:
-            await self.wait()
+            async with self._door:
+                while (delay := max(self.wait_s(), self._last_answered + 1 / self.rate - self._clock())) > 0:
+                    await asyncio.sleep(delay)
+                self._last_answered = self._clock()
         finally:
             self.held -= 1
-
-    async def wait(self) -> None:
-        """At once while the budget is full; else in turn, once it is not overspent and at least 1/rate
-        after the last request through."""
-        self._refill()
-        if self.level >= self.rate and not self._door.locked():
-            return
-        async with self._door:
-            while (delay := max(self.wait_s(), self._last_through + 1 / self.rate - self._clock())) > 0:
-                await asyncio.sleep(delay)
-            self._last_through = self._clock()
 
     def _refill(self) -> None:
         now = self._clock()

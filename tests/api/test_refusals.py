@@ -63,17 +63,18 @@ async def until_blocked(task: asyncio.Task[object]) -> None:
     assert not task.done()
 
 
-def test_while_overspent_requests_wait_and_then_pass_one_at_a_time() -> None:
+def test_while_overspent_refusals_are_answered_one_at_a_time() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         budget = RefusalBudget(1000.0, clock)
-        await asyncio.wait_for(budget.wait(), 1)  # full: at once
-        budget.charge(1050 * UNIT_BYTES)  # 51 units overspent: 51 ms to refill
-        first, second = asyncio.create_task(budget.wait()), asyncio.create_task(budget.wait())
+        budget.charge(0)
+        await asyncio.wait_for(budget.hold(), 1)  # within the budget: at once
+        budget.charge(1050 * UNIT_BYTES)  # 52 units overspent: 52 ms to refill
+        first, second = asyncio.create_task(budget.hold()), asyncio.create_task(budget.hold())
         await until_blocked(first)
         clock.now += 0.06
         await asyncio.wait_for(first, 5)
-        await until_blocked(second)  # 1/rate after the first through
+        await until_blocked(second)  # 1/rate after the first answered
         clock.now += 0.002
         await asyncio.wait_for(second, 5)
 
