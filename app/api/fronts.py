@@ -111,9 +111,9 @@ class Dispatcher:
     def start(self) -> None:
         self.listener.setblocking(False)
         self._selector.register(self.listener, selectors.EVENT_READ)
-        for channel in self.channels:
+        for front, channel in enumerate(self.channels):
             channel.setblocking(False)
-            self._selector.register(channel, selectors.EVENT_READ)
+            self._selector.register(channel, selectors.EVENT_READ, data=front)
         self._thread.start()
 
     def stop_after(self, seconds: float) -> None:
@@ -128,7 +128,7 @@ class Dispatcher:
                     if key.fileobj is self.listener:
                         self._accept()
                     else:
-                        self._count_closes(self.channels.index(key.fileobj))  # type: ignore[arg-type]
+                        self._count_closes(key.data)
         finally:
             self.listener.close()
 
