@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.artifacts.loader import load_artifact
 from app.backends.base import SamplingParams
@@ -54,7 +53,7 @@ from app.replicas.pool import ReplicaPool
 from app.replicas.router import Router, request_work
 from app.settings import ServerSettings
 from loadtest.client import percentiles, run_load
-from loadtest.harness.server import BIN, ServerProcess, free_port
+from loadtest.harness.server import BIN, ServerProcess, free_port, metric_sums
 from loadtest.http_bench import cpu_seconds
 from loadtest.sim_artifact import build_sim_artifact, sim_grid
 
@@ -198,13 +197,7 @@ def scaling_run(
 def tokens_by_front(url: str) -> dict[str, float]:
     """Generated tokens so far, by front process (`api_server` label; "0" for a lone front)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    by_front: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "inf2serve_generation_tokens_total":
-                front = sample.labels.get("api_server", "0")
-                by_front[front] = by_front.get(front, 0.0) + sample.value
-    return by_front
+    return metric_sums(text, "inf2serve_generation_tokens_total", "api_server", missing="0")
 
 
 def machine_busy_s() -> float:

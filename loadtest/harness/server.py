@@ -14,9 +14,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
+
+
+def metric_sums(
+    text: str, sample: str, label: str, missing: str | None = None, **where: str
+) -> dict[str, float]:
+    """From a /metrics text: the values of `sample` whose labels match `where`, summed by `label` (a
+    sample without it counts as `missing`, or is skipped)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            key = found.labels.get(label, missing)
+            if (
+                found.name == sample
+                and key is not None
+                and all(found.labels.get(k) == v for k, v in where.items())
+            ):
+                sums[key] = sums.get(key, 0.0) + found.value
+    return sums
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from app import metrics
 from app.api.fronts import ApiServer, Dispatcher, worst_exit_code
 from app.settings import ServerSettings
-from loadtest.harness.server import BIN, ServerProcess, free_port
+from loadtest.harness.server import BIN, ServerProcess, free_port, metric_sums
 from loadtest.replica_bench import replica_pids
 from tests.sse import stream_events
 
@@ -135,19 +135,6 @@ def processes(server: ServerProcess) -> tuple[list[int], list[int]]:
     return fronts, [pid for front in fronts for pid in replica_pids(front)]
 
 
-def completions_by_front(text: str) -> dict[str, float]:
-    by_front: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (
-                sample.name == "inf2serve_http_responses_total"
-                and sample.labels["route"] == "/v1/completions"
-            ):
-                front = sample.labels["api_server"]
-                by_front[front] = by_front.get(front, 0.0) + sample.value
-    return by_front
-
-
 def one_per_connection(server: ServerProcess) -> str:
     """CONNECTIONS completions, each on a new connection; then the server's /metrics."""
     with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -174,19 +161,12 @@ async def streams_then_sigterm(
         text = (await client.get("/metrics")).text
     server.terminate()
     try:
-        return await asyncio.gather(*streams), running_by_front(text)
+        return await asyncio.gather(*streams), metric_sums(
+            text, "inf2serve_num_requests_running", "api_server"
+        )
     finally:
         for client in clients:
             await client.aclose()
-
-
-def running_by_front(text: str) -> dict[str, float]:
-    return {
-        s.labels["api_server"]: s.value
-        for f in text_string_to_metric_families(text)
-        if f.name == "inf2serve_num_requests_running"
-        for s in f.samples
-    }
 
 
 @pytest.mark.slow
@@ -200,7 +180,7 @@ def test_two_fronts_share_the_connections_and_drain_together(sim_artifact: Path,
         exit_code = server.wait(60)
     finally:
         server.stop()
-    by_front = completions_by_front(text)
+    by_front = metric_sums(text, "inf2serve_http_responses_total", "api_server", route="/v1/completions")
     assert set(by_front) == {"0", "1"} and sum(by_front.values()) == CONNECTIONS, by_front
     replica_labels = {
         (s.labels["api_server"], s.labels["replica"])

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import ConnectionPool, RequestResult, completion_body, stream_completion
-from loadtest.harness.server import ServerProcess
+from loadtest.harness.server import ServerProcess, metric_sums
 from loadtest.replica_bench import replica_pids
 from loadtest.sim_artifact import TEN_MS_STEP, build_sim_artifact, sim_grid
 from tests.replicas.helpers import serve_two_replicas
@@ -35,8 +34,7 @@ SAGEMAKER_KILL_S = 30  # SageMaker's SIGKILL follows its SIGTERM after this long
 
 
 def running_by_replica(text: str) -> dict[str, float]:
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    return {s.labels["replica"]: s.value for s in families["inf2serve_num_requests_running"].samples}
+    return metric_sums(text, "inf2serve_num_requests_running", "replica")
 
 
 async def scenario(server: ServerProcess) -> tuple[list[RequestResult], str, int]:
