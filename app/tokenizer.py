@@ -34,10 +34,15 @@ from app.errors import ConfigError, InvalidRequestError
 from app.llama import generation_eos_ids
 
 # NOTE: used only when the tokenizer ships no chat template (base models such as stories260K): plain
-# "role: content" lines and an open assistant turn, BOS first as the model expects.
+# "role: content" lines and an open assistant turn, BOS first as the model expects. Tools follow Hugging
+# Face's convention, so a base model serves tool calls too: the offered functions as one JSON line first,
+# an assistant's calls in Llama 3.1's JSON form (what the `llama3_json` parser reads back), `;` between.
 FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    "{{ bos_token }}{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}{{ '; ' if not loop.first }}"
+    "{{ {'name': call['function']['name'], 'parameters': call['function']['arguments']} | tojson }}"
+    "{% endfor %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _MARKER = re.compile("\ue000(\\d+)\ue001")  # stands for message i's content while the template renders

@@ -37,6 +37,23 @@ def test_a_base_model_gets_the_plain_chat_template(tokenizer: Tokenizer) -> None
     assert tokenizer.decode(ids) == "user: Hi\nassistant:"
 
 
+def test_the_plain_template_renders_tools_calls_and_results(tokenizer: Tokenizer) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"d": 1}}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    ids = tokenizer.apply_chat_template(messages, template_kwargs={"tools": [tool]})
+    assert tokenizer.renders_tools
+    assert tokenizer.decode(ids) == (
+        'tools: [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]\n'
+        'user: Hi\nassistant: {"name": "f", "parameters": {"d": 1}}; {"name": "f", "parameters": {"d": 1}}\n'
+        "tool: sunny\nassistant:"
+    )
+
+
 def test_a_directory_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"cannot load a tokenizer.*tokenizer\.json"):
         Tokenizer.from_dir(tmp_path)

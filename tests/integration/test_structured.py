@@ -134,3 +134,27 @@ def test_a_constraint_that_cannot_compile_is_a_400_naming_it(client, fields, par
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=4, **fields)
     assert refused.value.body["param"] == param
+
+
+# The server above serves stories260K as `make run` does: no chat template of its own, so the fallback one
+# (which renders tools). Its artifact is compiled for 256 positions, so the function is small.
+DAYS = {"type": "object", "properties": {"d": {"enum": [1, 2]}}, "required": ["d"]}
+DAYS_TOOL = {"type": "function", "function": {"name": "f", "parameters": DAYS}}
+WEATHER = [{"role": "user", "content": "What is the weather?"}]
+
+
+def test_the_default_template_serves_required_tool_calls(client) -> None:
+    completion = client.chat.completions.create(
+        model="stories260K", messages=WEATHER, tools=[DAYS_TOOL], tool_choice="required", max_tokens=40,
+        temperature=1.0, seed=5,
+    )  # fmt: skip
+    (call,) = completion.choices[0].message.tool_calls
+    assert completion.choices[0].finish_reason == "tool_calls" and call.function.name == "f"
+    jsonschema.validate(json.loads(call.function.arguments), DAYS)
+    stream = client.chat.completions.create(
+        model="stories260K", messages=WEATHER, tools=[DAYS_TOOL], tool_choice="required", max_tokens=40,
+        stream=True, seed=6,
+    )  # fmt: skip
+    deltas = [call for chunk in stream for call in chunk.choices[0].delta.tool_calls or ()]
+    assert len(deltas) == 1 and deltas[0].function.name == "f"
+    jsonschema.validate(json.loads(deltas[0].function.arguments), DAYS)
