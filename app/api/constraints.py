@@ -23,9 +23,12 @@ from app.tokenizer import Tokenizer
 
 
 def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
-    """The body's one output constraint, or None; 400 when it sets several."""
+    """The body's one output constraint, or None; 400 when it sets several. A forced tool call makes
+    `response_format` moot: that shapes the text the model writes, and a forced call writes none (OpenAI
+    takes both; the Responses API clients of structured extraction send both)."""
     forced = forced_call(body) if isinstance(body, ChatCompletionRequest) else None
-    found = [c for c in (_response_format(body.response_format), *_guided(body), forced) if c is not None]
+    text_format = _response_format(body.response_format)  # checked even where a forced call wins
+    found = [c for c in (None if forced else text_format, *_guided(body), forced) if c is not None]
     if len(found) > 1:
         names = ", ".join(c.param for c in found)
         raise InvalidRequestError(f"set one output constraint, not several ({names})", param=found[1].param)

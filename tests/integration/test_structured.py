@@ -158,3 +158,23 @@ def test_the_default_template_serves_required_tool_calls(client) -> None:
     deltas = [call for chunk in stream for call in chunk.choices[0].delta.tool_calls or ()]
     assert len(deltas) == 1 and deltas[0].function.name == "f"
     jsonschema.validate(json.loads(deltas[0].function.arguments), DAYS)
+
+
+def test_a_forced_call_makes_the_text_format_moot(client) -> None:
+    """OpenAI takes both; instructor's Responses tools mode sends both (the call is the output)."""
+    text_format = {"type": "json_schema", "name": "days", "schema": DAYS, "strict": True}
+    completion = client.chat.completions.create(
+        model="stories260K", messages=WEATHER, tools=[DAYS_TOOL], max_tokens=40, seed=7,
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        response_format={"type": "json_schema", "json_schema": text_format},
+    )  # fmt: skip
+    (call,) = completion.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), DAYS)
+    response = client.responses.create(
+        model="stories260K", input="What is the weather?", max_output_tokens=40, text={"format": text_format},
+        tools=[{"type": "function", "name": "f", "parameters": DAYS}],
+        tool_choice={"type": "function", "name": "f"},
+    )  # fmt: skip
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "f"
+    jsonschema.validate(json.loads(item.arguments), DAYS)
