@@ -72,12 +72,13 @@ class Constraint:
 
     @property
     def text(self) -> str:
-        """The source as one string (the cache key and llguidance's input)."""
+        """The source as one string (the cache key and llguidance's input). A schema keeps its key order:
+        llguidance generates properties in the order the schema lists them."""
         if self.kind is Kind.JSON_OBJECT:
             return '{"type": "object"}'
         if isinstance(self.value, str):
             return self.value
-        return json.dumps(self.value, sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.value, separators=(",", ":"))
 
 
 class GrammarCompiler:

@@ -178,3 +178,20 @@ def test_a_forced_call_makes_the_text_format_moot(client) -> None:
     (item,) = response.output
     assert item.type == "function_call" and item.name == "f"
     jsonschema.validate(json.loads(item.arguments), DAYS)
+
+
+def test_properties_come_in_the_order_the_schema_gives(client) -> None:
+    """The order is the schema's (llguidance's rule), so a field meant to come first, reasoning before
+    an answer, comes first."""
+    schema = {
+        "type": "object",
+        "properties": {"why": {"enum": ["x", "y"]}, "answer": {"enum": [1, 2]}},
+        "required": ["why", "answer"],
+        "additionalProperties": False,
+    }
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, max_tokens=40, n=4, temperature=1.0, seed=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}},
+    )  # fmt: skip
+    for choice in completion.choices:
+        assert list(json.loads(choice.message.content)) == ["why", "answer"]
