@@ -4,9 +4,10 @@ vLLM's `guided_*` and `structured_outputs`),
 `logit_bias` as token ids, `bad_words` as token sequences. `app/api/validation.py` calls these; the
 grammar is compiled by `app.structured.grammar`.
 
-OpenAI's `strict` on a `json_schema`: the output is constrained either way (as vLLM does); `strict: true`
-also closes every object of the schema that does not say otherwise (`additionalProperties: false`), as
-OpenAI's strict mode does.
+A JSON schema's objects that do not set `additionalProperties` are closed (no property beyond those
+declared), whatever OpenAI's `strict` says: vLLM's default grammar engine (xgrammar, in its default
+strict mode) does the same, and an open object lets a weak model add keys until its token limit. A
+schema that wants extra properties says `"additionalProperties": true` (or a schema for them).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def forced_call(body: ChatCompletionRequest) -> Constraint | None:
     return forced_call_constraint(functions, "tool_choice")
 
 
-def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Constraint:
-    """A JSON schema (a dict, or a string holding one) as a constraint; `strict` closes its objects."""
+def json_schema_constraint(schema: Any, param: str) -> Constraint:
+    """A JSON schema (a dict, or a string holding one) as a constraint, its open objects closed."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -72,7 +73,7 @@ def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Con
             raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
-    return Constraint(Kind.JSON_SCHEMA, closed(schema) if strict else schema, param)
+    return Constraint(Kind.JSON_SCHEMA, closed(schema), param)
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -114,8 +115,7 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
         raise InvalidRequestError(
             "response_format json_schema needs its json_schema object", param="response_format.json_schema"
         )
-    strict = spec.get("strict") is True
-    return json_schema_constraint(spec.get("schema", {}), "response_format.json_schema.schema", strict)
+    return json_schema_constraint(spec.get("schema", {}), "response_format.json_schema.schema")
 
 
 def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint | None]:

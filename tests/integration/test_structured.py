@@ -195,3 +195,15 @@ def test_properties_come_in_the_order_the_schema_gives(client) -> None:
     )  # fmt: skip
     for choice in completion.choices:
         assert list(json.loads(choice.message.content)) == ["why", "answer"]
+
+
+def test_objects_that_leave_extra_properties_open_are_closed(client) -> None:
+    """As vLLM's default grammar engine (xgrammar's strict mode): without `additionalProperties` an
+    object takes only its declared properties, so a weak model cannot ramble in extra keys forever."""
+    schema = {"type": "object", "properties": {"d": {"enum": [1, 2]}}, "required": ["d"]}
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, max_tokens=24, n=8, temperature=1.0, seed=9,
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}},
+    )  # fmt: skip
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop" and list(json.loads(choice.message.content)) == ["d"]
