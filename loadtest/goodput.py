@@ -412,16 +412,18 @@ def capacity(preset: Preset, trace: Trace) -> float:
     return 1 / (prefill + statistics.mean(trace.output_lens) * step / preset.slots)
 
 
-def prefix_cache(trace: Trace) -> goodput_bound.PrefixCache | None:
+def prefix_cache(trace: Trace, partial_prefills: bool = False) -> goodput_bound.PrefixCache | None:
     """What the sim's prefix cache can hold on this trace: none where nothing repeats (its artifact has no
-    KV blocks, `sim_backend`)."""
-    return goodput_bound.PrefixCache(PREFIX_BLOCK_SIZE, VOCAB) if trace.segments else None
+    KV blocks, `sim_backend`). `partial_prefills`: as an engine that could also prefill in parts would."""
+    return goodput_bound.PrefixCache(PREFIX_BLOCK_SIZE, VOCAB, partial_prefills) if trace.segments else None
 
 
-def bounds(preset: Preset, trace: Trace, slos: dict[str, Slo]) -> dict[str, float]:
+def bounds(
+    preset: Preset, trace: Trace, slos: dict[str, Slo], partial_prefills: bool = False
+) -> dict[str, float]:
     """Per SLO pair, the rate above which no policy reaches the target on this trace and device
-    (`loadtest/goodput_bound.py`)."""
-    floors = goodput_bound.floors(preset.cost, preset.grid, trace, prefix_cache(trace))
+    (`loadtest/goodput_bound.py`); with `partial_prefills`, on an engine that could prefill in parts."""
+    floors = goodput_bound.floors(preset.cost, preset.grid, trace, prefix_cache(trace, partial_prefills))
     return {
         name: goodput_bound.goodput_bound(floors, trace, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3, TARGET)
         for name, slo in slos.items()
@@ -749,6 +751,30 @@ def print_table(rows: Sequence[dict[str, Any]], calibration_rows: Sequence[dict[
             print(f"  BOUND VIOLATED by {', '.join(row['bound_violated_by'])}", file=sys.stderr)
 
 
+def print_bounds(presets: Sequence[Preset], names: Sequence[str], scored: int) -> None:
+    """Per cell and SLO pair: the bound on any policy of today's engine, the bound of an engine that could
+    also prefill a prompt in parts (`goodput_bound.PrefixCache.partial_prefills`), and the least prefill
+    device time of the scored requests under each."""
+    print(f"{'trace':13} {'preset':17} {'slo':12} {'bound':>7} {'partial':>8}  prefill s: one call / parts")
+    for preset in presets:
+        for name in names:
+            cell = CellWork(preset, traces.load(name), scored)
+            today, parts = bounds(preset, cell.head, cell.slos), bounds(preset, cell.head, cell.slos, True)
+            prefill = [
+                sum(
+                    goodput_bound.floors(
+                        preset.cost, preset.grid, cell.head, prefix_cache(cell.head, p)
+                    ).prefill_s
+                )
+                for p in (False, True)
+            ]
+            for slo in cell.slos:
+                print(
+                    f"{name:13} {preset.name:17} {slo:12} {today[slo]:7.3f} {parts[slo]:8.3f}"
+                    f"  {prefill[0]:.1f} / {prefill[1]:.1f}"
+                )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=[p.name for p in PRESET_LIST])
@@ -763,8 +789,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)"
     )
+    parser.add_argument(
+        "--bounds-only",
+        action="store_true",
+        help="print each cell's bound, and the bound of an engine with partial prefills, and stop",
+    )
     args = parser.parse_args(argv)
     presets = [p for p in PRESET_LIST if p.name in args.presets]
+    if args.bounds_only:
+        print_bounds(presets, args.traces, args.requests)
+        return 0
     calibration_rows = calibration(presets)
     started = time.perf_counter()
     work = [CellWork(preset, traces.load(name), args.requests) for preset in presets for name in args.traces]

@@ -13,7 +13,9 @@ The device model it relies on (`app/backends/sim.py`, `app/engine/scheduler.py`)
    more is cached). No cache holds more of a prompt than it shares with another request's prompt (the
    sim's generated tokens are hashes, which the traces' prompts do not resend), whichever was prefilled
    first, so p is the cheaper of its full prefill and its prefill past that much: a valid floor for every
-   request, looser than needed for the first of each shared prefix.
+   request, looser than needed for the first of each shared prefix. For an engine that could also
+   prefill a prompt in parts (`PrefixCache.partial_prefills`: each part a call ending at a context
+   bucket, computed past the parts before it), p is the cheapest such plan's sum.
 3. Each later token comes from its own call (one token per sequence per call): a decode step, at least
    `decode_s(smallest batch bucket, token_bucket(position + 1))` (the step is padded to its longest
    sequence), or, where a policy preempts, a recompute prefill, at least the cheapest prefill. So token k
@@ -52,6 +54,7 @@ reaches the target at any rate of that grid above it, nor at any rate past the b
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -85,10 +88,14 @@ class Floors:
 @dataclass(frozen=True)
 class PrefixCache:
     """What a prefix cache can hold: KV in blocks of `block_size` positions, the prompts' tokens drawn from
-    a vocabulary of `vocab` (`Trace.prompt`)."""
+    a vocabulary of `vocab` (`Trace.prompt`). `partial_prefills`: the floors of an engine that may also
+    prefill a prompt in parts, each ending at a context bucket past where the one before it ended and
+    computed past that KV (`prefill_floor`); the parts are separate calls, so everything below holds with
+    their sum as the prompt's prefill."""
 
     block_size: int
     vocab: int
+    partial_prefills: bool = False
 
 
 def token_cost(cost: CostModel, grid: ShapeGrid, length: int) -> float:
@@ -120,14 +127,33 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0]) if len(differ) else length
 
 
-def prefill_floor(cost: CostModel, grid: ShapeGrid, prompt: int, cached: int) -> float:
+def prefill_floor(cost: CostModel, grid: ShapeGrid, prompt: int, cached: int, parts: bool = False) -> float:
     """The least a prompt's prefill costs with `cached` leading tokens available: computed in full, or
-    past them at the sim's cached-prefill cost (less the more is cached)."""
-    full = cost.prefill_s(grid.context_bucket(prompt), 1)
-    if not cached:
-        return full
-    past = PrefillBatch((0,), ((0,) * prompt,), (GREEDY,), grid.context_bucket(prompt - cached), (cached,))
-    return min(full, cost.cached_prefill_s(past))
+    past them at the sim's cached-prefill cost (less the more is cached); with `parts`, also in parts
+    (`PrefixCache.partial_prefills`), from the first token or past the cached ones."""
+    if not parts:
+        full = _call(cost, grid, prompt, 0)
+        return min(full, _call(cost, grid, prompt, cached)) if cached else full
+
+    @functools.cache
+    def in_parts(start: int) -> float:
+        whole = _call(cost, grid, prompt, start)
+        splits = [
+            _call(cost, grid, start + bucket, start) + in_parts(start + bucket)
+            for bucket in grid.context_buckets
+            if start + bucket < prompt
+        ]
+        return min([whole, *splits])
+
+    return min(in_parts(0), in_parts(cached))
+
+
+def _call(cost: CostModel, grid: ShapeGrid, end: int, start: int) -> float:
+    """One prefill call computing positions start .. end - 1, past the KV of those before `start`."""
+    if not start:
+        return cost.prefill_s(grid.context_bucket(end), 1)
+    call = PrefillBatch((0,), ((0,) * end,), (GREEDY,), grid.context_bucket(end - start), (start,))
+    return cost.cached_prefill_s(call)
 
 
 def floors(cost: CostModel, grid: ShapeGrid, trace: Trace, cache: PrefixCache | None = None) -> Floors:
@@ -140,7 +166,7 @@ def floors(cost: CostModel, grid: ShapeGrid, trace: Trace, cache: PrefixCache | 
     prefill, decode, tokens = [], [], []
     for prompt, output, hit in zip(trace.prompt_lens, trace.output_lens, cached, strict=True):
         n = min(output, grid.max_positions - prompt)  # the scheduler stops a sequence at max_positions
-        prefill.append(prefill_floor(cost, grid, prompt, hit))
+        prefill.append(prefill_floor(cost, grid, prompt, hit, cache is not None and cache.partial_prefills))
         decode.append(sum(costs[prompt + k - 1] for k in range(2, n + 1)))
         tokens.append(n)
     return Floors(tuple(prefill), tuple(decode), tuple(tokens), grid.num_slots)

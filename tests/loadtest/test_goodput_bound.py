@@ -65,6 +65,22 @@ def test_a_prompt_sharing_a_prefix_with_another_is_floored_at_its_prefill_past_t
     assert goodput_bound.floors(preset.cost, preset.grid, trace).prefill_s == pytest.approx((0.1,) * 3)
 
 
+def test_an_engine_with_partial_prefills_may_split_a_prompt_at_a_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 150-token prompt, nothing cached, where the 256 bucket costs four times the 128: in two calls,
+    128 tokens, then 22 past them (the 128 bucket and 0.236 of the cost of what it reads), it costs less
+    than one 256-bucket call; a prompt within the first bucket is one call either way."""
+    preset = tiny_preset(
+        monkeypatch, CostModel(decode_fixed_s=0.01, prefill_points=((128, 0.05), (256, 0.2)))
+    )
+    parts = 0.05 + 0.05 + CACHED_PREFIX_SHARE * (0.15 * 22 / 128)
+    assert parts < 0.2
+    assert goodput_bound.prefill_floor(preset.cost, preset.grid, 150, 0, parts=True) == pytest.approx(parts)
+    assert goodput_bound.prefill_floor(preset.cost, preset.grid, 150, 0) == pytest.approx(0.2)
+    assert goodput_bound.prefill_floor(preset.cost, preset.grid, 120, 0, parts=True) == pytest.approx(0.05)
+
+
 def test_a_whole_repeated_prompt_still_computes_its_last_block() -> None:
     trace = traces.Trace("t", (128, 128), (2, 2), (0.0, 1.0), (((0, 128),), ((0, 128),)))
     assert goodput_bound.cacheable_tokens(trace, goodput_bound.PrefixCache(32, goodput.VOCAB)) == [96, 96]
