@@ -2,13 +2,16 @@
 1, 8 and 32 constrained rows, on the sim and on the torch backend, and what constrained rows cost NxD
 Inference's host, each next to the grammar engine's own cost for the same rows.
 
-A constrained row carries a JSON-schema grammar (llguidance) plus a repetition penalty, and advances its
-state by each token as the engine does. Each configuration runs the same steps in turn within one
-process, several rounds (`figures`); a step's figure is the wall time of `Backend.decode` plus the
-applying of its tokens to the rows' states (`HostLogits.accept`, as the engine does), and
-`k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three measures of the grammar
-engine's own work for the same rows in the same run, per row, each with its ratio (1.0: a constrained
-row costs only its grammar):
+A constrained row carries a JSON-schema grammar (llguidance), and advances its state by each token as
+the engine does. Such a row is first drawn as if unconstrained and keeps that token where its grammar
+allows it (`app/backends/sampling.py`, `pick_tokens`); `k=K_kept_share` is the share of its steps that
+did. `sim_vocab128256_with_penalty` gives its rows a repetition penalty too: every step then takes the
+whole host path (mask, adjustments, a draw among the allowed ids). Each configuration runs the same
+steps in turn within one process, several rounds (`figures`); a step's figure is the wall time of
+`Backend.decode` plus the applying of its tokens to the rows' states (`HostLogits.accept`, as the
+engine does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three
+measures of the grammar engine's own work for the same rows in the same run, per row, each with its
+ratio (1.0: a constrained row costs only its grammar):
 - `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh matchers, one batched
   mask call and one token commit per row a step (`GrammarMatcher.fill`, `accept`: llguidance and nothing
   of ours), back to back;
@@ -31,8 +34,9 @@ rest of the step at k = 8.
 - torch (stories260K on CPU, fp32, 32 slots): forward pass and sampling; the k = 0 row is the baseline;
 - NxD Inference: the step returns fp32 logits [32, 1, V] for every row whatever k (`output_logits`,
   which the artifact compiles for logprobs), so a constrained row adds no transfer, only the host work
-  on its rows (`nxdi_host_vocab128256`, random logits [32, 128,256], the 128k grammar): what
-  `NxdiBackend` runs for host rows, the device's rows costing nothing here.
+  on its rows (`nxdi_host_vocab128256`, random logits [32, 128,256], the 128k grammar, the device's
+  draws from them made before the timed steps): what `NxdiBackend` runs for host rows, the device's
+  rows costing nothing here.
 
     .venv/bin/python -m loadtest.logits_bench [--steps 30] [--rounds 3] [--out report.json]
 """
@@ -46,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +85,12 @@ GRID = ShapeGrid(
 
 
 class Clock:
-    """Seconds spent in the grammar engine's calls inside our steps."""
+    """Seconds spent in the grammar engine's calls inside our steps, and how many unconstrained draws
+    its rows checked and kept (`pick_tokens`)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.checked = self.kept = 0
 
 
 class TimedMatcher:
@@ -108,6 +114,14 @@ class TimedMatcher:
         self.matcher.accept(token_id)
         self.clock.seconds += time.perf_counter() - start
 
+    def allows(self, token_id: int) -> bool:
+        start = time.perf_counter()
+        allowed = self.matcher.allows(token_id)
+        self.clock.seconds += time.perf_counter() - start
+        self.clock.checked += 1
+        self.clock.kept += allowed
+        return allowed
+
 
 ApplyMask = Callable[[torch.Tensor, torch.Tensor], None]  # (fp32 logits [k, V], int32 bitmask [k, words])
 
@@ -119,12 +133,15 @@ class Rows:
     compiler: GrammarCompiler
     grammar: Grammar
     vocab_size: int
+    repetition_penalty: float = 1.0  # 1.1: each grammar row also carries a penalty (the whole host path)
 
     def params(self, k: int, clock: Clock) -> list[SamplingParams]:
-        """BATCH rows, the first k with a fresh grammar (timed on `clock`) and penalty state; all sampled
-        at temperature 1."""
+        """BATCH rows, the first k with a fresh grammar (timed on `clock`) and, where set, a repetition
+        penalty; all sampled at temperature 1."""
         plain = SamplingParams(temperature=1.0, seed=1)
-        rules = SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.1, grammar=self.grammar)
+        rules = SamplingParams(
+            temperature=1.0, seed=1, repetition_penalty=self.repetition_penalty, grammar=self.grammar
+        )
         return [
             HostLogits.start(rules, PROMPT, (2,), TimedMatcher(self.compiler.matcher(self.grammar), clock))
             if i < k
@@ -173,6 +190,7 @@ class Measured:
     replay: list[float]
     in_step: list[float]
     applied: list[float] | None
+    kept: float | None = None  # the share of constrained rows' steps that kept their unconstrained draw
 
 
 Run = Callable[[int], Measured]
@@ -186,7 +204,8 @@ def measured(rows: Rows, k: int, steps: Steps, apply: ApplyMask | None) -> Measu
     if not k:
         return Measured(seconds, [], [], None)
     applied = None if apply is None else rows.grammar_seconds(k, tokens, apply)
-    return Measured(seconds, rows.grammar_seconds(k, tokens), in_step, applied)
+    kept = clock.kept / clock.checked if clock.checked else 0.0
+    return Measured(seconds, rows.grammar_seconds(k, tokens), in_step, applied, kept)
 
 
 def backend_run(backend: Backend, rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
@@ -229,10 +248,13 @@ def figures(run: Run, rounds: int) -> dict[str, float]:
     is the one nearest the code's own cost); the grammar engine's own cost by each measure likewise."""
     ours = {k: float("inf") for k in CONSTRAINED}
     own: dict[str, dict[int, float]] = {measure: {} for measure in REFERENCES}
+    kept: dict[int, float] = {}
     for _ in range(rounds):
         for k in CONSTRAINED:
             result = run(k)
             ours[k] = min(ours[k], statistics.fmean(result.ours) * 1e6)
+            if result.kept is not None:
+                kept[k] = result.kept
             for measure, seconds in zip(
                 REFERENCES, (result.replay, result.in_step, result.applied), strict=True
             ):
@@ -242,6 +264,7 @@ def figures(run: Run, rounds: int) -> dict[str, float]:
     for k in CONSTRAINED[1:]:
         extra = (ours[k] - ours[0]) / k
         report[f"k={k}_extra_per_row_us"] = round(extra, 1)
+        report[f"k={k}_kept_share"] = round(kept.get(k, 0.0), 3)
         for measure, (per_row, ratio) in REFERENCES.items():
             if k in own[measure]:
                 report |= {
@@ -302,6 +325,8 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
     the engine does."""
     logits = torch.randn(BATCH, rows.vocab_size)
     all_logprobs = torch.log_softmax(logits, dim=-1)  # computed for every row whatever k
+    generator = torch.Generator().manual_seed(0)  # the device's own draws, made before the timed steps
+    device = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T.tolist()
 
     def host_steps(
         params: list[SamplingParams], clock: Clock
@@ -320,6 +345,7 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
                 rows.vocab_size,
                 rows=range(k),
                 logprobs=all_logprobs,
+                proposed=device[step][:k],
             )
             for p, token in zip(params, drawn, strict=False):
                 p.host.accept(token.token_id)  # type: ignore[union-attr]
@@ -365,6 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[f"sim_vocab{rows.vocab_size}"] = figures(
             backend_run(sim, rows, args.steps, apply), args.rounds
         )
+    penalised = replace(llama3, repetition_penalty=1.1)
+    report[f"sim_vocab{LLAMA3_VOCAB}_with_penalty"] = figures(
+        backend_run(sim_backend(LLAMA3_VOCAB), penalised, args.steps, apply), args.rounds
+    )
     with tempfile.TemporaryDirectory() as root:
         backend = torch_backend(args.model, Path(root))
         try:

@@ -60,6 +60,10 @@ class TokenMask(Protocol):
         """Advance by a generated token."""
         ...
 
+    def allows(self, token_id: int) -> bool:
+        """Whether `token_id` may come next (a check of one token: no mask is computed)."""
+        ...
+
 
 class HostLogits:
     """One request's host-side state: which tokens it has seen and generated, and its grammar matcher."""
@@ -69,6 +73,7 @@ class HostLogits:
         "_bias_tokens",
         "_bias_values",
         "_counts",
+        "_grammar_only",
         "_keep",
         "_only",
         "_seen",
@@ -98,6 +103,18 @@ class HostLogits:
         self._banned_tokens = [word[0] for word in params.bad_words if len(word) == 1]
         self._bias_tokens = [token for token, _ in params.logit_bias]
         self._bias_values = [bias for _, bias in params.logit_bias]
+        # a grammar the only change to the row's logits, and no filter that must see the masked row
+        self._grammar_only = (
+            mask is not None
+            and self._only is None
+            and not params.bad_words
+            and not params.logit_bias
+            and params.repetition_penalty == 1.0
+            and params.presence_penalty == params.frequency_penalty == 0.0
+            and params.top_k == 0
+            and params.top_p == 1.0
+            and params.min_p == 0.0
+        )
 
     @classmethod
     def start(
@@ -107,6 +124,17 @@ class HostLogits:
         if not params.uses_host_logits:
             return params
         return replace(params, host=cls(params, prompt, stop_ids, mask))
+
+    @property
+    def checks_first(self) -> bool:
+        """Whether the row's next token may be drawn as if unconstrained and kept if its grammar allows it
+        (`app/backends/sampling.py`, `pick_tokens`): the grammar is the only change to its logits now
+        (min_tokens no longer holds its stop ids back) and no filter reads the masked row."""
+        return self._grammar_only and self.num_output >= self.params.min_tokens
+
+    def allows(self, token_id: int) -> bool:
+        """Whether its grammar allows `token_id` next (for a row that `checks_first`)."""
+        return self.mask is not None and self.mask.allows(token_id)
 
     @property
     def restricts(self) -> bool:

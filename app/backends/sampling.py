@@ -9,6 +9,9 @@ batch's parameters, and inverts its own cumulative distribution. No generator st
 rows or steps, so a seeded request gets the same tokens whatever shares its batch. A row whose tokens are
 restricted (a grammar, `allowed_token_ids`) inverts the same distribution over its allowed ids only
 (`app.backends.logits.Restricted`): the same token, at the cost of those ids rather than the vocabulary.
+A row whose grammar is all that changes it draws first as if unconstrained and keeps that token where
+the grammar allows it, else draws among its allowed ids with a second uniform (`pick_tokens`: exact
+rejection sampling, a mask computed only for the rows refused).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
-from app.backends.logits import Gather, Restricted, apply_host_logits
+from app.backends.logits import Gather, HostLogits, Restricted, apply_host_logits
 
 MASK32 = 0xFFFFFFFF
 HOST = torch.device("cpu")
@@ -115,11 +118,13 @@ def sample_tokens(
     *,
     rows: Sequence[int] | None = None,
     logprobs: torch.Tensor | None = None,
+    proposed: Sequence[int] | None = None,
 ) -> list[SampledToken]:
     """One token per sequence from fp32 `logits` [rows, vocab]: sequence i draws from row `rows[i]`,
     by default row i (later rows are then batch padding, never sampled); `positions[i]` is the position
     of the token sequence i generates. `logprobs`: the log-softmax of `logits`, where the caller has it
-    (else it is computed for the sampled rows)."""
+    (else it is computed for the sampled rows). `proposed[i]`: the token a device drew for sequence i,
+    which a row that checks its grammar first keeps where allowed (`pick_tokens`)."""
     index = np.arange(len(params)) if rows is None else np.array(rows, np.int64)
     live = logits[: len(params)] if rows is None else None  # the rows in order: no copy
 
@@ -138,6 +143,7 @@ def sample_tokens(
         vocab_size,
         rows=dense,
         gather=lambda of, ids: _gathered(logits, index[of], ids, vocab_size),
+        propose=None if proposed is None else lambda of: [proposed[i] for i in of],
     )
     if logprobs is None:
         logprobs, index = torch.log_softmax(dense(list(range(len(params)))), dim=-1), np.arange(len(params))
@@ -163,39 +169,75 @@ def _on_host(logits: torch.Tensor) -> bool:
     return logits.device == HOST and logits.dtype == torch.float32
 
 
+Propose = Callable[[list[int]], Sequence[int]]
+REDRAW = 1 << 31  # added to a row's position for its second, independent uniform (`pick_tokens`)
+
+
 def pick_tokens(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     vocab_size: int,
     rows: Callable[[list[int]], torch.Tensor],
     gather: Gather,
+    propose: Propose | None = None,
 ) -> torch.Tensor:
     """The token id [len(params)] each row draws. `rows(index)`: raw fp32 logits [len(index), vocab] of
     those rows; `gather(rows, ids)`: raw logits [len(rows), n] of row rows[i] at ids[i, j]. A row whose
     tokens are restricted (`HostLogits.restricts`) draws among its allowed ids only, read by `gather`
     (`Restricted`: over its whole row, masked, where it allows much of the vocabulary); the others draw
-    from their whole rows, adjusted where they use the host logits path."""
-    restricted = [i for i, p in enumerate(params) if p.host is not None and p.host.restricts]
-    if not restricted:
-        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
-    index = np.array(restricted, np.int64)
-    among = _pick_allowed(
-        [params[i] for i in restricted],
-        [positions[i] for i in restricted],
-        vocab_size,
-        lambda r, ids: gather(index[r], ids),
-    )
-    if len(restricted) == len(params):
-        return among
-    kept = np.ones(len(params), bool)
-    kept[index] = False
-    others = np.flatnonzero(kept)
-    listed = others.tolist()
-    tokens = _pick_rows(rows(listed), [params[i] for i in listed], [positions[i] for i in listed], vocab_size)
-    merged = torch.empty(len(params), dtype=torch.int64, device=tokens.device)
-    merged[torch.from_numpy(others).to(tokens.device)] = tokens  # index tensors: a list index costs 5x
-    merged[torch.from_numpy(index).to(tokens.device)] = among.to(tokens.device)
-    return merged
+    from their whole rows, adjusted where they use the host logits path.
+
+    A restricted row whose grammar is all that changes its logits (`HostLogits.checks_first`) is first
+    drawn as if unconstrained, from its whole row (or `propose(index)`: tokens a device drew for those
+    rows), and keeps that token where its grammar allows it; only the others pay for a mask, and draw
+    among their allowed ids with a second uniform (position + REDRAW), independent of the first. That is
+    rejection sampling with one proposal: a token the grammar allows is drawn with its probability
+    under the masked row either way, so an exact proposal gives exactly the masked row's distribution,
+    at the cost of one check of one token where it is allowed (inside a JSON string, most steps)."""
+    states = [p.host for p in params]
+    checked = [i for i, state in enumerate(states) if state is not None and state.checks_first]
+    drawn = _free_rows(states, propose is None)
+    tokens: torch.Tensor | None = None
+    if drawn:
+        raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
+        tokens = _pick_rows(rows(drawn), raw, [positions[i] for i in drawn], vocab_size)
+        if len(drawn) == len(params) and not checked:
+            return tokens
+    merged = np.empty(len(params), np.int64)
+    if tokens is not None:
+        merged[drawn] = tokens.cpu().numpy()
+    merged[checked] = proposed = _proposals(checked, merged, propose)
+    refused = {i for i, token in zip(checked, proposed, strict=True) if not states[i].allows(token)}  # type: ignore[union-attr]
+    again = [
+        i
+        for i, state in enumerate(states)
+        if state is not None and state.restricts and (i in refused or not state.checks_first)
+    ]
+    if again:
+        at = [positions[i] + REDRAW if i in refused else positions[i] for i in again]
+        index = np.array(again, np.int64)
+        merged[index] = _pick_allowed(
+            [params[i] for i in again], at, vocab_size, lambda r, ids: gather(index[r], ids)
+        ).numpy()
+    result = torch.from_numpy(merged)
+    return result if tokens is None else result.to(tokens.device)
+
+
+def _free_rows(states: Sequence[HostLogits | None], checked_from_rows: bool) -> list[int]:
+    """The rows drawn from their whole rows: every row not restricted, and the checked ones where no
+    device proposes their tokens."""
+    return [
+        i
+        for i, state in enumerate(states)
+        if state is None or not state.restricts or (checked_from_rows and state.checks_first)
+    ]
+
+
+def _proposals(checked: list[int], merged: np.ndarray, propose: Propose | None) -> list[int]:
+    """Each checked row's unconstrained token: its device's, else its draw (already in `merged`)."""
+    if propose is not None and checked:
+        return [int(t) for t in propose(checked)]
+    return merged[checked].tolist()
 
 
 def _pick_rows(

@@ -23,7 +23,10 @@ logits (a fixed hash per vocabulary entry, rotated by a hash of seed, position a
 adjusted as the torch backend adjusts real ones, the batch's host rows in one call. It costs the host
 what such a row costs on a device that returns logits, less their transfer: a restricted row (a grammar,
 `allowed_token_ids`) reads the made-up logits of its allowed ids only, as the host reads a device's
-returned logits, and the others build their whole row. Presets come from published inf2 numbers
+returned logits, and the others build their whole row. A row only a grammar changes is first drawn
+from its whole made-up row as if unconstrained (a binary search on the fixed logits' running sum, so
+it costs what checking a device's token costs) and keeps that token where its grammar allows it
+(`pick_tokens`). Presets come from published inf2 numbers
 (research/perf-anchors.md sections 2 and 3).
 
 The sim also checks what it is given, as a strict device would: shapes from the grid, distinct slots, and
@@ -68,7 +71,7 @@ from app.backends.base import (
     min_kv_blocks,
 )
 from app.backends.batches import check_decode, check_prefill
-from app.backends.sampling import MASK32, mix32, pick_tokens, sample_tokens
+from app.backends.sampling import MASK32, draws, mix32, pick_tokens, sample_tokens
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
@@ -244,6 +247,8 @@ class SimBackend(Backend):
         self._made_up_logits = made_up.numpy()
         self._made_up_twice = np.concatenate([self._made_up_logits, self._made_up_logits])
         self._made_up_normaliser = float(torch.logsumexp(made_up, dim=0))
+        self._made_up_top = int(made_up.argmax())
+        self._made_up_sums: dict[float, np.ndarray] = {}  # temperature -> running sum of the weights
         self._check_positions = True
 
     def warmup(self) -> None:
@@ -431,9 +436,46 @@ class SimBackend(Backend):
 
         if any(p.num_top_logprobs for p in params):
             return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)
-        tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather).numpy()
+
+        def propose(rows: list[int]) -> list[int]:
+            return self._made_up_draws([params[i] for i in rows], [positions[i] for i in rows], shifts[rows])
+
+        tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather, propose=propose).numpy()
         logprobs = made_up[(tokens - shifts) % vocab] - self._made_up_normaliser
         return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+
+    def _made_up_draws(
+        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
+    ) -> list[int]:
+        """Each row's unconstrained token from its made-up logits (the fixed ones rolled by shifts[i]):
+        its uniform inverted on a running sum of the fixed logits' weights, made once per temperature, so
+        a row costs a binary search, not a pass over the vocabulary (the device's token of a constrained
+        row, `pick_tokens`)."""
+        vocab, chosen = self.model.vocab_size, []
+        uniforms = draws(params, positions).tolist()
+        for p, u, shift in zip(params, uniforms, shifts.tolist(), strict=True):
+            if p.is_greedy:
+                chosen.append((self._made_up_top + shift) % vocab)
+                continue
+            running = self._made_up_running(p.temperature)
+            first = (vocab - shift) % vocab  # the fixed index token 0 reads; tokens run from it, wrapping
+            before = float(running[first - 1]) if first else 0.0
+            target, tail = u * float(running[-1]), float(running[-1]) - before
+            if target <= tail:
+                index = int(np.searchsorted(running, before + target))
+                chosen.append(min(index, vocab - 1) - first)
+            else:
+                index = int(np.searchsorted(running, target - tail))
+                chosen.append(vocab - first + min(index, first - 1))
+        return chosen
+
+    def _made_up_running(self, temperature: float) -> np.ndarray:
+        running = self._made_up_sums.get(temperature)
+        if running is None:
+            fixed = self._made_up_logits.astype(np.float64)
+            running = np.cumsum(np.exp((fixed - fixed.max()) / temperature))
+            self._made_up_sums[temperature] = running
+        return running
 
     def _scores(self, h: int, token: int, num_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
         logprob = -((h >> 20) & 0xFFFF) / 16384.0

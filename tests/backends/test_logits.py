@@ -105,6 +105,9 @@ class OnlyToken:
     def accept(self, token_id: int) -> None:
         self.seen.append(token_id)
 
+    def allows(self, token_id: int) -> bool:
+        return token_id == self.token and token_id not in self.seen
+
 
 def test_a_grammar_masks_and_a_dead_end_allows_the_stop_id() -> None:
     _, ours = adjusted(SamplingParams(grammar=object()), output=(), mask=OnlyToken(6))  # type: ignore[arg-type]
@@ -141,6 +144,9 @@ class Allows:
 
     def accept(self, token_id: int) -> None:
         pass
+
+    def allows(self, token_id: int) -> bool:
+        return token_id in self.tokens
 
 
 def batch(seed: int, top_p: float = 0.7) -> list[SamplingParams]:
@@ -245,3 +251,88 @@ def test_allowed_counts_each_rows_ids(numpy_1: bool, vocab: int, monkeypatch: py
     ]
     allowed = host_logits.Allowed.of(states, vocab)  # type: ignore[arg-type]
     assert allowed.counts.tolist() == [4, 32, 1]
+
+
+ALLOWED = (3, 9, 10, 11, 40, 41, 50)
+
+
+def grammar_row(seed: int, temperature: float = 1.0) -> SamplingParams:
+    row = SamplingParams(temperature=temperature, seed=seed, grammar=object())  # type: ignore[arg-type]
+    return HostLogits.start(row, PROMPT, (EOS,), Allows(ALLOWED))
+
+
+def test_a_row_only_its_grammar_changes_is_drawn_first_and_kept_where_allowed() -> None:
+    """Where the unconstrained draw (same seed and position) is allowed it is the token; elsewhere the
+    row draws among its allowed ids with its second uniform (position + REDRAW)."""
+    logits = torch.randn(1, VOCAB) * 2
+    kept = redrawn = 0
+    for seed in range(60):
+        params = [grammar_row(seed)]
+        assert params[0].host is not None and params[0].host.checks_first
+        (token,) = [t.token_id for t in sample_tokens(logits, params, [7], VOCAB)]
+        free = sample_tokens(logits, [params[0].host.params], [7], VOCAB)[0].token_id
+        if free in ALLOWED:
+            assert token == free
+            kept += 1
+        else:
+            tensors = SamplingTensors.build(params, [7 + sampling.REDRAW], 1, VOCAB, torch.device("cpu"))
+            assert (
+                token == pick(apply_host_logits(logits, params), tensors, random=True, filtered=False).item()
+            )
+            redrawn += 1
+    assert kept and redrawn
+
+
+def test_drawing_first_samples_the_masked_distribution() -> None:
+    """Over 20,000 seeds the tokens' frequencies are the masked row's probabilities (one proposal, then
+    an independent draw among the allowed ids, is exact rejection sampling)."""
+    logits = torch.randn(1, VOCAB) * 2
+    draws = 20_000
+    tokens = [
+        sampled.token_id
+        for start in range(0, draws, 2000)
+        for sampled in sample_tokens(
+            logits.expand(2000, VOCAB).contiguous(),
+            [grammar_row(seed) for seed in range(start, start + 2000)],
+            [3] * 2000,
+            VOCAB,
+        )
+    ]
+    frequency = numpy.bincount(tokens, minlength=VOCAB) / draws
+    masked = torch.full((VOCAB,), float("-inf"))
+    masked[list(ALLOWED)] = logits[0, list(ALLOWED)]
+    expected = torch.softmax(masked, dim=0).numpy()
+    assert set(numpy.flatnonzero(frequency)) <= set(ALLOWED)
+    assert numpy.abs(frequency - expected).sum() / 2 < 0.02  # total variation
+
+
+def test_a_greedy_row_keeps_its_argmax_where_allowed_and_else_takes_the_best_allowed() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 10], logits[0, 20], logits[0, 41] = 3.0, 5.0, 4.0
+    assert sample_tokens(logits, [grammar_row(0, 0.0)], [3], VOCAB)[0].token_id == 41
+    logits[0, 10] = 6.0
+    assert sample_tokens(logits, [grammar_row(0, 0.0)], [3], VOCAB)[0].token_id == 10
+
+
+def test_a_device_s_token_is_the_proposal_where_one_is_given() -> None:
+    """Rows 0 and 2 check the device's tokens (11: allowed, kept; 12: refused, drawn among the allowed
+    ids); row 1, filtered by top_p, never checks first and is drawn among its allowed ids as before."""
+    logits = torch.randn(3, VOCAB)
+    filtered = HostLogits.start(
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1, grammar=object()),  # type: ignore[arg-type]
+        PROMPT,
+        (EOS,),
+        Allows(ALLOWED),
+    )
+    params = [grammar_row(0), filtered, grammar_row(2)]
+    assert filtered.host is not None and not filtered.host.checks_first
+    proposals = {0: 11, 2: 12}
+    tokens = sampling.pick_tokens(
+        params,
+        [5, 5, 5],
+        VOCAB,
+        rows=lambda index: logits[index],
+        gather=lambda rows, ids: logits.numpy()[rows[:, None], ids],
+        propose=lambda rows: [proposals[i] for i in rows],
+    ).tolist()
+    assert tokens[0] == 11 and tokens[1] in ALLOWED and tokens[2] in ALLOWED

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from app.backends.base import (
     SamplingParams,
 )
 from app.backends.logits import HostLogits
-from app.backends.sampling import MASK32, mix32, sample_tokens
+from app.backends.sampling import MASK32, draws, mix32, sample_tokens
 from app.backends.sim import COST_MODEL_ENV, PRESETS, SIM_LOGIT_SCALE, CostModel, SimBackend, sim_hash
 from app.errors import BatchError, ConfigError
 from app.shapes import ShapeGrid
@@ -203,3 +204,22 @@ def test_a_restricted_host_row_draws_from_its_made_up_row(allowed: range) -> Non
         expected = sample_tokens(row, [HostLogits.start(params, prompt, (2,), None)], [len(prompt)], 50)
         assert token[0].token_id == expected[0].token_id and token[0].token_id in allowed
         assert token[0].logprob == pytest.approx(expected[0].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
+def test_a_grammar_row_s_first_draw_inverts_its_whole_made_up_row(temperature: float) -> None:
+    """The unconstrained draw a grammar row checks first (`_made_up_draws`: a binary search on the fixed
+    logits' running sum, wrapped at the roll) is the inverse of the whole rolled row's distribution at
+    the row's uniform, computed over the whole row in float64 here; greedy takes its argmax."""
+    backend = sim()
+    made_up = (mix32(torch.arange(50)).float() * (SIM_LOGIT_SCALE / MASK32)).double().numpy()
+    for seed in range(30):
+        shift = sim_hash(seed, 4, 9) % 50
+        params = SamplingParams(temperature=temperature, seed=seed)
+        (token,) = backend._made_up_draws([params], [4], numpy.array([shift]))
+        row = numpy.roll(made_up, shift)
+        if temperature == 0.0:
+            assert token == int(row.argmax())
+            continue
+        running = numpy.cumsum(numpy.exp((row - row.max()) / temperature))
+        assert token == int(numpy.searchsorted(running, draws([params], [4])[0] * running[-1]))

@@ -4,12 +4,15 @@ device sampled; in async mode such a request is refused at admission, naming the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import numpy
 import pytest
 
+from app.backends import sampling
 from app.backends.base import GREEDY, SamplingParams
 from app.backends.logits import HostLogits
 from app.backends.neuron.nxdi import NxdiBackend
@@ -53,6 +56,56 @@ def test_host_rows_are_drawn_on_the_host_and_the_others_keep_the_devices_tokens(
     assert mixed[1] in ALLOWED and device_only[1] not in ALLOWED
     assert [mixed[0], mixed[2]] == [device_only[0], device_only[2]]
     assert nxdi_fresh._neuron.calls[-1]["sampling_params"].shape[0] == nxdi_fresh.spec.grid.num_slots
+
+
+class OneOf:
+    """A grammar matcher that allows a fixed set of tokens (`TokenMask`)."""
+
+    def __init__(self, tokens: tuple[int, ...], vocab: int) -> None:
+        self.tokens, self.vocab = tokens, vocab
+
+    def fill(self, masks: list[OneOf]) -> numpy.ndarray:
+        words = numpy.zeros((len(masks), (self.vocab + 31) // 32), numpy.uint32)
+        for row, mask in enumerate(masks):
+            for token in mask.tokens:
+                words[row, token // 32] |= numpy.uint32(1 << (token % 32))
+        return words.view(numpy.int32)
+
+    def accept(self, token_id: int) -> None:
+        pass
+
+    def allows(self, token_id: int) -> bool:
+        return token_id in self.tokens
+
+
+def test_a_grammar_row_keeps_the_device_s_token_where_its_grammar_allows_it(
+    nxdi_fresh: NxdiBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows only a grammar changes: row 1's grammar allows the device's token, which it keeps; row 2's
+    does not, so it alone is drawn on the host, among its allowed ids. No row is drawn on the host over
+    its whole row: the device's tokens are the draws the grammars check."""
+    device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
+    vocab, host_draws = nxdi_fresh.model.vocab_size, []
+    for name in ("_pick_allowed", "_pick_rows"):
+        monkeypatch.setattr(sampling, name, spy(getattr(sampling, name), name, host_draws))
+
+    def grammar_row(prompt: int, allowed: tuple[int, ...]) -> SamplingParams:
+        row = SamplingParams(grammar=object())  # type: ignore[arg-type]
+        return HostLogits.start(row, PROMPTS[prompt], (2,), OneOf(allowed, vocab))
+
+    mixed = decode_all(nxdi_fresh, [GREEDY, grammar_row(1, (device_only[1], 300)), grammar_row(2, ALLOWED)])
+    assert mixed[:2] == device_only[:2] and host_draws == [("_pick_allowed", 1)]
+    assert mixed[2] in ALLOWED and device_only[2] not in ALLOWED
+
+
+def spy(function: Callable[..., Any], name: str, calls: list[tuple[str, int]]) -> Callable[..., Any]:
+    """`function`, recording (name, rows) per call (its first argument: the rows' logits or params)."""
+
+    def recorded(first: Any, *args: Any) -> Any:
+        calls.append((name, len(first)))
+        return function(first, *args)
+
+    return recorded
 
 
 def test_a_seeded_min_p_row_is_drawn_on_the_host_the_same_whatever_its_batch(nxdi_fresh: NxdiBackend) -> None:
