@@ -60,7 +60,8 @@ import torch
 
 from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
 from app.backends.logits import Grammar, HostLogits
-from app.backends.sampling import sample_tokens
+from app.backends.neuron.nxdi import with_host_rows
+from app.backends.neuron.steps import device_tokens
 from app.backends.sim import SimBackend
 from app.shapes import ShapeGrid
 from app.structured.grammar import Constraint, GrammarCompiler, GrammarMatcher, Kind, compiler_for
@@ -97,10 +98,11 @@ class TimedMatcher:
     """A row's grammar matcher (`TokenMask`) whose llguidance calls add their wall time to `clock` (the
     timer's own cost, a fraction of a microsecond a call, falls on our side of the figures)."""
 
-    __slots__ = ("clock", "matcher")
+    __slots__ = ("_checked", "clock", "matcher")
 
     def __init__(self, matcher: GrammarMatcher, clock: Clock) -> None:
         self.matcher, self.clock = matcher, clock
+        self._checked: int | None = None  # the token last checked since the last accept
 
     def fill(self, masks: Sequence[TimedMatcher]) -> np.ndarray:
         inner = [mask.matcher for mask in masks]
@@ -113,13 +115,16 @@ class TimedMatcher:
         start = time.perf_counter()
         self.matcher.accept(token_id)
         self.clock.seconds += time.perf_counter() - start
+        self._checked = None
 
     def allows(self, token_id: int) -> bool:
         start = time.perf_counter()
         allowed = self.matcher.allows(token_id)
         self.clock.seconds += time.perf_counter() - start
-        self.clock.checked += 1
-        self.clock.kept += allowed
+        if token_id != self._checked:  # a backend's check, then the sampler's, of one draw: counted once
+            self.clock.checked += 1
+            self.clock.kept += allowed
+        self._checked = token_id
         return allowed
 
 
@@ -321,12 +326,13 @@ def torch_backend(model: Path, root: Path) -> Backend:
 
 def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
     """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
-    log-softmax of every row is computed whatever k, for the device rows' logprobs), tokens fed back as
-    the engine does."""
+    log-softmax of every row and the device's tokens are there whatever k; `with_host_rows` is what k
+    adds), tokens fed back as the engine does. The device's draws come from the same logits, made before
+    the timed steps."""
     logits = torch.randn(BATCH, rows.vocab_size)
-    all_logprobs = torch.log_softmax(logits, dim=-1)  # computed for every row whatever k
-    generator = torch.Generator().manual_seed(0)  # the device's own draws, made before the timed steps
-    device = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T.tolist()
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T
 
     def host_steps(
         params: list[SamplingParams], clock: Clock
@@ -336,17 +342,10 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
             return [0.0] * steps, [], []
         seconds, grammar, tokens = [], [], []
         for step in range(steps):
+            device = device_tokens(draws[step, :k], all_logprobs[:k], params[:k])
             before = clock.seconds
             start = time.perf_counter()
-            drawn = sample_tokens(
-                logits,
-                params[:k],
-                [len(PROMPT) + step] * k,
-                rows.vocab_size,
-                rows=range(k),
-                logprobs=all_logprobs,
-                proposed=device[step][:k],
-            )
+            drawn = with_host_rows(device, logits, all_logprobs, params[:k], [len(PROMPT) + step] * k)
             for p, token in zip(params, drawn, strict=False):
                 p.host.accept(token.token_id)  # type: ignore[union-attr]
             seconds.append(time.perf_counter() - start)

@@ -303,6 +303,18 @@ class Allowed:
             return row[bit_row][inside], tokens[inside]
         return row[bit_row], tokens
 
+    def select(self, rows: np.ndarray) -> Allowed:
+        """Some of its rows (none of them rescued)."""
+        return Allowed(self.words[rows], self.counts[rows], [])
+
+    def only_ids(self, rows: np.ndarray) -> np.ndarray:
+        """The id each of `rows` allows, each allowing exactly one: the set bit of its one nonzero word."""
+        words = self.words[rows]
+        found = np.flatnonzero(words != 0)  # one a row, in row order
+        word = found % words.shape[1]
+        bits = words.ravel()[found].tolist()
+        return word * 32 + np.array([bit.bit_length() - 1 for bit in bits], np.int64)
+
     def refused(self, rows: np.ndarray | list[int], vocab_size: int) -> np.ndarray:
         """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""
         bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
@@ -388,12 +400,15 @@ class Restricted:
     logits: np.ndarray
 
     @classmethod
-    def groups(cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather) -> list[Restricted]:
+    def groups(
+        cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather, allowed: Allowed | None = None
+    ) -> list[Restricted]:
         """The rows of `states` allowed a few ids, each padded to the widest of them, then the rows allowed
         much of the vocabulary (inside a JSON string, say) over their whole rows, where the passes over
         the vocabulary cost less than listing their ids. `gather(rows, tokens)`: fp32 raw logits of
-        batch row rows[i] at tokens[i, j] (a copy), where `tokens` [1, vocab] asks for whole rows."""
-        allowed = Allowed.of(states, vocab_size)
+        batch row rows[i] at tokens[i, j] (a copy), where `tokens` [1, vocab] asks for whole rows.
+        `allowed`: their masks, where already computed."""
+        allowed = Allowed.of(states, vocab_size) if allowed is None else allowed
         if allowed.counts.max() * WHOLE_ROW_SHARE <= vocab_size:
             return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
         whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
-from app.backends.logits import Gather, HostLogits, Restricted, apply_host_logits
+from app.backends.logits import Allowed, Gather, HostLogits, Restricted, apply_host_logits
 
 MASK32 = 0xFFFFFFFF
 HOST = torch.device("cpu")
@@ -207,7 +207,7 @@ def pick_tokens(
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
     merged[checked] = proposed = _proposals(checked, merged, propose)
-    refused = {i for i, token in zip(checked, proposed, strict=True) if not states[i].allows(token)}  # type: ignore[union-attr]
+    refused = {i for i, token in zip(checked, proposed, strict=True) if not keeps_draw(params[i], token)}
     again = [
         i
         for i, state in enumerate(states)
@@ -221,6 +221,14 @@ def pick_tokens(
         ).numpy()
     result = torch.from_numpy(merged)
     return result if tokens is None else result.to(tokens.device)
+
+
+def keeps_draw(params: SamplingParams, token: int) -> bool:
+    """Whether a row keeps `token`, drawn for it as if unconstrained (`pick_tokens`): its grammar is all
+    that changes it, and allows the token. A backend holding a device's draw checks this first and
+    skips sampling for the rows that keep theirs."""
+    state = params.host
+    return state is not None and state.checks_first and state.allows(token)
 
 
 def _free_rows(states: Sequence[HostLogits | None], checked_from_rows: bool) -> list[int]:
@@ -255,17 +263,30 @@ def _pick_allowed(
     vocab_size: int,
     gather: Gather,
 ) -> torch.Tensor:
+    """Each restricted row's token. A row allowed one id (a token its grammar forces, or a stop id it is
+    rescued to) takes it, whatever its logits: no draw can pick another."""
+    states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
+    allowed = Allowed.of(states, vocab_size)
     chosen = np.empty(len(params), np.int64)
-    for group in Restricted.groups([p.host for p in params], vocab_size, gather):  # type: ignore[misc]
-        members = [params[i] for i in group.rows]
-        at = [positions[i] for i in group.rows]
+    forced = allowed.counts == 1
+    if forced.all():
+        chosen[:] = allowed.only_ids(np.arange(len(params)))
+        return torch.from_numpy(chosen)
+    rest = np.flatnonzero(~forced)
+    if len(rest) < len(params):
+        chosen[forced] = allowed.only_ids(np.flatnonzero(forced))
+        allowed, states = allowed.select(rest), [states[i] for i in rest]
+    for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed):
+        rows = rest[group.rows]
+        members = [params[i] for i in rows]
+        at = [positions[i] for i in rows]
         if _filtered(members):  # the filters of `pick`
             tensors = SamplingTensors.build(members, at, len(members), vocab_size, HOST)
             logits = torch.from_numpy(group.logits)
             column = pick(logits, tensors, random=_random(members), filtered=_filtered(members)).numpy()
         else:
             column = _inverse_cdf(group.logits, members, at)
-        chosen[group.rows] = group.tokens[np.arange(len(members)), column]
+        chosen[rows] = group.tokens[np.arange(len(members)), column]
     return torch.from_numpy(chosen)
 
 

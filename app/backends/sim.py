@@ -71,7 +71,7 @@ from app.backends.base import (
     min_kv_blocks,
 )
 from app.backends.batches import check_decode, check_prefill
-from app.backends.sampling import MASK32, draws, mix32, pick_tokens, sample_tokens
+from app.backends.sampling import MASK32, draws, keeps_draw, mix32, pick_tokens, sample_tokens
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
@@ -402,15 +402,40 @@ class SimBackend(Backend):
         """`tokens` with the host-logits rows (None there) drawn, all in one batch (never fed back: their
         state needs the token before them)."""
         rows = [i for i, token in enumerate(tokens) if token is None]
+        hashes = {i: sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows}
+        for i, kept in self._kept_draws(rows, sampling, positions, hashes).items():
+            tokens[i] = kept
+        rows = [i for i in rows if tokens[i] is None]
         if rows:
             drawn = self._host_tokens(
-                [sampling[i] for i in rows],
-                [positions[i] for i in rows],
-                [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows],
+                [sampling[i] for i in rows], [positions[i] for i in rows], [hashes[i] for i in rows]
             )
             for i, token in zip(rows, drawn, strict=True):
                 tokens[i] = token
         return tokens  # type: ignore[return-value]
+
+    def _kept_draws(
+        self,
+        rows: list[int],
+        sampling: Sequence[SamplingParams],
+        positions: Sequence[int],
+        hashes: dict[int, int],
+    ) -> dict[int, SampledToken]:
+        """The rows among `rows` that keep their unconstrained made-up draw (`keeps_draw`), with it: as a
+        device's token a grammar allows, they cost one check."""
+        checked = [i for i in rows if sampling[i].host is not None and sampling[i].host.checks_first]  # type: ignore[union-attr]
+        if not checked:
+            return {}
+        vocab = self.model.vocab_size
+        shifts = np.array([hashes[i] % vocab for i in checked], np.int64)
+        draws_ = self._made_up_draws([sampling[i] for i in checked], [positions[i] for i in checked], shifts)
+        return {
+            i: SampledToken(
+                token, float(self._made_up_logits[(token - shift) % vocab]) - self._made_up_normaliser
+            )
+            for i, token, shift in zip(checked, draws_, shifts.tolist(), strict=True)
+            if keeps_draw(sampling[i], token)
+        }
 
     def _host_tokens(
         self, params: Sequence[SamplingParams], positions: Sequence[int], hashes: Sequence[int]

@@ -336,3 +336,27 @@ def test_a_device_s_token_is_the_proposal_where_one_is_given() -> None:
         propose=lambda rows: [proposals[i] for i in rows],
     ).tolist()
     assert tokens[0] == 11 and tokens[1] in ALLOWED and tokens[2] in ALLOWED
+
+
+def test_a_row_allowed_one_id_takes_it_beside_rows_drawn_among_several() -> None:
+    """Forced rows (a grammar allowing one id, with a penalty, and a dead grammar rescued to its stop id)
+    beside a row allowed several ids: each draws what its whole adjusted row draws."""
+    logits = torch.randn(3, VOCAB) * 4
+    forced = HostLogits.start(
+        SamplingParams(temperature=1.0, seed=1, repetition_penalty=1.5, grammar=object()),  # type: ignore[arg-type]
+        PROMPT,
+        (EOS,),
+        Allows((6,)),
+    )
+    dead = HostLogits.start(
+        SamplingParams(temperature=1.0, seed=2, grammar=object()), PROMPT, (EOS,), Allows(())
+    )  # type: ignore[arg-type]
+    several = HostLogits.start(
+        SamplingParams(temperature=0.8, seed=3, allowed_token_ids=(4, 8, 30)), PROMPT, (EOS,), None
+    )
+    for position in range(20):
+        params, positions = [forced, dead, several], [position] * 3
+        ours = [t.token_id for t in sample_tokens(logits, params, positions, VOCAB)]
+        tensors = SamplingTensors.build(params, positions, 3, VOCAB, torch.device("cpu"))
+        assert ours == pick(apply_host_logits(logits, params), tensors, random=True, filtered=False).tolist()
+        assert ours[:2] == [6, EOS] and ours[2] in (4, 8, 30)

@@ -64,7 +64,7 @@ from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.block_kv import BlockKvInputs, BlockLayout
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, decode_rows, device_tokens, global_topk, sampling_row
-from app.backends.sampling import sample_tokens
+from app.backends.sampling import keeps_draw, sample_tokens
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
 from app.shapes import BucketRule
 
@@ -508,20 +508,33 @@ class NxdiBackend(NeuronBackend):
         logits = output.logits[rows, -1, : self.model.vocab_size].float()
         all_logprobs = torch.log_softmax(logits, dim=-1)
         tokens = device_tokens(output.tokens[rows], all_logprobs, params)
-        host = [i for i, p in enumerate(params) if _on_host(p)]
-        if host:  # drawn from the rows in place, their logprobs already computed: no copy of a row
-            drawn = sample_tokens(
-                logits,
-                [params[i] for i in host],
-                [positions[i] for i in host],
-                self.model.vocab_size,
-                rows=host,
-                logprobs=all_logprobs,
-                proposed=[tokens[i].token_id for i in host],
-            )
-            for i, token in zip(host, drawn, strict=True):
-                tokens[i] = token
-        return tokens
+        return with_host_rows(tokens, logits, all_logprobs, params, positions)
+
+
+def with_host_rows(
+    tokens: list[SampledToken],
+    logits: torch.Tensor,
+    all_logprobs: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+) -> list[SampledToken]:
+    """The device's `tokens` with each host row's drawn here from its fp32 `logits` row (its logprobs
+    `all_logprobs`), in place: no copy of a row. A row that keeps the device's draw (`keeps_draw`: its
+    grammar, all that changes it, allows the token) costs one check."""
+    host = [i for i, p in enumerate(params) if _on_host(p) and not keeps_draw(p, tokens[i].token_id)]
+    if host:
+        drawn = sample_tokens(
+            logits,
+            [params[i] for i in host],
+            [positions[i] for i in host],
+            logits.shape[-1],
+            rows=host,
+            logprobs=all_logprobs,
+            proposed=[tokens[i].token_id for i in host],
+        )
+        for i, token in zip(host, drawn, strict=True):
+            tokens[i] = token
+    return tokens
 
 
 def _on_host(params: SamplingParams) -> bool:
