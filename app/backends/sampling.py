@@ -195,14 +195,14 @@ def pick_tokens(
     under the masked row either way, so an exact proposal gives exactly the masked row's distribution,
     at the cost of one check of one token where it is allowed (inside a JSON string, most steps)."""
     states = [p.host for p in params]
+    if not any(state is not None and state.restricts for state in states):
+        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
     checked = [i for i, state in enumerate(states) if state is not None and state.checks_first]
     drawn = _free_rows(states, propose is None)
     tokens: torch.Tensor | None = None
     if drawn:
         raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
         tokens = _pick_rows(rows(drawn), raw, [positions[i] for i in drawn], vocab_size)
-        if len(drawn) == len(params) and not checked:
-            return tokens
     merged = np.empty(len(params), np.int64)
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
