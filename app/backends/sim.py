@@ -422,8 +422,9 @@ class SimBackend(Backend):
         hashes: dict[int, int],
     ) -> dict[int, SampledToken]:
         """The rows among `rows` that keep their unconstrained made-up draw (`keeps_draw`), with it: as a
-        device's token a grammar allows, they cost one check."""
-        checked = [i for i in rows if sampling[i].host is not None and sampling[i].host.checks_first]  # type: ignore[union-attr]
+        device's token a grammar allows, they cost one check. Rows asking for top logprobs are left to
+        `_host_tokens`, which reads their whole rows."""
+        checked = [i for i in rows if _checks_first(sampling[i]) and not sampling[i].num_top_logprobs]
         if not checked:
             return {}
         vocab = self.model.vocab_size
@@ -544,6 +545,10 @@ class SimBackend(Backend):
                 position == self._kv_len[slot] or not self._check_positions,
                 f"slot {slot} holds {self._kv_len[slot]} tokens but decode writes position {position}",
             )
+
+
+def _checks_first(params: SamplingParams) -> bool:
+    return params.host is not None and params.host.checks_first
 
 
 def _require(condition: bool, message: str) -> None:

@@ -223,3 +223,23 @@ def test_a_grammar_row_s_first_draw_inverts_its_whole_made_up_row(temperature: f
             continue
         running = numpy.cumsum(numpy.exp((row - row.max()) / temperature))
         assert token == int(numpy.searchsorted(running, draws([params], [4])[0] * running[-1]))
+
+
+def test_a_grammar_row_asking_for_top_logprobs_gets_them() -> None:
+    """A row whose grammar allows its first draw still reports its top alternatives."""
+
+    class Anything:
+        def fill(self, masks: list) -> numpy.ndarray:
+            return numpy.full((len(masks), 2), -1, numpy.int32)
+
+        def accept(self, token_id: int) -> None:
+            pass
+
+        def allows(self, token_id: int) -> bool:
+            return True
+
+    backend, prompt = sim(), (1, 7, 9)
+    row = SamplingParams(temperature=1.0, seed=3, num_top_logprobs=2, grammar=object())  # type: ignore[arg-type]
+    params = HostLogits.start(row, prompt, (2,), Anything())
+    (token,) = backend.prefill(PrefillBatch((0,), (prompt,), (params,), 8))
+    assert len(token.top_logprobs) == 2
