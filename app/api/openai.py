@@ -53,10 +53,15 @@ from app.api.streaming import Renderer
 from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
-from app.structured.tools import ToolCallParser, parse_tool_calls
+from app.structured.tools import ToolCallParser, parse_tool_calls, truncated_call
 
 # Stands for a chunk's text while its halves are rendered: private use, so never escaped, and in no id.
 TEXT_MARK = "\ue000inf2serve-text\ue000"
+
+
+def calls_reason(reason: FinishReason | None) -> str:
+    """A choice's finish reason where it is tool calls: "length" where the limit cut the last one."""
+    return "length" if reason is FinishReason.LENGTH else "tool_calls"
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -226,7 +231,8 @@ class ChatRenderer(OpenAIRenderer):
         self.started: set[int] = set()
         self.offers_tools = tools_offered(body)
         # A forced call is generated in the JSON form whatever the parser of free text.
-        self.parser = ToolCallParser.LLAMA3_JSON if forces_call(body) else serving.tool_call_parser
+        self.forced = forces_call(body)
+        self.parser = ToolCallParser.LLAMA3_JSON if self.forced else serving.tool_call_parser
         self.first_call_only = body.parallel_tool_calls is False
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
 
@@ -238,9 +244,13 @@ class ChatRenderer(OpenAIRenderer):
             return b""
         return super().delta(index, out)
 
-    def tool_calls(self, text: str) -> list[ToolCallInfo] | None:
-        """The calls `text` holds in OpenAI's terms, or None (plain content)."""
+    def tool_calls(self, text: str, reason: FinishReason | None) -> list[ToolCallInfo] | None:
+        """The calls `text` holds in OpenAI's terms, or None (plain content). A forced call cut off by the
+        token limit is the call as far as it got (its name complete), as OpenAI returns it."""
         calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
+        if calls is None and self.forced and reason is FinishReason.LENGTH:
+            cut = truncated_call(text)
+            calls = None if cut is None else [cut]
         if calls is None:
             return None
         kept = calls[:1] if self.first_call_only else calls
@@ -274,24 +284,28 @@ class ChatRenderer(OpenAIRenderer):
         self.started.add(index)
         texts, samples = self.held.pop(index, ([], []))
         text, samples = "".join(texts) + out.text, [*samples, *out.samples]
-        calls = self.tool_calls(text) if out.finished else None
+        calls = self.tool_calls(text, out.finish_reason) if out.finished else None
         if calls is None:
             delta, reason = ChatDelta(role=role, content=text), finish_reason(out.finish_reason)
         else:
             deltas = [ToolCallDelta(index=i, **call.model_dump()) for i, call in enumerate(calls)]
-            delta, reason = ChatDelta(role=role, tool_calls=deltas), "tool_calls"
+            delta, reason = ChatDelta(role=role, tool_calls=deltas), calls_reason(out.finish_reason)
         return ChatChunkChoice(
             index=index, delta=delta, logprobs=self.logprobs(samples), finish_reason=reason
         )
 
     def choice(self, index: int, output: ChoiceOutput) -> ChatChoice:
-        calls = self.tool_calls(output.text)
+        calls = self.tool_calls(output.text, output.finish_reason)
         message = (
             AssistantMessage(content=output.text)
             if calls is None
             else AssistantMessage(content=None, tool_calls=calls)
         )
-        reason = "tool_calls" if calls is not None else finish_reason(output.finish_reason) or "stop"
+        reason = (
+            calls_reason(output.finish_reason)
+            if calls is not None
+            else finish_reason(output.finish_reason) or "stop"
+        )
         return ChatChoice(
             index=index, message=message, logprobs=self.logprobs(output.samples), finish_reason=reason
         )

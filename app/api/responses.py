@@ -94,18 +94,17 @@ class ResponsesRenderer:
 
     def output(self, job: Job) -> tuple[str, list[OutputItem]]:
         """The status and the output items of a finished job."""
-        text = job.choices[0].text
-        calls = self.chat.tool_calls(text)
+        text, status = job.choices[0].text, self.status(job)
+        calls = self.chat.tool_calls(text, job.choices[0].finish_reason)
         if calls is None:
-            status = self.status(job)
             return status, [self.message(status, text)]
-        return "completed", [
+        return status, [  # "incomplete": the token limit cut the last call
             OutputFunctionCall(
                 id=f"fc_{call.id.removeprefix('call_')}",
                 call_id=call.id,
                 name=call.function.name,
                 arguments=call.function.arguments,
-                status="completed",
+                status=status,
             )
             for call in calls
         ]

@@ -29,6 +29,9 @@ from app.structured.grammar import Constraint, Kind, closed
 
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
+CUT_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(?P<arguments>.*)', re.S
+)
 
 
 class ToolCallParser(StrEnum):
@@ -66,6 +69,16 @@ def forced_call_constraint(functions: Sequence[Function], param: str) -> Constra
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return Constraint(Kind.JSON_SCHEMA, schema, param)
+
+
+def truncated_call(text: str) -> ToolCall | None:
+    """A forced call cut off by the token limit (its JSON form, `{"name": ..., "parameters": ...`, in that
+    order by its grammar): its name and its arguments as far as they got, as OpenAI returns a cut call;
+    None while even the name is incomplete."""
+    found = CUT_CALL.match(text.strip())
+    if found is None:
+        return None
+    return ToolCall(json.loads(found["name"]), found["arguments"])
 
 
 def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[ToolCall] | None:

@@ -207,3 +207,24 @@ def test_objects_that_leave_extra_properties_open_are_closed(client) -> None:
     )  # fmt: skip
     for choice in completion.choices:
         assert choice.finish_reason == "stop" and list(json.loads(choice.message.content)) == ["d"]
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_a_partial_call(client) -> None:
+    """As OpenAI returns it: the call, its arguments as far as they got, and finish_reason "length" (not
+    the call's JSON as text), streamed and not; in the Responses API an incomplete function call."""
+    fields = {"model": "stories260K", "messages": WEATHER, "tools": [DAYS_TOOL], "max_tokens": 24, "seed": 4}
+    completion = client.chat.completions.create(**fields, tool_choice="required")
+    choice = completion.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert call.function.name == "f" and call.function.arguments.startswith("{")
+    stream = client.chat.completions.create(**fields, tool_choice="required", stream=True)
+    chunks = [chunk.choices[0] for chunk in stream]
+    (delta,) = [call for chunk in chunks for call in chunk.delta.tool_calls or ()]
+    assert delta.function.name == "f" and chunks[-1].finish_reason == "length"
+    response = client.responses.create(
+        model="stories260K", input="What is the weather?", max_output_tokens=24, tool_choice="required",
+        tools=[{"type": "function", "name": "f", "parameters": DAYS}],
+    )  # fmt: skip
+    (item,) = response.output
+    assert response.status == "incomplete" and item.type == "function_call" and item.name == "f"

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from app.structured.tools import Function, ToolCall, ToolCallParser, forced_call_constraint, parse_tool_calls
+from app.structured.tools import (
+    Function,
+    ToolCall,
+    ToolCallParser,
+    forced_call_constraint,
+    parse_tool_calls,
+    truncated_call,
+)
 
 
 @pytest.mark.parametrize(
@@ -59,3 +66,11 @@ def test_a_forced_call_closes_the_functions_objects() -> None:
     )
     assert "anyOf" in forced_call_constraint([Function("f", params), Function("g", {})], "tool_choice").value
     json.dumps(schema)
+
+
+def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
+    assert truncated_call('{"name":"get_weather","parameters":{"city":"Par') == ToolCall(
+        "get_weather", '{"city":"Par'
+    )
+    assert truncated_call('{"name": "a\\"b", "parameters": ') == ToolCall('a"b', "")
+    assert truncated_call('{"name":"get_wea') is None
