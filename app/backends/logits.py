@@ -307,6 +307,12 @@ class Allowed:
         """Some of its rows (none of them rescued)."""
         return Allowed(self.words[rows], self.counts[rows], [])
 
+    def forced(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, ids): the rows allowed exactly one id (a token a grammar forces, or the stop id a dead
+        one is rescued to), and that id, which any draw takes."""
+        rows = np.flatnonzero(self.counts == 1)
+        return rows, self.only_ids(rows)
+
     def only_ids(self, rows: np.ndarray) -> np.ndarray:
         """The id each of `rows` allows, each allowing exactly one: the set bit of its one nonzero word."""
         words = self.words[rows]

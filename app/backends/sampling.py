@@ -223,6 +223,14 @@ def pick_tokens(
     return result if tokens is None else result.to(tokens.device)
 
 
+def forced_ids(params: Sequence[SamplingParams], vocab_size: int) -> dict[int, int]:
+    """The rows among `params` (each restricted) allowed exactly one id next, with that id: their token
+    without a draw (`Allowed.forced`), their masks in one call. For a backend holding a device's draw,
+    whose refused rows are mostly tokens a grammar forces: it skips the sampler for them."""
+    rows, ids = Allowed.of([p.host for p in params], vocab_size).forced()  # type: ignore[misc]
+    return dict(zip(rows.tolist(), ids.tolist(), strict=True))
+
+
 def keeps_draw(params: SamplingParams, token: int) -> bool:
     """Whether a row keeps `token`, drawn for it as if unconstrained (`pick_tokens`): its grammar is all
     that changes it, and allows the token. A backend holding a device's draw checks this first and
@@ -268,13 +276,12 @@ def _pick_allowed(
     states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
     allowed = Allowed.of(states, vocab_size)
     chosen = np.empty(len(params), np.int64)
-    forced = allowed.counts == 1
-    if forced.all():
-        chosen[:] = allowed.only_ids(np.arange(len(params)))
+    forced, ids = allowed.forced()
+    chosen[forced] = ids
+    if len(forced) == len(params):
         return torch.from_numpy(chosen)
-    rest = np.flatnonzero(~forced)
-    if len(rest) < len(params):
-        chosen[forced] = allowed.only_ids(np.flatnonzero(forced))
+    rest = np.setdiff1d(np.arange(len(params)), forced, assume_unique=True)
+    if len(forced):
         allowed, states = allowed.select(rest), [states[i] for i in rest]
     for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed):
         rows = rest[group.rows]

@@ -71,7 +71,7 @@ from app.backends.base import (
     min_kv_blocks,
 )
 from app.backends.batches import check_decode, check_prefill
-from app.backends.sampling import MASK32, draws, keeps_draw, mix32, pick_tokens, sample_tokens
+from app.backends.sampling import MASK32, draws, forced_ids, keeps_draw, mix32, pick_tokens, sample_tokens
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
@@ -405,6 +405,14 @@ class SimBackend(Backend):
         hashes = {i: sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows}
         for i, kept in self._kept_draws(rows, sampling, positions, hashes).items():
             tokens[i] = kept
+        refused = [
+            i
+            for i in rows
+            if tokens[i] is None and _checks_first(sampling[i]) and not sampling[i].num_top_logprobs
+        ]
+        if refused:  # mostly tokens a grammar forces: taken without the sampler, as a device's host would
+            for j, token in forced_ids([sampling[i] for i in refused], self.model.vocab_size).items():
+                tokens[refused[j]] = self._made_up_token(token, hashes[refused[j]])
         rows = [i for i in rows if tokens[i] is None]
         if rows:
             drawn = self._host_tokens(
@@ -427,16 +435,19 @@ class SimBackend(Backend):
         checked = [i for i in rows if _checks_first(sampling[i]) and not sampling[i].num_top_logprobs]
         if not checked:
             return {}
-        vocab = self.model.vocab_size
-        shifts = np.array([hashes[i] % vocab for i in checked], np.int64)
+        shifts = np.array([hashes[i] % self.model.vocab_size for i in checked], np.int64)
         draws_ = self._made_up_draws([sampling[i] for i in checked], [positions[i] for i in checked], shifts)
         return {
-            i: SampledToken(
-                token, float(self._made_up_logits[(token - shift) % vocab]) - self._made_up_normaliser
-            )
-            for i, token, shift in zip(checked, draws_, shifts.tolist(), strict=True)
+            i: self._made_up_token(token, hashes[i])
+            for i, token in zip(checked, draws_, strict=True)
             if keeps_draw(sampling[i], token)
         }
+
+    def _made_up_token(self, token: int, row_hash: int) -> SampledToken:
+        """`token` with its logprob under the made-up row of `row_hash` (a roll keeps the normaliser)."""
+        vocab = self.model.vocab_size
+        logit = float(self._made_up_logits[(token - row_hash % vocab) % vocab])
+        return SampledToken(token, logit - self._made_up_normaliser)
 
     def _host_tokens(
         self, params: Sequence[SamplingParams], positions: Sequence[int], hashes: Sequence[int]

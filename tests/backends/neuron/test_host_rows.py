@@ -98,6 +98,23 @@ def test_a_grammar_row_keeps_the_device_s_token_where_its_grammar_allows_it(
     assert mixed[2] in ALLOWED and device_only[2] not in ALLOWED
 
 
+def test_a_grammar_row_refused_a_forced_token_takes_it_without_the_sampler(
+    nxdi_fresh: NxdiBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row 1's grammar allows one id, not the device's: it takes that id, with its logprob, and nothing
+    is drawn on the host."""
+    device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
+    host_draws: list[tuple[str, int]] = []
+    monkeypatch.setattr(sampling, "_pick_allowed", spy(sampling._pick_allowed, "_pick_allowed", host_draws))
+    row = SamplingParams(grammar=object())  # type: ignore[arg-type]
+    forced = HostLogits.start(row, PROMPTS[1], (2,), OneOf((300,), nxdi_fresh.model.vocab_size))
+    first = [prefill(nxdi_fresh, slot, prompt) for slot, prompt in enumerate(PROMPTS)]
+    batch = decode_batch([0, 1, 2], first, [len(p) for p in PROMPTS], [GREEDY, forced, GREEDY])
+    tokens = nxdi_fresh.decode(batch)
+    assert [t.token_id for t in tokens] == [device_only[0], 300, device_only[2]] and device_only[1] != 300
+    assert tokens[1].logprob < 0 and host_draws == []
+
+
 def spy(function: Callable[..., Any], name: str, calls: list[tuple[str, int]]) -> Callable[..., Any]:
     """`function`, recording (name, rows) per call (its first argument: the rows' logits or params)."""
 
