@@ -207,7 +207,7 @@ def pick_tokens(
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
     merged[checked] = proposed = _proposals(checked, merged, propose)
-    refused = {i for i, token in zip(checked, proposed, strict=True) if not keeps_draw(params[i], token)}
+    refused = {i for i, token in zip(checked, proposed, strict=True) if not _keeps_draw(params[i], token)}
     again = [
         i
         for i, state in enumerate(states)
@@ -223,18 +223,37 @@ def pick_tokens(
     return result if tokens is None else result.to(tokens.device)
 
 
-def forced_ids(params: Sequence[SamplingParams], vocab_size: int) -> dict[int, int]:
-    """The rows among `params` (each restricted) allowed exactly one id next, with that id: their token
-    without a draw (`Allowed.forced`), their masks in one call. For a backend holding a device's draw,
-    whose refused rows are mostly tokens a grammar forces: it skips the sampler for them."""
-    rows, ids = Allowed.of([p.host for p in params], vocab_size).forced()  # type: ignore[misc]
-    return dict(zip(rows.tolist(), ids.tolist(), strict=True))
+def checks_first(params: SamplingParams) -> bool:
+    """Whether a row is drawn as if unconstrained first (`pick_tokens`; `HostLogits.checks_first`)."""
+    return params.host is not None and params.host.checks_first
 
 
-def keeps_draw(params: SamplingParams, token: int) -> bool:
-    """Whether a row keeps `token`, drawn for it as if unconstrained (`pick_tokens`): its grammar is all
-    that changes it, and allows the token. A backend holding a device's draw checks this first and
-    skips sampling for the rows that keep theirs."""
+def without_sampler(
+    params: Sequence[SamplingParams], proposed: Sequence[int | None], vocab_size: int
+) -> dict[int, int]:
+    """For a backend holding a device's draws (`proposed[i]`, None: none for that row): the rows whose
+    token needs no sampler, with that token, as `pick_tokens` would draw it. A row that checks first
+    keeps its proposal where its grammar allows it; refused, it takes the one id its grammar allows where
+    there is only one (`Allowed.forced`: a token the grammar forces, the usual refusal), its masks in one
+    call. Rows asking for top logprobs are left to the sampler, which reads their whole rows."""
+    settled: dict[int, int] = {}
+    refused: list[int] = []
+    for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
+        if token is None or not checks_first(row) or row.num_top_logprobs:
+            continue
+        if _keeps_draw(row, token):
+            settled[i] = token
+        else:
+            refused.append(i)
+    if refused:
+        rows, ids = Allowed.of([params[i].host for i in refused], vocab_size).forced()  # type: ignore[misc]
+        settled |= {refused[j]: token for j, token in zip(rows.tolist(), ids.tolist(), strict=True)}
+    return settled
+
+
+def _keeps_draw(params: SamplingParams, token: int) -> bool:
+    """Whether a row keeps `token`, drawn for it as if unconstrained: its grammar is all that changes it,
+    and allows the token."""
     state = params.host
     return state is not None and state.checks_first and state.allows(token)
 

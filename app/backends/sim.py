@@ -71,7 +71,15 @@ from app.backends.base import (
     min_kv_blocks,
 )
 from app.backends.batches import check_decode, check_prefill
-from app.backends.sampling import MASK32, draws, forced_ids, keeps_draw, mix32, pick_tokens, sample_tokens
+from app.backends.sampling import (
+    MASK32,
+    checks_first,
+    draws,
+    mix32,
+    pick_tokens,
+    sample_tokens,
+    without_sampler,
+)
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
 from app.process_settings import ProcessSettings
@@ -402,46 +410,37 @@ class SimBackend(Backend):
         """`tokens` with the host-logits rows (None there) drawn, all in one batch (never fed back: their
         state needs the token before them)."""
         rows = [i for i, token in enumerate(tokens) if token is None]
-        hashes = {i: sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows}
-        for i, kept in self._kept_draws(rows, sampling, positions, hashes).items():
-            tokens[i] = kept
-        refused = [
-            i
-            for i in rows
-            if tokens[i] is None and _checks_first(sampling[i]) and not sampling[i].num_top_logprobs
-        ]
-        if refused:  # mostly tokens a grammar forces: taken without the sampler, as a device's host would
-            for j, token in forced_ids([sampling[i] for i in refused], self.model.vocab_size).items():
-                tokens[refused[j]] = self._made_up_token(token, hashes[refused[j]])
-        rows = [i for i in rows if tokens[i] is None]
-        if rows:
+        hashes = [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows]
+        params = [sampling[i] for i in rows]
+        settled = without_sampler(
+            params, self._first_draws(params, [positions[i] for i in rows], hashes), self.model.vocab_size
+        )
+        for j, token in settled.items():
+            tokens[rows[j]] = self._made_up_token(token, hashes[j])
+        left = [j for j in range(len(rows)) if j not in settled]
+        if left:
             drawn = self._host_tokens(
-                [sampling[i] for i in rows], [positions[i] for i in rows], [hashes[i] for i in rows]
+                [params[j] for j in left], [positions[rows[j]] for j in left], [hashes[j] for j in left]
             )
-            for i, token in zip(rows, drawn, strict=True):
-                tokens[i] = token
+            for j, token in zip(left, drawn, strict=True):
+                tokens[rows[j]] = token
         return tokens  # type: ignore[return-value]
 
-    def _kept_draws(
-        self,
-        rows: list[int],
-        sampling: Sequence[SamplingParams],
-        positions: Sequence[int],
-        hashes: dict[int, int],
-    ) -> dict[int, SampledToken]:
-        """The rows among `rows` that keep their unconstrained made-up draw (`keeps_draw`), with it: as a
-        device's token a grammar allows, they cost one check. Rows asking for top logprobs are left to
-        `_host_tokens`, which reads their whole rows."""
-        checked = [i for i in rows if _checks_first(sampling[i]) and not sampling[i].num_top_logprobs]
-        if not checked:
-            return {}
-        shifts = np.array([hashes[i] % self.model.vocab_size for i in checked], np.int64)
-        draws_ = self._made_up_draws([sampling[i] for i in checked], [positions[i] for i in checked], shifts)
-        return {
-            i: self._made_up_token(token, hashes[i])
-            for i, token in zip(checked, draws_, strict=True)
-            if keeps_draw(sampling[i], token)
-        }
+    def _first_draws(
+        self, params: Sequence[SamplingParams], positions: Sequence[int], hashes: Sequence[int]
+    ) -> list[int | None]:
+        """The made-up draw of each row that checks its grammar first, as a device's would be (None for
+        the others): a binary search each, not a pass over the vocabulary."""
+        checked = [j for j, p in enumerate(params) if checks_first(p)]
+        proposed: list[int | None] = [None] * len(params)
+        if checked:
+            shifts = np.array([hashes[j] % self.model.vocab_size for j in checked], np.int64)
+            draws_ = self._made_up_draws(
+                [params[j] for j in checked], [positions[j] for j in checked], shifts
+            )
+            for j, token in zip(checked, draws_, strict=True):
+                proposed[j] = token
+        return proposed
 
     def _made_up_token(self, token: int, row_hash: int) -> SampledToken:
         """`token` with its logprob under the made-up row of `row_hash` (a roll keeps the normaliser)."""
@@ -556,10 +555,6 @@ class SimBackend(Backend):
                 position == self._kv_len[slot] or not self._check_positions,
                 f"slot {slot} holds {self._kv_len[slot]} tokens but decode writes position {position}",
             )
-
-
-def _checks_first(params: SamplingParams) -> bool:
-    return params.host is not None and params.host.checks_first
 
 
 def _require(condition: bool, message: str) -> None:

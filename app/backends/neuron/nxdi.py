@@ -64,7 +64,7 @@ from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.block_kv import BlockKvInputs, BlockLayout
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, decode_rows, device_tokens, global_topk, sampling_row
-from app.backends.sampling import forced_ids, keeps_draw, sample_tokens
+from app.backends.sampling import sample_tokens, without_sampler
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
 from app.shapes import BucketRule
 
@@ -519,15 +519,14 @@ def with_host_rows(
     positions: Sequence[int],
 ) -> list[SampledToken]:
     """The device's `tokens` with each host row's drawn here from its fp32 `logits` row (its logprobs
-    `all_logprobs`), in place: no copy of a row. A row that keeps the device's draw (`keeps_draw`: its
-    grammar, all that changes it, allows the token) costs one check; one its grammar refuses that may
-    take one id only (`forced_ids`) takes it without the sampler."""
-    host = [i for i, p in enumerate(params) if _on_host(p) and not keeps_draw(p, tokens[i].token_id)]
-    refused = [i for i in host if _checks_first(params[i]) and not params[i].num_top_logprobs]
-    if refused:
-        for j, token in forced_ids([params[i] for i in refused], logits.shape[-1]).items():
-            tokens[refused[j]] = SampledToken(token, float(all_logprobs[refused[j], token]))
-            host.remove(refused[j])
+    `all_logprobs`), in place: no copy of a row. A row only its grammar changes keeps the device's draw
+    where the grammar allows it, or takes the one id it allows, without the sampler (`without_sampler`)."""
+    host = [i for i, p in enumerate(params) if _on_host(p)]
+    settled = without_sampler([params[i] for i in host], [tokens[i].token_id for i in host], logits.shape[-1])
+    for j, token in settled.items():
+        if token != tokens[host[j]].token_id:
+            tokens[host[j]] = SampledToken(token, float(all_logprobs[host[j], token]))
+    host = [i for j, i in enumerate(host) if j not in settled]
     if host:
         drawn = sample_tokens(
             logits,
@@ -541,10 +540,6 @@ def with_host_rows(
         for i, token in zip(host, drawn, strict=True):
             tokens[i] = token
     return tokens
-
-
-def _checks_first(params: SamplingParams) -> bool:
-    return params.host is not None and params.host.checks_first
 
 
 def _on_host(params: SamplingParams) -> bool:
