@@ -10,10 +10,11 @@ after a preemption (prompt + tokens so far) gets the same adjustments as if it h
 without it cost nothing here: the batch's logits pass through untouched.
 
 A step's work is batched over its rows, so a row costs its own data, not a pass of Python: every grammar
-row's mask is computed in one call of the grammar engine (`TokenMask.fill`), every row's adjustments
-are gathered into flat (row, token) lists and applied with one tensor op each, and a row whose tokens
-are restricted (a grammar or `allowed_token_ids`) is sampled among its allowed ids only (`Restricted`),
-or over its whole row, masked, where it allows much of the vocabulary.
+row's mask is computed in one call of the grammar engine (`TokenMask.fill`), once a step however often
+a backend and the sampler look at the row (`Allowed`: the state keeps its row until its next token),
+every row's adjustments are gathered into flat (row, token) lists and applied with one tensor op each,
+and a row whose tokens are restricted (a grammar or `allowed_token_ids`) is sampled among its allowed
+ids only (`Restricted`), or over its whole row, masked, where it allows much of the vocabulary.
 
 Adjustments, in order (each as transformers' logits processor of the same name, or OpenAI's formula):
 repetition penalty over the prompt and the output (`RepetitionPenaltyLogitsProcessor`), frequency and
@@ -69,6 +70,7 @@ class HostLogits:
     """One request's host-side state: which tokens it has seen and generated, and its grammar matcher."""
 
     __slots__ = (
+        "_allowed",
         "_banned_tokens",
         "_bias_tokens",
         "_bias_values",
@@ -94,6 +96,7 @@ class HostLogits:
         # Sparse (token ids, not vocabulary-wide rows): a step costs the tokens seen, not the vocabulary.
         self._seen = set(prompt)  # the prompt's and the output's tokens
         self._counts: dict[int, int] = {}  # output token -> times generated
+        self._allowed: AllowedRow | None = None  # what its state allows next (`Allowed.of`), until accept
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
         self._tail = list(prompt[len(prompt) - self._keep :]) if self._keep else []
@@ -144,6 +147,7 @@ class HostLogits:
     def accept(self, token_id: int) -> None:
         """A token of this request was applied."""
         self.num_output += 1
+        self._allowed = None
         self._seen.add(token_id)
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if self._keep:
@@ -262,30 +266,69 @@ def _sparse_columns(keys: np.ndarray, starts: np.ndarray, vocab_size: int) -> _C
 
 
 @dataclass(frozen=True, slots=True)
+class AllowedRow:
+    """One state's row of an `Allowed`, kept until its next token (a row sampled again in the same step,
+    after a backend's first look, costs no second mask)."""
+
+    words: np.ndarray  # uint32 [words], a view of the `Allowed` it came from (never written)
+    nonzero: int  # its words with a bit set
+    rescued: bool
+
+
 class Allowed:
     """The tokens restricted rows may draw next, as one bitmask: bit k of 32-bit word w of row i is set
-    where states[i] allows token 32 w + k (its grammar's mask and its `allowed_token_ids`). `counts`: how
-    many each row allows; `rescued`: the rows allowed nothing, given their first stop id instead."""
+    where states[i] allows token 32 w + k (its grammar's mask and its `allowed_token_ids`). `rescued`:
+    the rows allowed nothing, given their first stop id instead. What a row allows is counted only when
+    asked (`counts`): a row its grammar forces one token (the usual refusal of a device's draw) needs
+    only that token (`forced`)."""
 
-    words: np.ndarray  # uint32 [rows, words]
-    counts: np.ndarray  # int64 [rows]
-    rescued: list[int]
+    __slots__ = ("_counts", "_nonzero", "rescued", "words")
+
+    def __init__(self, words: np.ndarray, nonzero: list[int], rescued: list[int]) -> None:
+        self.words = words  # uint32 [rows, words]
+        self._nonzero = nonzero  # per row, its words with a bit set
+        self.rescued = rescued
+        self._counts: np.ndarray | None = None
 
     @classmethod
     def of(cls, states: Sequence[HostLogits], vocab_size: int) -> Allowed:
-        """For `states` (each restricted), row i being states[i]: every grammar's mask in one call."""
+        """For `states` (each restricted), row i being states[i]: every grammar's mask in one call, or the
+        rows each state kept from an earlier call in its current state."""
+        kept = [state._allowed for state in states]
+        if all(row is not None for row in kept):
+            rows: list[AllowedRow] = kept  # type: ignore[assignment]
+            return cls(
+                np.stack([row.words for row in rows]),
+                [row.nonzero for row in rows],
+                [i for i, row in enumerate(rows) if row.rescued],
+            )
+        allowed = cls._computed(states, vocab_size)
+        rescued = set(allowed.rescued)
+        for i, (state, nonzero) in enumerate(zip(states, allowed._nonzero, strict=True)):
+            state._allowed = AllowedRow(allowed.words[i], nonzero, i in rescued)
+        return allowed
+
+    @classmethod
+    def _computed(cls, states: Sequence[HostLogits], vocab_size: int) -> Allowed:
         words = _grammar_words(states, (vocab_size + 31) // 32)
         for i, state in enumerate(states):
             if state._only is not None:
                 only = _bits(state._only[state._only < vocab_size], words.shape[1])
                 words[i] = only if state.mask is None else words[i] & only
-        counts = _ones(words)
-        empty = [] if counts.all() else np.flatnonzero(counts == 0).tolist()
-        rescued = [i for i in empty if states[i].stop_ids]
+        # one count per row: numpy's count along an axis costs several times its count of a whole array
+        nonzero = [int(np.count_nonzero(row)) for row in words]
+        rescued = [i for i, n in enumerate(nonzero) if not n and states[i].stop_ids]
         for i in rescued:
             words[i] = _bits(np.array(states[i].stop_ids[:1], np.int64), words.shape[1])
-            counts[i] = 1
-        return cls(words, counts, rescued)
+            nonzero[i] = 1
+        return cls(words, nonzero, rescued)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """int64 [rows]: how many ids each row allows."""
+        if self._counts is None:
+            self._counts = _ones(self.words)
+        return self._counts
 
     def ids(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(j, token) for each token row rows[j] allows, ascending. Only the words with a bit set are
@@ -305,21 +348,20 @@ class Allowed:
 
     def select(self, rows: np.ndarray) -> Allowed:
         """Some of its rows (none of them rescued)."""
-        return Allowed(self.words[rows], self.counts[rows], [])
+        return Allowed(self.words[rows], [self._nonzero[i] for i in rows.tolist()], [])
 
     def forced(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, ids): the rows allowed exactly one id (a token a grammar forces, or the stop id a dead
-        one is rescued to), and that id, which any draw takes."""
-        rows = np.flatnonzero(self.counts == 1)
-        return rows, self.only_ids(rows)
-
-    def only_ids(self, rows: np.ndarray) -> np.ndarray:
-        """The id each of `rows` allows, each allowing exactly one: the set bit of its one nonzero word."""
-        words = self.words[rows]
-        found = np.flatnonzero(words != 0)  # one a row, in row order
-        word = found % words.shape[1]
-        bits = words.ravel()[found].tolist()
-        return word * 32 + np.array([bit.bit_length() - 1 for bit in bits], np.int64)
+        one is rescued to), and that id, which any draw takes: one word with one bit set."""
+        rows, ids = [], []
+        for i, nonzero in enumerate(self._nonzero):
+            if nonzero == 1:
+                word = int(self.words[i].argmax())
+                bits = int(self.words[i, word])
+                if bits & (bits - 1) == 0:
+                    rows.append(i)
+                    ids.append(32 * word + bits.bit_length() - 1)
+        return np.array(rows, np.int64), np.array(ids, np.int64)
 
     def refused(self, rows: np.ndarray | list[int], vocab_size: int) -> np.ndarray:
         """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""

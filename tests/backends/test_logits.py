@@ -360,3 +360,34 @@ def test_a_row_allowed_one_id_takes_it_beside_rows_drawn_among_several() -> None
         tensors = SamplingTensors.build(params, positions, 3, VOCAB, torch.device("cpu"))
         assert ours == pick(apply_host_logits(logits, params), tensors, random=True, filtered=False).tolist()
         assert ours[:2] == [6, EOS] and ours[2] in (4, 8, 30)
+
+
+class CountedAllows(Allows):
+    """`Allows`, counting the masks it computes."""
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        super().__init__(tokens)
+        self.rows = 0
+
+    def fill(self, masks: list[Allows]) -> numpy.ndarray:
+        self.rows += len(masks)
+        return super().fill(masks)
+
+
+def test_a_refused_row_drawn_by_the_sampler_computes_its_mask_once_a_step() -> None:
+    """A device's draw refused: the backend's look for a forced id (`without_sampler`) computes the
+    row's mask, and the sampler's draw among its allowed ids reuses it; the next token's state needs
+    its own."""
+    mask = CountedAllows(ALLOWED)
+    row = HostLogits.start(
+        SamplingParams(temperature=1.0, seed=4, grammar=object()),
+        PROMPT,
+        (EOS,),
+        mask,  # type: ignore[arg-type]
+    )
+    logits = torch.randn(1, VOCAB)
+    for step in range(1, 3):
+        assert sampling.without_sampler([row], [12], VOCAB) == {}
+        (token,) = sample_tokens(logits, [row], [5], VOCAB, proposed=[12])
+        assert token.token_id in ALLOWED and mask.rows == step
+        row.host.accept(token.token_id)  # type: ignore[union-attr]
