@@ -12,11 +12,12 @@ steps in turn within one process, several rounds (`figures`); a step's figure is
 engine does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three
 measures of the grammar engine's own work for the same rows in the same run, per row, each with its
 ratio (1.0: a constrained row costs only its grammar):
-- `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh matchers, one batched
-  mask call and one token commit per row a step (`GrammarMatcher.fill`, `accept`: llguidance and nothing
-  of ours), back to back;
-- `k=K_grammar_in_step_per_row_us`, `k=K_ratio_in_step`: those same llguidance calls timed where they run,
-  inside our steps (after a torch forward pass they find colder caches than in the replay);
+- `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh llguidance matchers, one
+  batched mask call of its executor and one token commit per row a step (llguidance and nothing of ours:
+  every step computes its masks, as an integration that asks the engine each step does), back to back;
+- `k=K_grammar_in_step_per_row_us`, `k=K_ratio_in_step`: the grammar calls of our steps, timed where they
+  run (`GrammarMatcher`: llguidance's, or a mask its compiled grammar already knows, `ForcedStart`);
+  after a torch forward pass they find colder caches than in the replay;
 - `k=K_grammar_apply_per_row_us`, `k=K_ratio_with_apply`: the replay plus llguidance's own kernel that
   applies its masks to the rows' fp32 logits (`llguidance.torch.apply_token_bitmask_inplace`, compiled by
   torch.compile once at start), since applying a grammar engine's mask is part of using it; absent
@@ -80,6 +81,7 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
 }
 PROMPT = (1, 403, 407, 261, 378)
+EXECUTOR = llguidance.LLExecutor()
 GRID = ShapeGrid(
     num_slots=BATCH, max_positions=256, context_buckets=(8, 256), token_buckets=(256,), batch_buckets=(BATCH,)
 )
@@ -158,19 +160,24 @@ class Rows:
         self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None
     ) -> list[float]:
         """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
-        one batched mask, then a token commit per row; with `apply`, its masks applied to fresh fp32
-        logits [k, vocab] in between."""
-        masks = [self.compiler.matcher(self.grammar) for _ in range(k)]
-        logits = torch.randn(k, self.vocab_size)
+        fresh llguidance matchers, nothing of ours around them, one batched mask call of its executor,
+        then a token commit per row; with `apply`, its masks applied to fresh fp32 logits [k, vocab] in
+        between."""
+        matchers = [self.compiler.llguidance_matcher(self.grammar) for _ in range(k)]
+        width = (self.compiler.vocab_size + 31) // 32
+        logits = None if apply is None else torch.randn(k, self.vocab_size)
         seconds = []
         for step in tokens:
-            scratch = logits.clone()
+            scratch = None if logits is None else logits.clone()
             start = time.perf_counter()
-            words = masks[0].fill(masks)
-            if apply is not None:
-                apply(scratch, torch.from_numpy(words))
-            for mask, token in zip(masks, step, strict=False):
-                mask.accept(token)
+            bitmask = torch.empty((k, width), dtype=torch.int32)
+            EXECUTOR.unsafe_compute_mask_ptr(
+                [(matcher, i) for i, matcher in enumerate(matchers)], bitmask.data_ptr(), width * 4, k
+            )
+            if scratch is not None and apply is not None:
+                apply(scratch, bitmask)
+            for matcher, token in zip(matchers, step, strict=False):
+                matcher.consume_token(token)
             seconds.append(time.perf_counter() - start)
         return seconds
 

@@ -12,7 +12,8 @@ per (kind, source), each as a fresh matcher copied for every request.
 
 Each engine makes its own matchers from a `Grammar`'s text (`matcher`), so a request crosses to a replica
 process as plain data. Per step a batch's matchers cost llguidance's mask computation, in one call for
-them all (`GrammarMatcher.fill`; microseconds a row, and bounded by its per-step fuel).
+them all (`GrammarMatcher.fill`; microseconds a row, and bounded by its per-step fuel), except where the
+compiled grammar already knows the state's one token (`ForcedStart`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ MAX_SOURCE_CHARS = 100_000
 MAX_SCHEMA_DEPTH = 64  # JSON levels: a schema's nesting counts twice (an object, its properties)
 COMPILE_TIMEOUT_S = 5.0
 CACHE_SIZE = 256
+MAX_FORCED_START = 512  # tokens a compiled grammar remembers forcing from its start
 # llguidance's defaults are tuned for a GPU server's budget; these halve the per-step and total fuel so
 # one constrained row stays within about 10 ms of host time per step even on an adversarial grammar.
 LIMITS = llguidance.LLParserLimits(
@@ -81,6 +83,40 @@ class Constraint:
         return json.dumps(self.value, separators=(",", ":"))
 
 
+class ForcedStart:
+    """The tokens a compiled grammar forces one after another from its start, as its matchers find them.
+    A state's allowed tokens are a function of the tokens taken to reach it, so every matcher that has
+    taken only these tokens has the same one next: the first to compute each mask along the path records
+    its token, and the matchers after it skip those masks (a JSON schema's opening brace and first key, a
+    forced tool call's name and the start of its arguments). `ended`: a state on the path allows more
+    than one token, or the path is `MAX_FORCED_START` long."""
+
+    __slots__ = ("_lock", "ended", "ids")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.ended = False
+        self._lock = threading.Lock()  # engines of one process share a compiler
+
+    def record(self, at: int, token: int | None) -> None:
+        """What the state after ids[:at] allows: its one token, or None for several (or none)."""
+        with self._lock:
+            if at != len(self.ids) or self.ended:
+                return
+            if token is None or len(self.ids) + 1 >= MAX_FORCED_START:
+                self.ended = True
+            if token is not None:
+                self.ids.append(token)
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A compiled grammar: its initial matcher, copied for each request, and what its start forces."""
+
+    initial: llguidance.LLMatcher
+    start: ForcedStart
+
+
 class GrammarCompiler:
     """llguidance for one tokenizer (`compiler_for` makes it from ours). Its masks cover the tokenizer's
     vocabulary; a model whose logits are wider (padded embeddings) never gets the ids beyond it."""
@@ -88,7 +124,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = self._tokenizer.vocab_size
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[str, Compiled] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, constraint: Constraint) -> Grammar:
@@ -115,11 +151,20 @@ class GrammarCompiler:
 
     def matcher(self, grammar: Grammar) -> GrammarMatcher:
         """A fresh matcher for one request (built here if this process has not compiled it yet)."""
-        initial = self._cached(grammar.source)
-        if initial is None:
-            initial = self._build(grammar.source, grammar.name)
-            self._store(grammar.source, initial)
-        return GrammarMatcher(initial.deep_copy(), self.vocab_size)
+        compiled = self._compiled(grammar)
+        return GrammarMatcher(compiled.initial.deep_copy(), self.vocab_size, compiled.start)
+
+    def llguidance_matcher(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """A fresh llguidance matcher for `grammar`, with nothing of ours around it (what benchmarks
+        compare our rows' cost against)."""
+        return self._compiled(grammar).initial.deep_copy()
+
+    def _compiled(self, grammar: Grammar) -> Compiled:
+        compiled = self._cached(grammar.source)
+        if compiled is None:
+            self._store(grammar.source, self._build(grammar.source, grammar.name))
+            compiled = self._cached(grammar.source)
+        return compiled  # type: ignore[return-value]
 
     def _build(self, source: str, param: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer, source, log_level=0, limits=LIMITS)
@@ -127,16 +172,16 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{param} cannot be compiled: {matcher.get_error()}", param=param)
         return matcher
 
-    def _cached(self, source: str) -> llguidance.LLMatcher | None:
+    def _cached(self, source: str) -> Compiled | None:
         with self._lock:
-            matcher = self._cache.get(source)
-            if matcher is not None:
+            compiled = self._cache.get(source)
+            if compiled is not None:
                 self._cache.move_to_end(source)
-            return matcher
+            return compiled
 
     def _store(self, source: str, matcher: llguidance.LLMatcher) -> None:
         with self._lock:
-            self._cache[source] = matcher
+            self._cache[source] = Compiled(matcher, ForcedStart())
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
 
@@ -144,26 +189,56 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One request's position in its grammar (`app.backends.logits.TokenMask`)."""
 
-    __slots__ = ("_matcher", "_words")
+    __slots__ = ("_matcher", "_start", "_taken", "_words")
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, start: ForcedStart) -> None:
         self._matcher = matcher
         self._words = (vocab_size + 31) // 32
+        self._start = start
+        self._taken = 0  # tokens taken, while each was the one its grammar forced (-1 after any other)
 
     def fill(self, masks: Sequence[GrammarMatcher]) -> numpy.ndarray:  # type: ignore[override]
         """Every matcher's mask in one call of llguidance's executor (bit k of 32-bit word w: token
-        32 w + k), which computes them on its own threads, outside the GIL."""
+        32 w + k), which computes them on its own threads, outside the GIL; a matcher whose grammar
+        knows its one next token (`ForcedStart`) gets that token's bit without a computation."""
         bitmask = torch.empty((len(masks), self._words), dtype=torch.int32)  # data_ptr(): cheaper than ctypes
-        _EXECUTOR.unsafe_compute_mask_ptr(
-            [(mask._matcher, i) for i, mask in enumerate(masks)],
-            bitmask.data_ptr(),
-            self._words * 4,
-            len(masks),
-        )
-        return bitmask.numpy()
+        words = bitmask.numpy().view(numpy.uint32)
+        computed = []
+        for i, mask in enumerate(masks):
+            token = mask._known_next()
+            if token is None:
+                computed.append((mask._matcher, i))
+            else:
+                words[i] = 0
+                words[i, token >> 5] = 1 << (token & 31)
+        if computed:
+            _EXECUTOR.unsafe_compute_mask_ptr(computed, bitmask.data_ptr(), self._words * 4, len(masks))
+            for mask, (_, i) in zip((masks[i] for _, i in computed), computed, strict=True):
+                mask._learn(words[i])
+        return words.view(numpy.int32)
+
+    def _known_next(self) -> int | None:
+        ids = self._start.ids
+        return ids[self._taken] if 0 <= self._taken < len(ids) else None
+
+    def _learn(self, row: numpy.ndarray) -> None:
+        """Record in the grammar's `ForcedStart` what its state allows (uint32 `row`), where it is the
+        first on the path to get here."""
+        start = self._start
+        if self._taken != len(start.ids) or start.ended:
+            return
+        token = None
+        if numpy.count_nonzero(row) == 1:
+            word = int(row.argmax())
+            bits = int(row[word])
+            token = 32 * word + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
+        start.record(self._taken, token)
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token leaves it in its error state: EOS next
+        if self._taken >= 0:
+            forced = self._known_next()
+            self._taken = self._taken + 1 if forced == token_id else -1
 
     def allows(self, token_id: int) -> bool:
         return bool(self._matcher.validate_tokens([token_id]))  # a fraction of a microsecond: no mask

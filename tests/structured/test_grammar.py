@@ -1,0 +1,123 @@
+"""A compiled grammar's forced start (`ForcedStart`): what its first matcher finds forced, the matchers
+after it take without a mask computation, and get the masks llguidance would compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import numpy
+import pytest
+import torch
+
+from app.structured import grammar
+from app.structured.grammar import Constraint, ForcedStart, GrammarMatcher, Kind, compiler_for
+from app.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+
+
+class CountingExecutor:
+    """llguidance's executor, counting the matchers it computes masks for."""
+
+    def __init__(self) -> None:
+        self.inner, self.rows = llguidance.LLExecutor(), 0
+
+    def unsafe_compute_mask_ptr(self, interpreters: list[Any], *args: Any) -> None:
+        self.rows += len(interpreters)
+        self.inner.unsafe_compute_mask_ptr(interpreters, *args)
+
+
+@pytest.fixture
+def executor(monkeypatch: pytest.MonkeyPatch) -> CountingExecutor:
+    counting = CountingExecutor()
+    monkeypatch.setattr(grammar, "_EXECUTOR", counting)
+    return counting
+
+
+@pytest.fixture
+def compiler(stories260k: Path) -> grammar.GrammarCompiler:
+    """A compiler of its own (not the process's shared one): no path learned before the test."""
+    return compiler_for.__wrapped__(Tokenizer.from_dir(stories260k))
+
+
+def llguidance_mask(compiler: grammar.GrammarCompiler, source: Any, taken: list[int]) -> numpy.ndarray:
+    """What llguidance alone allows after `taken`, as uint32 words."""
+    matcher = compiler.llguidance_matcher(source)
+    for token in taken:
+        matcher.consume_token(token)
+    words = (compiler.vocab_size + 31) // 32
+    bitmask = torch.zeros((1, words), dtype=torch.int32)
+    llguidance.LLExecutor().unsafe_compute_mask_ptr([(matcher, 0)], bitmask.data_ptr(), words * 4, 1)
+    return bitmask.numpy().view(numpy.uint32)[0]
+
+
+def allowed_ids(row: numpy.ndarray) -> list[int]:
+    return [int(i) for i in numpy.flatnonzero(numpy.unpackbits(row.view(numpy.uint8), bitorder="little"))]
+
+
+def walk_forced(matcher: GrammarMatcher) -> list[int]:
+    """Take each state's one allowed token until a state allows several; the tokens taken."""
+    taken: list[int] = []
+    while len(ids := allowed_ids(matcher.fill([matcher]).view(numpy.uint32)[0])) == 1:
+        matcher.accept(ids[0])
+        taken.append(ids[0])
+    return taken
+
+
+def test_matchers_after_the_first_take_its_forced_start_without_computing_masks(
+    compiler: grammar.GrammarCompiler, executor: CountingExecutor
+) -> None:
+    source = compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "response_format"))
+    first = walk_forced(compiler.matcher(source))
+    assert len(first) >= 3  # `{"count":` in stories260K's tokens
+    assert executor.rows == len(first) + 1
+    second = compiler.matcher(source)
+    for step, token in enumerate(first):
+        row = second.fill([second]).view(numpy.uint32)[0]
+        assert (row == llguidance_mask(compiler, source, first[:step])).all()
+        second.accept(token)
+    assert executor.rows == len(first) + 1  # none of the second's forced steps computed a mask
+    after = second.fill([second]).view(numpy.uint32)[0]
+    assert executor.rows == len(first) + 2 and len(allowed_ids(after)) > 1
+    assert (after == llguidance_mask(compiler, source, first)).all()
+
+
+def test_a_matcher_that_leaves_the_path_computes_its_masks(
+    compiler: grammar.GrammarCompiler, executor: CountingExecutor
+) -> None:
+    source = compiler.compile(Constraint(Kind.REGEX, "[ab]x{0,3}yz", "guided_regex"))
+    first = compiler.matcher(source)
+    (a, _) = allowed_ids(first.fill([first]).view(numpy.uint32)[0])[:2]
+    other = compiler.matcher(source)
+    other.accept(a)  # not a forced token: the start allows several
+    computed = executor.rows
+    row = other.fill([other]).view(numpy.uint32)[0]
+    assert executor.rows == computed + 1
+    assert (row == llguidance_mask(compiler, source, [a])).all()
+
+
+def test_a_batch_mixes_known_and_computed_rows(
+    compiler: grammar.GrammarCompiler, executor: CountingExecutor
+) -> None:
+    source = compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "response_format"))
+    path = walk_forced(compiler.matcher(source))
+    on_path, off_path = compiler.matcher(source), compiler.matcher(source)
+    off_path.accept(path[0] + 1)  # refused: its grammar is in its error state
+    computed = executor.rows
+    rows = on_path.fill([on_path, off_path]).view(numpy.uint32)
+    assert executor.rows == computed + 1
+    assert allowed_ids(rows[0]) == [path[0]]
+    assert (rows[1] == llguidance_mask(compiler, source, [path[0] + 1])).all()
+
+
+def test_the_path_records_only_its_next_state_and_ends_at_a_choice() -> None:
+    start = ForcedStart()
+    start.record(0, 7)
+    start.record(0, 8)  # a second matcher at the same state: already known
+    start.record(2, 9)  # not the next state on the path
+    assert start.ids == [7] and not start.ended
+    start.record(1, None)
+    start.record(1, 5)
+    assert start.ids == [7] and start.ended
