@@ -130,6 +130,12 @@ class TimedMatcher:
         self._checked = token_id
         return allowed
 
+    def known_next(self) -> int | None:
+        start = time.perf_counter()
+        known = self.matcher.known_next()
+        self.clock.seconds += time.perf_counter() - start
+        return known
+
 
 ApplyMask = Callable[[torch.Tensor, torch.Tensor], None]  # (fp32 logits [k, V], int32 bitmask [k, words])
 

@@ -65,6 +65,10 @@ class TokenMask(Protocol):
         """Whether `token_id` may come next (a check of one token: no mask is computed)."""
         ...
 
+    def known_next(self) -> int | None:
+        """The one token its grammar allows next, where that is known without computing a mask."""
+        ...
+
 
 class HostLogits:
     """One request's host-side state: which tokens it has seen and generated, and its grammar matcher."""
@@ -138,6 +142,10 @@ class HostLogits:
     def allows(self, token_id: int) -> bool:
         """Whether its grammar allows `token_id` next (for a row that `checks_first`)."""
         return self.mask is not None and self.mask.allows(token_id)
+
+    def known_next(self) -> int | None:
+        """The one token allowed next, where its grammar, the only restriction, knows it without a mask."""
+        return self.mask.known_next() if self.mask is not None and self._only is None else None
 
     @property
     def restricts(self) -> bool:

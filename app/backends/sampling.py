@@ -235,14 +235,17 @@ def without_sampler(
     token needs no sampler, with that token, as `pick_tokens` would draw it. A row that checks first
     keeps its proposal where its grammar allows it; refused, it takes the one id its grammar allows where
     there is only one (`Allowed.forced`: a token the grammar forces, the usual refusal), its masks in one
-    call. Rows asking for top logprobs are left to the sampler, which reads their whole rows."""
+    call, unless its grammar knows that id without one (`HostLogits.known_next`). Rows asking for top
+    logprobs are left to the sampler, which reads their whole rows."""
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
         if token is None or not checks_first(row) or row.num_top_logprobs:
             continue
-        if _keeps_draw(row, token):
+        if row.host.allows(token):  # type: ignore[union-attr]
             settled[i] = token
+        elif (known := row.host.known_next()) is not None:  # type: ignore[union-attr]
+            settled[i] = known
         else:
             refused.append(i)
     if refused:

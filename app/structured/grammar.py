@@ -205,7 +205,7 @@ class GrammarMatcher:
         words = bitmask.numpy().view(numpy.uint32)
         computed = []
         for i, mask in enumerate(masks):
-            token = mask._known_next()
+            token = mask.known_next()
             if token is None:
                 computed.append((mask._matcher, i))
             else:
@@ -217,7 +217,8 @@ class GrammarMatcher:
                 mask._learn(words[i])
         return words.view(numpy.int32)
 
-    def _known_next(self) -> int | None:
+    def known_next(self) -> int | None:
+        """The one token its grammar allows next, where its grammar's `ForcedStart` knows it."""
         ids = self._start.ids
         return ids[self._taken] if 0 <= self._taken < len(ids) else None
 
@@ -237,7 +238,7 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token leaves it in its error state: EOS next
         if self._taken >= 0:
-            forced = self._known_next()
+            forced = self.known_next()
             self._taken = self._taken + 1 if forced == token_id else -1
 
     def allows(self, token_id: int) -> bool:

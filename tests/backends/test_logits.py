@@ -108,6 +108,9 @@ class OnlyToken:
     def allows(self, token_id: int) -> bool:
         return token_id == self.token and token_id not in self.seen
 
+    def known_next(self) -> int | None:
+        return None
+
 
 def test_a_grammar_masks_and_a_dead_end_allows_the_stop_id() -> None:
     _, ours = adjusted(SamplingParams(grammar=object()), output=(), mask=OnlyToken(6))  # type: ignore[arg-type]
@@ -147,6 +150,9 @@ class Allows:
 
     def allows(self, token_id: int) -> bool:
         return token_id in self.tokens
+
+    def known_next(self) -> int | None:
+        return None
 
 
 def batch(seed: int, top_p: float = 0.7) -> list[SamplingParams]:
@@ -391,3 +397,23 @@ def test_a_refused_row_drawn_by_the_sampler_computes_its_mask_once_a_step() -> N
         (token,) = sample_tokens(logits, [row], [5], VOCAB, proposed=[12])
         assert token.token_id in ALLOWED and mask.rows == step
         row.host.accept(token.token_id)  # type: ignore[union-attr]
+
+
+class KnowsNext(CountedAllows):
+    """A grammar that knows the one token it allows next without computing its mask."""
+
+    def known_next(self) -> int | None:
+        return self.tokens[0]
+
+
+def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask() -> None:
+    mask = KnowsNext((40,))
+    row = HostLogits.start(
+        SamplingParams(temperature=1.0, seed=4, grammar=object()),
+        PROMPT,
+        (EOS,),
+        mask,  # type: ignore[arg-type]
+    )
+    assert sampling.without_sampler([row], [12], VOCAB) == {0: 40}
+    assert sampling.without_sampler([row], [40], VOCAB) == {0: 40}  # allowed: kept
+    assert mask.rows == 0

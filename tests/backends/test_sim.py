@@ -238,6 +238,9 @@ def test_a_grammar_row_asking_for_top_logprobs_gets_them() -> None:
         def allows(self, token_id: int) -> bool:
             return True
 
+        def known_next(self) -> int | None:
+            return None
+
     backend, prompt = sim(), (1, 7, 9)
     row = SamplingParams(temperature=1.0, seed=3, num_top_logprobs=2, grammar=object())  # type: ignore[arg-type]
     params = HostLogits.start(row, prompt, (2,), Anything())

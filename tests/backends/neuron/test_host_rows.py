@@ -77,6 +77,9 @@ class OneOf:
     def allows(self, token_id: int) -> bool:
         return token_id in self.tokens
 
+    def known_next(self) -> int | None:
+        return None
+
 
 def test_a_grammar_row_keeps_the_device_s_token_where_its_grammar_allows_it(
     nxdi_fresh: NxdiBackend, monkeypatch: pytest.MonkeyPatch
