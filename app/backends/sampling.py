@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TypeVar
 
 import numpy as np
@@ -448,10 +449,21 @@ def _cutoff(
 
 def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:
     """float32 [len(params)]: row i's uniform, from its seed and the position of the token it draws."""
-    seeds = [_fold_seed(p.seed) for p in params]
-    if len(seeds) <= PER_ROW_DRAWS:  # a few rows: Python ints cost less than numpy's per-op overhead
-        return np.array([uniform(row_keys(s, q)) for s, q in zip(seeds, positions, strict=True)], np.float32)
-    return uniform(row_keys(np.array(seeds, np.int64), np.array(positions, np.int64))).astype(np.float32)
+    if len(params) <= PER_ROW_DRAWS:  # a few rows: Python ints cost less than numpy's per-op overhead
+        return np.array([draw(p, q) for p, q in zip(params, positions, strict=True)], np.float32)
+    seeds = np.array([_fold_seed(p.seed) for p in params], np.int64)
+    return uniform(row_keys(seeds, np.array(positions, np.int64))).astype(np.float32)
+
+
+def draw(params: SamplingParams, position: int) -> float:
+    """One row's uniform (`draws`: its float32 value) as a Python float."""
+    return float(np.float32(uniform(mix32(_seed_key(params.seed) ^ (position & MASK32)))))
+
+
+@lru_cache(maxsize=4096)
+def _seed_key(seed: int) -> int:
+    """`row_keys`' hash of a seed, the same at every position of a request."""
+    return mix32(_fold_seed(seed))
 
 
 def row_keys(seeds: Ints, positions: Ints) -> Ints:

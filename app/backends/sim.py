@@ -74,7 +74,7 @@ from app.backends.batches import check_decode, check_prefill
 from app.backends.sampling import (
     MASK32,
     checks_first,
-    draws,
+    draw,
     mix32,
     pick_tokens,
     sample_tokens,
@@ -256,7 +256,7 @@ class SimBackend(Backend):
         self._made_up_twice = np.concatenate([self._made_up_logits, self._made_up_logits])
         self._made_up_normaliser = float(torch.logsumexp(made_up, dim=0))
         self._made_up_top = int(made_up.argmax())
-        self._made_up_sums: dict[float, np.ndarray] = {}  # temperature -> running sum of the weights
+        self._made_up_sums: dict[float, tuple[np.ndarray, float]] = {}  # temperature -> `_made_up_running`
         self._check_positions = True
 
     def warmup(self) -> None:
@@ -434,9 +434,10 @@ class SimBackend(Backend):
         checked = [j for j, p in enumerate(params) if checks_first(p)]
         proposed: list[int | None] = [None] * len(params)
         if checked:
-            shifts = np.array([hashes[j] % self.model.vocab_size for j in checked], np.int64)
             draws_ = self._made_up_draws(
-                [params[j] for j in checked], [positions[j] for j in checked], shifts
+                [params[j] for j in checked],
+                [positions[j] for j in checked],
+                [hashes[j] % self.model.vocab_size for j in checked],
             )
             for j, token in zip(checked, draws_, strict=True):
                 proposed[j] = token
@@ -474,43 +475,45 @@ class SimBackend(Backend):
             return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)
 
         def propose(rows: list[int]) -> list[int]:
-            return self._made_up_draws([params[i] for i in rows], [positions[i] for i in rows], shifts[rows])
+            return self._made_up_draws(
+                [params[i] for i in rows], [positions[i] for i in rows], shifts[rows].tolist()
+            )
 
         tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather, propose=propose).numpy()
         logprobs = made_up[(tokens - shifts) % vocab] - self._made_up_normaliser
         return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
 
     def _made_up_draws(
-        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
+        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: Sequence[int]
     ) -> list[int]:
         """Each row's unconstrained token from its made-up logits (the fixed ones rolled by shifts[i]):
         its uniform inverted on a running sum of the fixed logits' weights, made once per temperature, so
         a row costs a binary search, not a pass over the vocabulary (the device's token of a constrained
         row, `pick_tokens`)."""
         vocab, chosen = self.model.vocab_size, []
-        uniforms = draws(params, positions).tolist()
-        for p, u, shift in zip(params, uniforms, shifts.tolist(), strict=True):
+        for p, position, shift in zip(params, positions, shifts, strict=True):
             if p.is_greedy:
                 chosen.append((self._made_up_top + shift) % vocab)
                 continue
-            running = self._made_up_running(p.temperature)
+            running, total = self._made_up_running(p.temperature)
             first = (vocab - shift) % vocab  # the fixed index token 0 reads; tokens run from it, wrapping
             before = float(running[first - 1]) if first else 0.0
-            target, tail = u * float(running[-1]), float(running[-1]) - before
+            target, tail = draw(p, position) * total, total - before
             if target <= tail:
-                index = int(np.searchsorted(running, before + target))
+                index = int(running.searchsorted(before + target))  # the method: half np.searchsorted's cost
                 chosen.append(min(index, vocab - 1) - first)
             else:
-                index = int(np.searchsorted(running, target - tail))
+                index = int(running.searchsorted(target - tail))
                 chosen.append(vocab - first + min(index, first - 1))
         return chosen
 
-    def _made_up_running(self, temperature: float) -> np.ndarray:
+    def _made_up_running(self, temperature: float) -> tuple[np.ndarray, float]:
+        """The running sum of the fixed logits' weights at `temperature`, and its total."""
         running = self._made_up_sums.get(temperature)
         if running is None:
             fixed = self._made_up_logits.astype(np.float64)
-            running = np.cumsum(np.exp((fixed - fixed.max()) / temperature))
-            self._made_up_sums[temperature] = running
+            sums = np.cumsum(np.exp((fixed - fixed.max()) / temperature))
+            running = self._made_up_sums[temperature] = (sums, float(sums[-1]))
         return running
 
     def _scores(self, h: int, token: int, num_top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -120,7 +120,8 @@ def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely() -> None:
 
 
 def test_draws_hashed_row_by_row_equal_the_vectorised_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A few rows hash their uniforms with Python ints, many with numpy: the same float32 values."""
+    """A few rows hash their uniforms with Python ints, many with numpy: the same float32 values, and one
+    row's as a Python float (`draw`) the same value."""
     params = [SamplingParams(seed=s) for s in (0, 1, 12345, 0xFFFFFFFF, 2**40 + 7, 2**63 - 1) * 20]
     positions = list(range(0, 4 * len(params), 4))
     monkeypatch.setattr(sampling, "PER_ROW_DRAWS", len(params))
@@ -129,3 +130,4 @@ def test_draws_hashed_row_by_row_equal_the_vectorised_ones(monkeypatch: pytest.M
     vectorised = sampling.draws(params, positions)
     assert per_row.dtype == vectorised.dtype == numpy.float32
     assert per_row.tolist() == vectorised.tolist()
+    assert [sampling.draw(p, q) for p, q in zip(params, positions, strict=True)] == vectorised.tolist()
