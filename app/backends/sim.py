@@ -431,17 +431,11 @@ class SimBackend(Backend):
     ) -> list[int | None]:
         """The made-up draw of each row that checks its grammar first, as a device's would be (None for
         the others): a binary search each, not a pass over the vocabulary."""
-        checked = [j for j, p in enumerate(params) if checks_first(p)]
-        proposed: list[int | None] = [None] * len(params)
-        if checked:
-            draws_ = self._made_up_draws(
-                [params[j] for j in checked],
-                [positions[j] for j in checked],
-                [hashes[j] % self.model.vocab_size for j in checked],
-            )
-            for j, token in zip(checked, draws_, strict=True):
-                proposed[j] = token
-        return proposed
+        vocab = self.model.vocab_size
+        return [
+            self._made_up_draw(p, position, row_hash % vocab) if checks_first(p) else None
+            for p, position, row_hash in zip(params, positions, hashes, strict=True)
+        ]
 
     def _made_up_token(self, token: int, row_hash: int) -> SampledToken:
         """`token` with its logprob under the made-up row of `row_hash` (a roll keeps the normaliser)."""
@@ -486,26 +480,28 @@ class SimBackend(Backend):
     def _made_up_draws(
         self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: Sequence[int]
     ) -> list[int]:
-        """Each row's unconstrained token from its made-up logits (the fixed ones rolled by shifts[i]):
-        its uniform inverted on a running sum of the fixed logits' weights, made once per temperature, so
-        a row costs a binary search, not a pass over the vocabulary (the device's token of a constrained
+        return [
+            self._made_up_draw(p, position, shift)
+            for p, position, shift in zip(params, positions, shifts, strict=True)
+        ]
+
+    def _made_up_draw(self, params: SamplingParams, position: int, shift: int) -> int:
+        """A row's unconstrained token from its made-up logits (the fixed ones rolled by `shift`): its
+        uniform inverted on a running sum of the fixed logits' weights, made once per temperature, so a
+        row costs a binary search, not a pass over the vocabulary (the device's token of a constrained
         row, `pick_tokens`)."""
-        vocab, chosen = self.model.vocab_size, []
-        for p, position, shift in zip(params, positions, shifts, strict=True):
-            if p.is_greedy:
-                chosen.append((self._made_up_top + shift) % vocab)
-                continue
-            running, total = self._made_up_running(p.temperature)
-            first = (vocab - shift) % vocab  # the fixed index token 0 reads; tokens run from it, wrapping
-            before = float(running[first - 1]) if first else 0.0
-            target, tail = draw(p, position) * total, total - before
-            if target <= tail:
-                index = int(running.searchsorted(before + target))  # the method: half np.searchsorted's cost
-                chosen.append(min(index, vocab - 1) - first)
-            else:
-                index = int(running.searchsorted(target - tail))
-                chosen.append(vocab - first + min(index, first - 1))
-        return chosen
+        vocab = self.model.vocab_size
+        if params.temperature == 0.0:
+            return (self._made_up_top + shift) % vocab
+        running, total = self._made_up_running(params.temperature)
+        first = (vocab - shift) % vocab  # the fixed index token 0 reads; tokens run from it, wrapping
+        before = float(running[first - 1]) if first else 0.0
+        target, tail = draw(params, position) * total, total - before
+        if target <= tail:
+            index = int(running.searchsorted(before + target))  # the method: half np.searchsorted's cost
+            return min(index, vocab - 1) - first
+        index = int(running.searchsorted(target - tail))
+        return vocab - first + min(index, first - 1)
 
     def _made_up_running(self, temperature: float) -> tuple[np.ndarray, float]:
         """The running sum of the fixed logits' weights at `temperature`, and its total."""
