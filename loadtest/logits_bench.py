@@ -33,7 +33,12 @@ rest of the step at k = 8.
 - sim (zero-cost device, so the whole call is host work) at stories260K's 512-token vocabulary, and at
   Llama 3's 128,256 with the grammar compiled for a synthetic 128,256-token byte-level vocabulary
   (`loadtest.grammar_bench.synthetic_vocabulary`), so masks and allowed sets have Llama 3's size;
-- torch (stories260K on CPU, fp32, 32 slots): forward pass and sampling; the k = 0 row is the baseline;
+- torch (stories260K on CPU, fp32, 32 slots): forward pass and sampling, the k = 0 row the baseline
+  (`torch_stories260K`); and the host's part of the step alone (`*_host`: the forward pass run first,
+  untimed, then what the backend does with its logits), whose noise is not the forward pass's, for
+  stories260K and for a random-weight tiny Llama with Llama 3's 128,256-token vocabulary and a real
+  tokenizer of that size (`compile/random_checkpoint.py`); at 128k on one CPU thread the sampling of
+  the 32 rows' logits alone takes milliseconds, so its per-row figures are within that noise;
 - NxD Inference: the step returns fp32 logits [32, 1, V] for every row whatever k (`output_logits`,
   which the artifact compiles for logprobs), so a constrained row adds no transfer, only the host work
   on its rows (`nxdi_host_vocab128256`, random logits [32, 128,256], the 128k grammar, the device's
@@ -53,6 +58,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +66,16 @@ import llguidance
 import numpy as np
 import torch
 
-from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SamplingParams
+from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.backends.logits import Grammar, HostLogits
 from app.backends.neuron.nxdi import with_host_rows
 from app.backends.neuron.steps import device_tokens
+from app.backends.sampling import sample_tokens
 from app.backends.sim import SimBackend
 from app.shapes import ShapeGrid
 from app.structured.grammar import Constraint, GrammarCompiler, GrammarMatcher, Kind, compiler_for
 from app.tokenizer import Tokenizer
+from compile.random_checkpoint import write_random_llama
 from loadtest.grammar_bench import GreedyTokenizer, synthetic_vocabulary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -189,7 +197,7 @@ class Rows:
         return seconds
 
 
-def stories_rows(tokenizer: Tokenizer, vocab_size: int) -> Rows:
+def schema_rows(tokenizer: Tokenizer, vocab_size: int) -> Rows:
     compiler = compiler_for(tokenizer)
     return Rows(compiler, compiler.compile(Constraint(Kind.JSON_SCHEMA, SCHEMA, "bench")), vocab_size)
 
@@ -238,28 +246,52 @@ def measured(
     return Measured(seconds, replay, in_step, applied, kept)
 
 
-def backend_run(backend: Backend, rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
+Decode = Callable[[Backend, DecodeBatch], Callable[[], list[SampledToken]]]
+
+
+def whole_step(backend: Backend, batch: DecodeBatch) -> Callable[[], list[SampledToken]]:
+    """The timed part is the whole decode call."""
+    return partial(backend.decode, batch)
+
+
+def host_part(backend: Backend, batch: DecodeBatch) -> Callable[[], list[SampledToken]]:
+    """The torch backend's forward pass run now, untimed (`decode_logits`: the step's KV written), and
+    the timed part what `TorchBackend.decode` does with its logits: the host's sampling."""
+    logits = backend.decode_logits(batch)  # type: ignore[attr-defined]
+    positions = [position + 1 for position in batch.positions]
+    return partial(sample_tokens, logits, batch.sampling, positions, backend.model.vocab_size)
+
+
+def backend_run(
+    backend: Backend, rows: Rows, steps: int, apply: ApplyMask | None, decode: Decode = whole_step
+) -> Run:
     known: dict[int, Tokens] = {}
     return lambda k, replay_first: measured(
-        rows, k, lambda params, clock: step_times(backend, params, clock, steps), apply, replay_first, known
+        rows,
+        k,
+        lambda params, clock: step_times(backend, params, clock, steps, decode),
+        apply,
+        replay_first,
+        known,
     )
 
 
 def step_times(
-    backend: Backend, params: list[SamplingParams], clock: Clock, steps: int
+    backend: Backend, params: list[SamplingParams], clock: Clock, steps: int, decode: Decode
 ) -> tuple[list[float], list[float], list[list[int]]]:
     """Seconds per decode step of BATCH rows (prefilled again first), each row fed its own last token and
-    advanced by it; the seconds of each step spent in the grammar engine (`clock`); the tokens of each
-    step."""
+    advanced by it (the timed part of the step: `decode`); the seconds of each step spent in the grammar
+    engine (`clock`); the tokens of each step."""
     prefill_all(backend)
     last = [PROMPT[-1]] * BATCH
     seconds, grammar, tokens = [], [], []
     for step in range(steps):
         position = len(PROMPT) + step
         batch = DecodeBatch(tuple(range(BATCH)), tuple(last), (position,) * BATCH, tuple(params), BATCH, 256)
+        timed = decode(backend, batch)
         before = clock.seconds
         start = time.perf_counter()
-        last = [t.token_id for t in backend.decode(batch)]
+        last = [t.token_id for t in timed()]
         for p, token in zip(params, last, strict=True):
             if p.host is not None:
                 p.host.accept(token)
@@ -413,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.from_dir(args.model)
     report: dict[str, Any] = {"batch": BATCH, "steps": args.steps, "rounds": args.rounds, "threads": 1}
     apply = llguidance_apply_kernel()
-    stories = stories_rows(tokenizer, 512)
+    stories = schema_rows(tokenizer, 512)
     llama3 = llama3_sized_rows()
     for rows in (stories, llama3):
         sim = sim_backend(rows.vocab_size)
@@ -425,10 +457,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend_run(sim_backend(LLAMA3_VOCAB), penalised, args.steps, apply), args.rounds
     )
     with tempfile.TemporaryDirectory() as root:
-        backend = torch_backend(args.model, Path(root))
+        backend = torch_backend(args.model, Path(root) / "stories")
         try:
-            rows = stories_rows(tokenizer, backend.model.vocab_size)
+            rows = schema_rows(tokenizer, backend.model.vocab_size)
             report["torch_stories260K"] = figures(backend_run(backend, rows, args.steps, apply), args.rounds)
+            report["torch_stories260K_host"] = figures(
+                backend_run(backend, rows, args.steps, apply, host_part), args.rounds
+            )
+        finally:
+            backend.close()
+        model = write_random_llama(Path(root) / "random", "tiny", vocab_size=LLAMA3_VOCAB)
+        backend = torch_backend(model, Path(root) / "random-artifact")
+        try:
+            rows = schema_rows(Tokenizer.from_dir(model), LLAMA3_VOCAB)
+            report[f"torch_vocab{LLAMA3_VOCAB}_host"] = figures(
+                backend_run(backend, rows, args.steps, apply, host_part), args.rounds
+            )
         finally:
             backend.close()
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps, apply), args.rounds)
