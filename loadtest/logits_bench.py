@@ -43,7 +43,9 @@ rest of the step at k = 8.
   which the artifact compiles for logprobs), so a constrained row adds no transfer, only the host work
   on its rows (`nxdi_host_vocab128256`, random logits [32, 128,256], the 128k grammar, the device's
   draws from them made before the timed steps): what `NxdiBackend` runs for host rows, the device's
-  rows costing nothing here.
+  rows costing nothing here; `nxdi_host_vocab128256_top_p` gives the rows top_p 0.9, so every step
+  takes the whole host path (mask, the masked row's nucleus, a draw), on peaked logits (`PEAKED`: the
+  unit normal's nucleus would be three quarters of the vocabulary, no model's).
 
     .venv/bin/python -m loadtest.logits_bench [--steps 30] [--rounds 3] [--out report.json]
 """
@@ -84,6 +86,7 @@ DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 BATCH = 32
 CONSTRAINED = (0, 1, 8, 32)
 LLAMA3_VOCAB = 128_256
+PEAKED = 4.0  # logits N(0, 4^2): a nucleus of 0.9 holds a few hundred of 128k tokens, as a model's does
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array"}},
@@ -156,13 +159,18 @@ class Rows:
     grammar: Grammar
     vocab_size: int
     repetition_penalty: float = 1.0  # 1.1: each grammar row also carries a penalty (the whole host path)
+    top_p: float = 1.0  # 0.9: each grammar row keeps its masked row's nucleus (the whole host path)
 
     def params(self, k: int, clock: Clock) -> list[SamplingParams]:
         """BATCH rows, the first k with a fresh grammar (timed on `clock`) and, where set, a repetition
         penalty; all sampled at temperature 1."""
         plain = SamplingParams(temperature=1.0, seed=1)
         rules = SamplingParams(
-            temperature=1.0, seed=1, repetition_penalty=self.repetition_penalty, grammar=self.grammar
+            temperature=1.0,
+            seed=1,
+            repetition_penalty=self.repetition_penalty,
+            top_p=self.top_p,
+            grammar=self.grammar,
         )
         return [
             HostLogits.start(rules, PROMPT, (2,), TimedMatcher(self.compiler.matcher(self.grammar), clock))
@@ -385,12 +393,12 @@ def torch_backend(model: Path, root: Path) -> Backend:
     return TorchBackend.load(artifact, BackendSpec("torch", 1, "fp32", GRID))
 
 
-def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None) -> Run:
+def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0) -> Run:
     """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
     log-softmax of every row and the device's tokens are there whatever k; `with_host_rows` is what k
-    adds), tokens fed back as the engine does. The device's draws come from the same logits, made before
-    the timed steps."""
-    logits = torch.randn(BATCH, rows.vocab_size)
+    adds), tokens fed back as the engine does. The logits are normal with standard deviation `scale`;
+    the device's draws come from them, made before the timed steps."""
+    logits = torch.randn(BATCH, rows.vocab_size) * scale
     all_logprobs = torch.log_softmax(logits, dim=-1)
     generator = torch.Generator().manual_seed(0)
     draws = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T
@@ -476,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             backend.close()
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps, apply), args.rounds)
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p"] = figures(
+        nxdi_run(replace(llama3, top_p=0.9), args.steps, apply, PEAKED), args.rounds
+    )
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     report[f"exp_pass_per_row_us_vocab{LLAMA3_VOCAB}"] = exp_pass_us(LLAMA3_VOCAB)
     for name, value in report.items():

@@ -437,6 +437,8 @@ def _cutoff(
 ) -> torch.Tensor:
     """Per row [rows, 1], the smallest probability inside the top-k, the top-p nucleus and at least
     min_p times the most likely token's (which is always inside)."""
+    if probs.device == HOST and probs.shape[-1] > NUCLEUS_CANDIDATES:
+        return torch.from_numpy(_host_cutoffs(probs.numpy(), top_k.tolist(), top_p.tolist(), min_p.tolist()))
     ordered = probs.sort(dim=-1, descending=True).values
     rank = torch.arange(ordered.shape[-1], device=probs.device)[None, :]
     in_top_k = rank < top_k[:, None]
@@ -445,6 +447,47 @@ def _cutoff(
     in_nucleus = (mass_before < nucleus_mass) | (top_p[:, None] >= 1.0)
     kept = (in_top_k & in_nucleus).sum(dim=-1, keepdim=True).clamp_(min=1)
     return torch.maximum(ordered.gather(1, kept - 1), min_p[:, None] * ordered[:, :1])
+
+
+NUCLEUS_CANDIDATES = 4096  # over this many columns the host sorts only a row's likeliest tokens
+LIKELY = 1e-4  # a token at least this share of the likeliest one's probability is a candidate
+
+
+def _host_cutoffs(probs: np.ndarray, top_k: list[int], top_p: list[float], min_p: list[float]) -> np.ndarray:
+    """`_cutoff` for fp32 rows on the host, where a sort of a 128k-token row takes milliseconds: the
+    top-k and nucleus come from the row's likeliest tokens (`LIKELY`) sorted, which hold them whenever
+    their mass reaches the nucleus (a language model's rows, nearly always); a row whose candidates fall
+    short sorts whole."""
+    cutoffs = np.empty((len(probs), 1), np.float32)
+    for i, (row, k, p, floor) in enumerate(zip(probs, top_k, top_p, min_p, strict=True)):
+        top = row.max()
+        cutoff = row.min() if p >= 1.0 and k >= len(row) else _row_cutoff(row, top, min(k, len(row)), p)
+        cutoffs[i, 0] = max(cutoff, np.float32(floor) * top)
+    return cutoffs
+
+
+def _row_cutoff(row: np.ndarray, top: np.float32, k: int, p: float) -> np.float32:
+    """The smallest probability inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule)."""
+    ordered = -np.sort(-row[row >= top * np.float32(LIKELY)])
+    if len(ordered) >= k:
+        return ordered[k - 1] if p >= 1.0 else _nucleus_cutoff(ordered[:k], np.float32(p) * ordered[:k].sum())
+    if p >= 1.0:  # the k-th likeliest token is not among the likely ones
+        return np.partition(row, len(row) - k)[len(row) - k]
+    nucleus = np.float32(p) * _top_k_mass(row, k)
+    if np.cumsum(ordered)[-1] < nucleus:  # the nucleus reaches past the likely tokens: sort them all
+        return _nucleus_cutoff(-np.sort(-row)[:k], nucleus)
+    return _nucleus_cutoff(ordered, nucleus)
+
+
+def _nucleus_cutoff(ordered: np.ndarray, nucleus: np.float32) -> np.float32:
+    """The last of `ordered` (descending, the top-k's first tokens) whose mass before it is under
+    `nucleus`, or the first."""
+    before = np.cumsum(ordered) - ordered
+    return ordered[max(int(np.count_nonzero(before < nucleus)), 1) - 1]
+
+
+def _top_k_mass(row: np.ndarray, k: int) -> np.float32:
+    return row.sum() if k >= len(row) else np.partition(row, len(row) - k)[len(row) - k :].sum()
 
 
 def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:
