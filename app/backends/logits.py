@@ -363,18 +363,25 @@ class Allowed:
         one is rescued to), and that id, which any draw takes: one word with one bit set."""
         rows, ids = [], []
         for i, nonzero in enumerate(self._nonzero):
-            if nonzero == 1:
-                word = int(self.words[i].argmax())
-                bits = int(self.words[i, word])
-                if bits & (bits - 1) == 0:
-                    rows.append(i)
-                    ids.append(32 * word + bits.bit_length() - 1)
+            if nonzero == 1 and (token := single_id(self.words[i], nonzero)) is not None:
+                rows.append(i)
+                ids.append(token)
         return np.array(rows, np.int64), np.array(ids, np.int64)
 
     def refused(self, rows: np.ndarray | list[int], vocab_size: int) -> np.ndarray:
         """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""
         bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
         return bits[:, :vocab_size].view(bool)
+
+
+def single_id(words: np.ndarray, nonzero: int | None = None) -> int | None:
+    """The one token a row of mask words (uint32) allows, or None where it allows none or several;
+    `nonzero`: its words with a bit set, where counted already."""
+    if (np.count_nonzero(words) if nonzero is None else nonzero) != 1:
+        return None
+    word = int(words.argmax())
+    bits = int(words[word])
+    return 32 * word + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
 
 
 def _ones(words: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ import llguidance
 import numpy
 import torch
 
-from app.backends.logits import Grammar, HostLogits
+from app.backends.logits import Grammar, HostLogits, single_id
 from app.engine.types import GenerationParams
 from app.errors import InvalidRequestError
 from app.tokenizer import Tokenizer
@@ -213,8 +213,8 @@ class GrammarMatcher:
                 words[i, token >> 5] = 1 << (token & 31)
         if computed:
             _EXECUTOR.unsafe_compute_mask_ptr(computed, bitmask.data_ptr(), self._words * 4, len(masks))
-            for mask, (_, i) in zip((masks[i] for _, i in computed), computed, strict=True):
-                mask._learn(words[i])
+            for _, i in computed:
+                masks[i]._learn(words[i])
         return words.view(numpy.int32)
 
     def known_next(self) -> int | None:
@@ -226,14 +226,8 @@ class GrammarMatcher:
         """Record in the grammar's `ForcedStart` what its state allows (uint32 `row`), where it is the
         first on the path to get here."""
         start = self._start
-        if self._taken != len(start.ids) or start.ended:
-            return
-        token = None
-        if numpy.count_nonzero(row) == 1:
-            word = int(row.argmax())
-            bits = int(row[word])
-            token = 32 * word + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
-        start.record(self._taken, token)
+        if self._taken == len(start.ids) and not start.ended:
+            start.record(self._taken, single_id(row))
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token leaves it in its error state: EOS next
