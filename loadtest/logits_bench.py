@@ -109,8 +109,7 @@ class Clock:
 
 
 class TimedMatcher:
-    """A row's grammar matcher (`TokenMask`) whose llguidance calls add their wall time to `clock` (the
-    timer's own cost, a fraction of a microsecond a call, falls on our side of the figures)."""
+    """A row's grammar matcher (`TokenMask`) whose calls add their wall time to `clock`."""
 
     __slots__ = ("_checked", "clock", "matcher")
 
@@ -161,9 +160,9 @@ class Rows:
     repetition_penalty: float = 1.0  # 1.1: each grammar row also carries a penalty (the whole host path)
     top_p: float = 1.0  # 0.9: each grammar row keeps its masked row's nucleus (the whole host path)
 
-    def params(self, k: int, clock: Clock) -> list[SamplingParams]:
-        """BATCH rows, the first k with a fresh grammar (timed on `clock`) and, where set, a repetition
-        penalty; all sampled at temperature 1."""
+    def params(self, k: int, clock: Clock | None = None) -> list[SamplingParams]:
+        """BATCH rows, the first k with a fresh grammar (its calls timed on `clock`, where given) and,
+        where set, a repetition penalty and top_p; all sampled at temperature 1."""
         plain = SamplingParams(temperature=1.0, seed=1)
         rules = SamplingParams(
             temperature=1.0,
@@ -172,12 +171,12 @@ class Rows:
             top_p=self.top_p,
             grammar=self.grammar,
         )
-        return [
-            HostLogits.start(rules, PROMPT, (2,), TimedMatcher(self.compiler.matcher(self.grammar), clock))
-            if i < k
-            else plain
-            for i in range(BATCH)
-        ]
+        grammar_rows = [HostLogits.start(rules, PROMPT, (2,), self._matcher(clock)) for _ in range(k)]
+        return [*grammar_rows, *[plain] * (BATCH - k)]
+
+    def _matcher(self, clock: Clock | None) -> GrammarMatcher | TimedMatcher:
+        matcher = self.compiler.matcher(self.grammar)
+        return matcher if clock is None else TimedMatcher(matcher, clock)
 
     def grammar_seconds(
         self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None
@@ -239,13 +238,16 @@ def measured(
     """`steps` over k constrained rows, and the grammar engine's own work replayed on their tokens: after
     them, or (`replay_first`) before them, on the tokens of an earlier run of the same k (`known`: every
     run of a k draws the same tokens, checked here). Whichever goes second finds the grammar engine's
-    tables in the caches the first filled; `figures` takes each measure's best round of both orders."""
+    tables in the caches the first filled; `figures` takes each measure's best round of both orders.
+    Our steps run twice: as they are (the figures), then with their grammar calls timed (`in_step`, the
+    share of draws kept), so the timers' own cost is in neither of the figures compared."""
     clock = Clock()
     early = rows.grammar_seconds(k, known[k]) if replay_first and k in known else None
-    seconds, in_step, tokens = steps(rows.params(k, clock), clock)
+    seconds, _, tokens = steps(rows.params(k), Clock())
     if not k:
         return Measured(seconds, [], [], None)
-    if early is not None and tokens != known[k]:
+    _, in_step, timed_tokens = steps(rows.params(k, clock), clock)
+    if tokens != timed_tokens or (early is not None and tokens != known[k]):
         raise RuntimeError(f"two runs of k={k} drew different tokens: the replay would not be of this run")
     known[k] = tokens
     replay = rows.grammar_seconds(k, tokens) if early is None else early
