@@ -310,12 +310,7 @@ def _pick_allowed(
         rows = rest[group.rows]
         members = [params[i] for i in rows]
         at = [positions[i] for i in rows]
-        if _filtered(members):  # the filters of `pick`
-            tensors = SamplingTensors.build(members, at, len(members), vocab_size, HOST)
-            logits = torch.from_numpy(group.logits)
-            column = pick(logits, tensors, random=_random(members), filtered=_filtered(members)).numpy()
-        else:
-            column = _inverse_cdf(group.logits, members, at)
+        column = _inverse_cdf(group.logits, members, at)
         chosen[rows] = group.tokens[np.arange(len(members)), column]
     return torch.from_numpy(chosen)
 
@@ -323,9 +318,9 @@ def _pick_allowed(
 def _inverse_cdf(
     logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> np.ndarray:
-    """`pick` without filters, on fp32 `logits` [rows, columns] in numpy, which it overwrites: greedy rows
-    take the argmax, the others invert their tempered distribution at their draw. A row whose logits are
-    all -inf takes column 0."""
+    """`pick` on fp32 `logits` [rows, columns] in numpy, which it overwrites: greedy rows take the argmax,
+    the others invert their tempered distribution, cut by their top-k, top-p and min-p as `_cutoff` cuts
+    it, at their draw. A row whose logits are all -inf takes column 0."""
     temperatures = [p.temperature for p in params]  # Python lists: a step's few rows cost less than numpy
     chosen = logits.argmax(axis=1) if 0.0 in temperatures else None
     if chosen is not None and not any(temperatures):
@@ -334,8 +329,22 @@ def _inverse_cdf(
         np.subtract(logits, logits.max(axis=1, keepdims=True), out=logits)
         if any(t not in (0.0, 1.0) for t in temperatures):
             logits /= np.array([t or 1.0 for t in temperatures], np.float32)[:, None]
-        column = _invert(np.exp(logits, out=logits), draws(params, positions))
+        weights = np.exp(logits, out=logits)
+        if _filtered(params):
+            weights *= _filters_keep(weights, params)
+        column = _invert(weights, draws(params, positions))
     return column if chosen is None else np.where(np.array(temperatures) == 0.0, chosen, column)
+
+
+def _filters_keep(weights: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """bool [rows, columns]: the columns each row's top-k, top-p and min-p keep (`_cutoff`'s rule on its
+    probabilities)."""
+    probs = weights / weights.sum(axis=1, keepdims=True)
+    columns = weights.shape[1]
+    cut = _host_cutoffs(
+        probs, [p.top_k or columns for p in params], [p.top_p for p in params], [p.min_p for p in params]
+    )
+    return probs >= cut
 
 
 CDF_BLOCK = 1024
@@ -458,9 +467,11 @@ def _host_cutoffs(probs: np.ndarray, top_k: list[int], top_p: list[float], min_p
     top-k and nucleus come from the row's likeliest tokens (`LIKELY`) sorted, which hold them whenever
     their mass reaches the nucleus (a language model's rows, nearly always); a row whose candidates fall
     short sorts whole."""
-    cutoffs = np.empty((len(probs), 1), np.float32)
+    cutoffs = np.full((len(probs), 1), -np.inf, np.float32)  # a row without probabilities keeps all
     for i, (row, k, p, floor) in enumerate(zip(probs, top_k, top_p, min_p, strict=True)):
         top = row.max()
+        if not top > 0.0:  # all -inf logits: nan
+            continue
         cutoff = row.min() if p >= 1.0 and k >= len(row) else _row_cutoff(row, top, min(k, len(row)), p)
         cutoffs[i, 0] = max(cutoff, np.float32(floor) * top)
     return cutoffs

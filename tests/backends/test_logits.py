@@ -181,9 +181,9 @@ def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_ro
     top_p: float, share: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`sample_tokens` draws a restricted row among its allowed ids only, in one batch with rows of other
-    kinds (through the torch sampler's filters, or without them in numpy; with 1/16 of the vocabulary the
-    row allowed 5 ids is drawn over its whole row instead); the reference draws every row from its
-    whole adjusted row."""
+    kinds (in numpy, its top-p cut as the torch sampler cuts it; with 1/16 of the vocabulary the row
+    allowed 5 ids is drawn over its whole row instead); the reference draws every row from its whole
+    adjusted row with the torch sampler."""
     monkeypatch.setattr(host_logits, "WHOLE_ROW_SHARE", share)
     torch.manual_seed(3)
     logits = torch.randn(5, VOCAB) * 2
@@ -236,9 +236,10 @@ def test_adjustments_batched_over_rows_are_each_rows_own() -> None:
         torch.testing.assert_close(together[row : row + 1], alone)
 
 
-def test_a_row_allowed_nothing_without_a_stop_id_draws_a_valid_id() -> None:
+@pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["unfiltered", "filtered"])
+def test_a_row_allowed_nothing_without_a_stop_id_draws_a_valid_id(top_p: float) -> None:
     """A grammar in its error state with no stop id to end on (ignore_eos), beside a row of its kind."""
-    dead = SamplingParams(temperature=1.0, repetition_penalty=1.2, grammar=object())  # type: ignore[arg-type]
+    dead = SamplingParams(temperature=1.0, top_p=top_p, repetition_penalty=1.2, grammar=object())  # type: ignore[arg-type]
     params = [HostLogits.start(dead, PROMPT, (), Allows(())) for _ in range(2)]
     tokens = [t.token_id for t in sample_tokens(torch.randn(2, VOCAB), params, [3, 3], VOCAB)]
     assert all(0 <= t < VOCAB for t in tokens)
