@@ -241,11 +241,12 @@ def without_sampler(
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
-        if token is None or not checks_first(row) or row.num_top_logprobs:
+        state = row.host
+        if token is None or state is None or not state.checks_first or row.num_top_logprobs:
             continue
-        if row.host.allows(token):  # type: ignore[union-attr]
+        if state.allows(token):
             settled[i] = token
-        elif (known := row.host.known_next()) is not None:  # type: ignore[union-attr]
+        elif (known := state.known_next()) is not None:
             settled[i] = known
         else:
             refused.append(i)

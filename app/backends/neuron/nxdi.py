@@ -522,22 +522,28 @@ def with_host_rows(
     `all_logprobs`), in place: no copy of a row. A row only its grammar changes keeps the device's draw
     where the grammar allows it, or takes the one id it allows, without the sampler (`without_sampler`)."""
     host = [i for i, p in enumerate(params) if _on_host(p)]
+    if not host:
+        return tokens
     settled = without_sampler([params[i] for i in host], [tokens[i].token_id for i in host], logits.shape[-1])
-    for j, token in settled.items():
-        if token != tokens[host[j]].token_id:
-            tokens[host[j]] = SampledToken(token, float(all_logprobs[host[j], token]))
-    host = [i for j, i in enumerate(host) if j not in settled]
-    if host:
+    logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs  # scalar reads
+    left = []
+    for j, i in enumerate(host):
+        token = settled.get(j)
+        if token is None:
+            left.append(i)
+        elif token != tokens[i].token_id:
+            tokens[i] = SampledToken(token, float(logprobs[i, token]))
+    if left:
         drawn = sample_tokens(
             logits,
-            [params[i] for i in host],
-            [positions[i] for i in host],
+            [params[i] for i in left],
+            [positions[i] for i in left],
             logits.shape[-1],
-            rows=host,
+            rows=left,
             logprobs=all_logprobs,
-            proposed=[tokens[i].token_id for i in host],
+            proposed=[tokens[i].token_id for i in left],
         )
-        for i, token in zip(host, drawn, strict=True):
+        for i, token in zip(left, drawn, strict=True):
             tokens[i] = token
     return tokens
 
