@@ -97,9 +97,12 @@ class HostLogits:
         self.stop_ids = tuple(stop_ids)
         self.num_output = 0
         self.mask = mask
-        # Sparse (token ids, not vocabulary-wide rows): a step costs the tokens seen, not the vocabulary.
-        self._seen = set(prompt)  # the prompt's and the output's tokens
-        self._counts: dict[int, int] = {}  # output token -> times generated
+        # Sparse (token ids, not vocabulary-wide rows): a step costs the tokens seen, not the vocabulary;
+        # kept only for the penalty that reads them.
+        repeats = params.repetition_penalty != 1.0
+        self._seen = set(prompt) if repeats else None  # the prompt's and the output's tokens
+        counted = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._counts: dict[int, int] | None = {} if counted else None  # output token -> times generated
         self._allowed: AllowedRow | None = None  # what its state allows next (`Allowed.of`), until accept
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
@@ -156,8 +159,10 @@ class HostLogits:
         """A token of this request was applied."""
         self.num_output += 1
         self._allowed = None
-        self._seen.add(token_id)
-        self._counts[token_id] = self._counts.get(token_id, 0) + 1
+        if self._seen is not None:
+            self._seen.add(token_id)
+        if self._counts is not None:
+            self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if self._keep:
             self._tail = [*self._tail, token_id][-self._keep :]
         if self.mask is not None:
@@ -166,9 +171,9 @@ class HostLogits:
     def _add_edits(self, row: int, edits: _Edits) -> None:
         """Add this request's adjustments of its next token to `edits`, as row `row`."""
         params = self.params
-        if params.repetition_penalty != 1.0:
+        if self._seen is not None:
             edits.scale.add(row, self._seen, params.repetition_penalty)
-        if (params.frequency_penalty or params.presence_penalty) and self._counts:
+        if self._counts:
             edits.shift.add_values(
                 row,
                 self._counts,
