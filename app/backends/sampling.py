@@ -149,7 +149,10 @@ def sample_tokens(
     if logprobs is None:
         logprobs, index = torch.log_softmax(dense(list(range(len(params)))), dim=-1), np.arange(len(params))
     at = torch.from_numpy(index).to(logprobs.device)
-    chosen = logprobs[at, tokens.to(logprobs.device)]
+    if _on_host(logprobs):
+        chosen = torch.from_numpy(logprobs.numpy()[index, tokens.cpu().numpy()])
+    else:
+        chosen = logprobs[at, tokens.to(logprobs.device)]
     needed = logprobs if rows is None or not any(p.num_top_logprobs for p in params) else logprobs[at]
     return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
 
@@ -304,8 +307,9 @@ def _pick_allowed(
     chosen[forced] = ids
     if len(forced) == len(params):
         return torch.from_numpy(chosen)
-    rest = np.setdiff1d(np.arange(len(params)), forced, assume_unique=True)
+    rest = np.arange(len(params))
     if len(forced):
+        rest = rest[np.isin(rest, forced, invert=True)]
         allowed, states = allowed.select(rest), [states[i] for i in rest]
     for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed):
         rows = rest[group.rows]
