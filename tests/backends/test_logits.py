@@ -22,6 +22,8 @@ from app.backends.base import SamplingParams
 from app.backends.logits import HostLogits, apply_host_logits
 from app.backends.sampling import SamplingTensors, pick, sample_tokens
 
+from .masks import FixedTokens
+
 VOCAB = 64
 PROMPT = (1, 5, 9, 9, 13)
 OUTPUT = (20, 5, 20, 31, 7)
@@ -132,27 +134,11 @@ def test_params_without_host_fields_get_no_state() -> None:
     assert HostLogits.start(SamplingParams(temperature=1.0), PROMPT, (EOS,), None).host is None
 
 
-class Allows:
-    """A grammar matcher that allows a fixed set of tokens."""
+class Allows(FixedTokens):
+    """A grammar matcher that allows a fixed set of tokens of the tests' vocabulary."""
 
     def __init__(self, tokens: tuple[int, ...]) -> None:
-        self.tokens = tokens
-
-    def fill(self, masks: list[Allows]) -> numpy.ndarray:
-        bitmask = numpy.zeros((len(masks), (VOCAB + 31) // 32), dtype=numpy.int32)
-        for row, mask in enumerate(masks):
-            for token in mask.tokens:
-                bitmask[row, token // 32] |= numpy.int32(1 << (token % 32) if token % 32 < 31 else -(1 << 31))
-        return bitmask
-
-    def accept(self, token_id: int) -> None:
-        pass
-
-    def allows(self, token_id: int) -> bool:
-        return token_id in self.tokens
-
-    def known_next(self) -> int | None:
-        return None
+        super().__init__(tokens, VOCAB)
 
 
 def batch(seed: int, top_p: float = 0.7) -> list[SamplingParams]:

@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy
 import pytest
 
 from app.backends import sampling
@@ -18,6 +17,7 @@ from app.backends.logits import HostLogits
 from app.backends.neuron.nxdi import NxdiBackend
 from app.errors import InvalidRequestError
 
+from ..masks import FixedTokens
 from .helpers import build_artifact, decode_batch, load_backend, prefill, spec_for
 
 PROMPTS = ((1, 403, 407, 261, 378), (1, 365, 201, 261), (1, 278, 267))
@@ -58,29 +58,6 @@ def test_host_rows_are_drawn_on_the_host_and_the_others_keep_the_devices_tokens(
     assert nxdi_fresh._neuron.calls[-1]["sampling_params"].shape[0] == nxdi_fresh.spec.grid.num_slots
 
 
-class OneOf:
-    """A grammar matcher that allows a fixed set of tokens (`TokenMask`)."""
-
-    def __init__(self, tokens: tuple[int, ...], vocab: int) -> None:
-        self.tokens, self.vocab = tokens, vocab
-
-    def fill(self, masks: list[OneOf]) -> numpy.ndarray:
-        words = numpy.zeros((len(masks), (self.vocab + 31) // 32), numpy.uint32)
-        for row, mask in enumerate(masks):
-            for token in mask.tokens:
-                words[row, token // 32] |= numpy.uint32(1 << (token % 32))
-        return words.view(numpy.int32)
-
-    def accept(self, token_id: int) -> None:
-        pass
-
-    def allows(self, token_id: int) -> bool:
-        return token_id in self.tokens
-
-    def known_next(self) -> int | None:
-        return None
-
-
 def test_a_grammar_row_keeps_the_device_s_token_where_its_grammar_allows_it(
     nxdi_fresh: NxdiBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,7 +71,7 @@ def test_a_grammar_row_keeps_the_device_s_token_where_its_grammar_allows_it(
 
     def grammar_row(prompt: int, allowed: tuple[int, ...]) -> SamplingParams:
         row = SamplingParams(grammar=object())  # type: ignore[arg-type]
-        return HostLogits.start(row, PROMPTS[prompt], (2,), OneOf(allowed, vocab))
+        return HostLogits.start(row, PROMPTS[prompt], (2,), FixedTokens(allowed, vocab))
 
     mixed = decode_all(nxdi_fresh, [GREEDY, grammar_row(1, (device_only[1], 300)), grammar_row(2, ALLOWED)])
     assert mixed[:2] == device_only[:2] and host_draws == [("_pick_allowed", 1)]
@@ -110,7 +87,7 @@ def test_a_grammar_row_refused_a_forced_token_takes_it_without_the_sampler(
     host_draws: list[tuple[str, int]] = []
     monkeypatch.setattr(sampling, "_pick_allowed", spy(sampling._pick_allowed, "_pick_allowed", host_draws))
     row = SamplingParams(grammar=object())  # type: ignore[arg-type]
-    forced = HostLogits.start(row, PROMPTS[1], (2,), OneOf((300,), nxdi_fresh.model.vocab_size))
+    forced = HostLogits.start(row, PROMPTS[1], (2,), FixedTokens((300,), nxdi_fresh.model.vocab_size))
     first = [prefill(nxdi_fresh, slot, prompt) for slot, prompt in enumerate(PROMPTS)]
     batch = decode_batch([0, 1, 2], first, [len(p) for p in PROMPTS], [GREEDY, forced, GREEDY])
     tokens = nxdi_fresh.decode(batch)
