@@ -469,21 +469,11 @@ class SimBackend(Backend):
             return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)
 
         def propose(rows: list[int]) -> list[int]:
-            return self._made_up_draws(
-                [params[i] for i in rows], [positions[i] for i in rows], shifts[rows].tolist()
-            )
+            return [self._made_up_draw(params[i], positions[i], int(shifts[i])) for i in rows]
 
         tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather, propose=propose).numpy()
         logprobs = made_up[(tokens - shifts) % vocab] - self._made_up_normaliser
         return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
-
-    def _made_up_draws(
-        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: Sequence[int]
-    ) -> list[int]:
-        return [
-            self._made_up_draw(p, position, shift)
-            for p, position, shift in zip(params, positions, shifts, strict=True)
-        ]
 
     def _made_up_draw(self, params: SamplingParams, position: int, shift: int) -> int:
         """A row's unconstrained token from its made-up logits (the fixed ones rolled by `shift`): its

@@ -208,7 +208,7 @@ def test_a_restricted_host_row_draws_from_its_made_up_row(allowed: range) -> Non
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
 def test_a_grammar_row_s_first_draw_inverts_its_whole_made_up_row(temperature: float) -> None:
-    """The unconstrained draw a grammar row checks first (`_made_up_draws`: a binary search on the fixed
+    """The unconstrained draw a grammar row checks first (`_made_up_draw`: a binary search on the fixed
     logits' running sum, wrapped at the roll) is the inverse of the whole rolled row's distribution at
     the row's uniform, computed over the whole row in float64 here; greedy takes its argmax."""
     backend = sim()
@@ -216,7 +216,7 @@ def test_a_grammar_row_s_first_draw_inverts_its_whole_made_up_row(temperature: f
     for seed in range(30):
         shift = sim_hash(seed, 4, 9) % 50
         params = SamplingParams(temperature=temperature, seed=seed)
-        (token,) = backend._made_up_draws([params], [4], numpy.array([shift]))
+        token = backend._made_up_draw(params, 4, shift)
         row = numpy.roll(made_up, shift)
         if temperature == 0.0:
             assert token == int(row.argmax())
