@@ -410,6 +410,8 @@ class SimBackend(Backend):
         """`tokens` with the host-logits rows (None there) drawn, all in one batch (never fed back: their
         state needs the token before them)."""
         rows = [i for i, token in enumerate(tokens) if token is None]
+        if not rows:
+            return tokens  # type: ignore[return-value]
         hashes = [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows]
         params = [sampling[i] for i in rows]
         settled = without_sampler(

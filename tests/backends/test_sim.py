@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from app.backends import backend_class
+from app.backends import sim as sim_backend
 from app.backends.base import (
     FED_BACK,
     GREEDY,
@@ -246,3 +247,16 @@ def test_a_grammar_row_asking_for_top_logprobs_gets_them() -> None:
     params = HostLogits.start(row, prompt, (2,), Anything())
     (token,) = backend.prefill(PrefillBatch((0,), (prompt,), (params,), 8))
     assert len(token.top_logprobs) == 2
+
+
+def test_a_step_without_host_rows_never_reaches_the_host_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain rows cost their hashes only: the host path (the checks of grammar rows) is not entered."""
+
+    def entered(*_: object) -> None:
+        raise AssertionError("the host path ran for a step without host rows")
+
+    monkeypatch.setattr(sim_backend, "without_sampler", entered)
+    backend = sim()
+    backend.prefill(PrefillBatch((0,), ((1, 7, 9),), (SamplingParams(seed=3),), 8))
+    (token,) = backend.decode(DecodeBatch((0,), (FED_BACK,), (3,), (SamplingParams(seed=3),), 4, 16))
+    assert 0 <= token.token_id < backend.model.vocab_size
