@@ -143,7 +143,7 @@ def sample_tokens(
         positions,
         vocab_size,
         rows=dense,
-        gather=lambda of, ids: _gathered(logits, index[of], ids, vocab_size),
+        gather=gather_rows(logits, index, vocab_size),
         propose=None if proposed is None else lambda of: [proposed[i] for i in of],
     )
     if logprobs is None:
@@ -155,6 +155,11 @@ def sample_tokens(
         chosen = logprobs[at, tokens.to(logprobs.device)]
     needed = logprobs if rows is None or not any(p.num_top_logprobs for p in params) else logprobs[at]
     return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
+
+
+def gather_rows(logits: torch.Tensor, rows: np.ndarray, vocab_size: int) -> Gather:
+    """The `Gather` of sequences whose logits are rows `rows` of fp32 `logits` [rows, vocab]."""
+    return lambda of, ids: _gathered(logits, rows[of], ids, vocab_size)
 
 
 def _gathered(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -232,15 +237,21 @@ def checks_first(params: SamplingParams) -> bool:
     return params.host is not None and params.host.checks_first
 
 
-def without_sampler(
-    params: Sequence[SamplingParams], proposed: Sequence[int | None], vocab_size: int
+def checked_tokens(
+    params: Sequence[SamplingParams],
+    proposed: Sequence[int | None],
+    positions: Sequence[int],
+    vocab_size: int,
+    gather: Gather,
 ) -> dict[int, int]:
-    """For a backend holding a device's draws (`proposed[i]`, None: none for that row): the rows whose
-    token needs no sampler, with that token, as `pick_tokens` would draw it. A row that checks first
+    """For a backend holding a device's draws (`proposed[i]`, None: none for that row): the token of each
+    row that checks its grammar first, as `pick_tokens` draws it, without its whole-batch work. A row
     keeps its proposal where its grammar allows it; refused, it takes the one id its grammar allows where
-    there is only one (`Allowed.forced`: a token the grammar forces, the usual refusal), its masks in one
-    call, unless its grammar knows that id without one (`HostLogits.known_next`). Rows asking for top
-    logprobs are left to the sampler, which reads their whole rows."""
+    it knows that id without a mask (`HostLogits.known_next`), else draws among its allowed ids with its
+    second uniform (`_pick_allowed`: the refused rows' masks in one call, a forced id taken without a
+    draw). `gather(rows, ids)`: raw fp32 logits [len(rows), n] of row rows[i] of `params` at ids[i, j]
+    (`Restricted.groups`). Rows asking for top logprobs are left to the sampler, which reads their whole
+    rows."""
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
@@ -254,8 +265,14 @@ def without_sampler(
         else:
             refused.append(i)
     if refused:
-        rows, ids = Allowed.of([params[i].host for i in refused], vocab_size).forced()  # type: ignore[misc]
-        settled |= {refused[j]: token for j, token in zip(rows.tolist(), ids.tolist(), strict=True)}
+        index = np.array(refused, np.int64)
+        drawn = _pick_allowed(
+            [params[i] for i in refused],
+            [positions[i] + REDRAW for i in refused],
+            vocab_size,
+            lambda r, ids: gather(index[r], ids),
+        )
+        settled |= dict(zip(refused, drawn.tolist(), strict=True))
     return settled
 
 

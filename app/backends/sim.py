@@ -71,14 +71,15 @@ from app.backends.base import (
     min_kv_blocks,
 )
 from app.backends.batches import check_decode, check_prefill
+from app.backends.logits import Gather
 from app.backends.sampling import (
     MASK32,
+    checked_tokens,
     checks_first,
     draw,
     mix32,
     pick_tokens,
     sample_tokens,
-    without_sampler,
 )
 from app.errors import BatchError, ConfigError
 from app.llama import generation_eos_ids, token_ids
@@ -414,58 +415,48 @@ class SimBackend(Backend):
             return tokens  # type: ignore[return-value]
         hashes = [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows]
         params = [sampling[i] for i in rows]
-        settled = without_sampler(
-            params, self._first_draws(params, [positions[i] for i in rows], hashes), self.model.vocab_size
+        at = [positions[i] for i in rows]
+        shifts = np.array([h % self.model.vocab_size for h in hashes], np.int64)
+        settled = checked_tokens(
+            params, self._first_draws(params, at, shifts), at, self.model.vocab_size, self._gather(shifts)
         )
         for j, token in settled.items():
-            tokens[rows[j]] = self._made_up_token(token, hashes[j])
+            tokens[rows[j]] = self._made_up_token(token, int(shifts[j]))
         left = [j for j in range(len(rows)) if j not in settled]
         if left:
-            drawn = self._host_tokens(
-                [params[j] for j in left], [positions[rows[j]] for j in left], [hashes[j] for j in left]
-            )
+            drawn = self._host_tokens([params[j] for j in left], [at[j] for j in left], shifts[left])
             for j, token in zip(left, drawn, strict=True):
                 tokens[rows[j]] = token
         return tokens  # type: ignore[return-value]
 
     def _first_draws(
-        self, params: Sequence[SamplingParams], positions: Sequence[int], hashes: Sequence[int]
+        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
     ) -> list[int | None]:
         """The made-up draw of each row that checks its grammar first, as a device's would be (None for
         the others): a binary search each, not a pass over the vocabulary."""
-        vocab = self.model.vocab_size
         return [
-            self._made_up_draw(p, position, row_hash % vocab) if checks_first(p) else None
-            for p, position, row_hash in zip(params, positions, hashes, strict=True)
+            self._made_up_draw(p, position, shift) if checks_first(p) else None
+            for p, position, shift in zip(params, positions, shifts.tolist(), strict=True)
         ]
 
-    def _made_up_token(self, token: int, row_hash: int) -> SampledToken:
-        """`token` with its logprob under the made-up row of `row_hash` (a roll keeps the normaliser)."""
+    def _made_up_token(self, token: int, shift: int) -> SampledToken:
+        """`token` with its logprob under the made-up row rolled by `shift` (a roll keeps the normaliser)."""
         vocab = self.model.vocab_size
-        logit = float(self._made_up_logits[(token - row_hash % vocab) % vocab])
+        logit = float(self._made_up_logits[(token - shift) % vocab])
         return SampledToken(token, logit - self._made_up_normaliser)
 
     def _host_tokens(
-        self, params: Sequence[SamplingParams], positions: Sequence[int], hashes: Sequence[int]
+        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
     ) -> list[SampledToken]:
         """Host-logits rows, drawn from made-up logits: row i's is the fixed `_made_up_logits` rolled by
-        hashes[i] (so a row's logits are a function of seed, position and previous token). Restricted rows
-        (a grammar, `allowed_token_ids`) read only their allowed ids' logits, as a host reading a device's
-        logits would; their logprob is exact (a roll keeps the row's log-normaliser). Others, and any
-        batch asking for top logprobs, get whole rows."""
-        vocab, made_up = self.model.vocab_size, self._made_up_logits
-        shifts = np.array([h % vocab for h in hashes], np.int64)
+        shifts[i] (a hash of seed, position and previous token). Restricted rows (a grammar,
+        `allowed_token_ids`) read only their allowed ids' logits, as a host reading a device's logits
+        would; their logprob is exact (a roll keeps the row's log-normaliser). Others, and any batch
+        asking for top logprobs, get whole rows."""
+        vocab, gather = self.model.vocab_size, self._gather(shifts)
 
-        def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
-            if ids.shape == (1, vocab):
-                return whole(rows.tolist()).numpy()
-            return made_up[(ids - shifts[rows][:, None]) % vocab]
-
-        def whole(rows: list[int]) -> torch.Tensor:  # a row rolled by s: twice the logits, cut at vocab - s
-            twice = self._made_up_twice
-            return torch.from_numpy(
-                np.stack([twice[vocab - s : 2 * vocab - s] for s in shifts[rows].tolist()])
-            )
+        def whole(rows: list[int]) -> torch.Tensor:
+            return torch.from_numpy(self._rolled(shifts[rows]))
 
         if any(p.num_top_logprobs for p in params):
             return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)
@@ -474,8 +465,25 @@ class SimBackend(Backend):
             return [self._made_up_draw(params[i], positions[i], int(shifts[i])) for i in rows]
 
         tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather, propose=propose).numpy()
-        logprobs = made_up[(tokens - shifts) % vocab] - self._made_up_normaliser
+        logprobs = self._made_up_logits[(tokens - shifts) % vocab] - self._made_up_normaliser
         return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
+
+    def _gather(self, shifts: np.ndarray) -> Gather:
+        """Row i's made-up logits (the fixed ones rolled by shifts[i]) at ids, whole rows for [1, vocab]."""
+        vocab, made_up = self.model.vocab_size, self._made_up_logits
+
+        def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+            if ids.shape == (1, vocab):
+                return self._rolled(shifts[rows])
+            return made_up[(ids - shifts[rows][:, None]) % vocab]
+
+        return gather
+
+    def _rolled(self, shifts: np.ndarray) -> np.ndarray:
+        """The made-up rows rolled by `shifts`: a row rolled by s is the fixed logits twice over, cut at
+        vocab - s."""
+        vocab, twice = self.model.vocab_size, self._made_up_twice
+        return np.stack([twice[vocab - s : 2 * vocab - s] for s in shifts.tolist()])
 
     def _made_up_draw(self, params: SamplingParams, position: int, shift: int) -> int:
         """A row's unconstrained token from its made-up logits (the fixed ones rolled by `shift`): its

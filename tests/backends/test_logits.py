@@ -368,9 +368,8 @@ class CountedAllows(Allows):
 
 
 def test_a_refused_row_drawn_by_the_sampler_computes_its_mask_once_a_step() -> None:
-    """A device's draw refused: the backend's look for a forced id (`without_sampler`) computes the
-    row's mask, and the sampler's draw among its allowed ids reuses it; the next token's state needs
-    its own."""
+    """A device's draw refused: the backend's look for a forced id computes the row's mask, and the
+    sampler's draw among its allowed ids reuses it; the next token's state needs its own."""
     mask = CountedAllows(ALLOWED)
     row = HostLogits.start(
         SamplingParams(temperature=1.0, seed=4, grammar=object()),
@@ -380,10 +379,32 @@ def test_a_refused_row_drawn_by_the_sampler_computes_its_mask_once_a_step() -> N
     )
     logits = torch.randn(1, VOCAB)
     for step in range(1, 3):
-        assert sampling.without_sampler([row], [12], VOCAB) == {}
+        host_logits.Allowed.of([row.host], VOCAB).forced()  # type: ignore[list-item]
         (token,) = sample_tokens(logits, [row], [5], VOCAB, proposed=[12])
         assert token.token_id in ALLOWED and mask.rows == step
         row.host.accept(token.token_id)  # type: ignore[union-attr]
+
+
+def test_a_refused_row_settled_by_its_backend_draws_what_the_sampler_draws() -> None:
+    """`checked_tokens`, a backend's draw of its refused rows without the batch's sampler, takes the
+    token `sample_tokens` takes from the same logits and proposal, and keeps an allowed proposal."""
+    logits = torch.randn(3, VOCAB)
+    rows = [
+        HostLogits.start(
+            SamplingParams(temperature=0.8, seed=seed, grammar=object()),
+            PROMPT,
+            (EOS,),
+            Allows(ALLOWED),  # type: ignore[arg-type]
+        )
+        for seed in (4, 5, 6)
+    ]
+    proposed = [12, ALLOWED[1], 13]
+    ours = sampling.checked_tokens(
+        rows, proposed, [5, 6, 7], VOCAB, sampling.gather_rows(logits, numpy.arange(3), VOCAB)
+    )
+    theirs = sample_tokens(logits, rows, [5, 6, 7], VOCAB, proposed=proposed)
+    assert ours == {i: token.token_id for i, token in enumerate(theirs)}
+    assert ours[1] == ALLOWED[1]
 
 
 class KnowsNext(CountedAllows):
@@ -401,6 +422,7 @@ def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask
         (EOS,),
         mask,  # type: ignore[arg-type]
     )
-    assert sampling.without_sampler([row], [12], VOCAB) == {0: 40}
-    assert sampling.without_sampler([row], [40], VOCAB) == {0: 40}  # allowed: kept
+    gather = sampling.gather_rows(torch.zeros(1, VOCAB), numpy.arange(1), VOCAB)
+    assert sampling.checked_tokens([row], [12], [5], VOCAB, gather) == {0: 40}
+    assert sampling.checked_tokens([row], [40], [5], VOCAB, gather) == {0: 40}  # allowed: kept
     assert mask.rows == 0

@@ -255,7 +255,7 @@ def test_a_step_without_host_rows_never_reaches_the_host_path(monkeypatch: pytes
     def entered(*_: object) -> None:
         raise AssertionError("the host path ran for a step without host rows")
 
-    monkeypatch.setattr(sim_backend, "without_sampler", entered)
+    monkeypatch.setattr(sim_backend, "checked_tokens", entered)
     backend = sim()
     backend.prefill(PrefillBatch((0,), ((1, 7, 9),), (SamplingParams(seed=3),), 8))
     (token,) = backend.decode(DecodeBatch((0,), (FED_BACK,), (3,), (SamplingParams(seed=3),), 4, 16))

@@ -47,6 +47,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import numpy as np
 import torch
 
 from app.backends.base import (
@@ -64,7 +65,7 @@ from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.block_kv import BlockKvInputs, BlockLayout
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, decode_rows, device_tokens, global_topk, sampling_row
-from app.backends.sampling import sample_tokens, without_sampler
+from app.backends.sampling import checked_tokens, gather_rows, sample_tokens
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
 from app.shapes import BucketRule
 
@@ -520,11 +521,18 @@ def with_host_rows(
 ) -> list[SampledToken]:
     """The device's `tokens` with each host row's drawn here from its fp32 `logits` row (its logprobs
     `all_logprobs`), in place: no copy of a row. A row only its grammar changes keeps the device's draw
-    where the grammar allows it, or takes the one id it allows, without the sampler (`without_sampler`)."""
+    where the grammar allows it, else draws among the ids it allows (`checked_tokens`)."""
     host = [i for i, p in enumerate(params) if _on_host(p)]
     if not host:
         return tokens
-    settled = without_sampler([params[i] for i in host], [tokens[i].token_id for i in host], logits.shape[-1])
+    vocab = logits.shape[-1]
+    settled = checked_tokens(
+        [params[i] for i in host],
+        [tokens[i].token_id for i in host],
+        [positions[i] for i in host],
+        vocab,
+        gather_rows(logits, np.array(host, np.int64), vocab),
+    )
     logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs  # scalar reads
     left = []
     for j, i in enumerate(host):

@@ -85,7 +85,7 @@ def test_a_grammar_row_refused_a_forced_token_takes_it_without_the_sampler(
     is drawn on the host."""
     device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
     host_draws: list[tuple[str, int]] = []
-    monkeypatch.setattr(sampling, "_pick_allowed", spy(sampling._pick_allowed, "_pick_allowed", host_draws))
+    monkeypatch.setattr(sampling, "_inverse_cdf", spy(sampling._inverse_cdf, "_inverse_cdf", host_draws))
     row = SamplingParams(grammar=object())  # type: ignore[arg-type]
     forced = HostLogits.start(row, PROMPTS[1], (2,), FixedTokens((300,), nxdi_fresh.model.vocab_size))
     first = [prefill(nxdi_fresh, slot, prompt) for slot, prompt in enumerate(PROMPTS)]
