@@ -157,9 +157,9 @@ def sample_tokens(
     return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
 
 
-def gather_rows(logits: torch.Tensor, rows: np.ndarray, vocab_size: int) -> Gather:
+def gather_rows(logits: torch.Tensor, rows: Sequence[int] | np.ndarray, vocab_size: int) -> Gather:
     """The `Gather` of sequences whose logits are rows `rows` of fp32 `logits` [rows, vocab]."""
-    return lambda of, ids: _gathered(logits, rows[of], ids, vocab_size)
+    return lambda of, ids: _gathered(logits, np.asarray(rows, np.int64)[of], ids, vocab_size)
 
 
 def _gathered(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -238,20 +238,14 @@ def checks_first(params: SamplingParams) -> bool:
 
 
 def checked_tokens(
-    params: Sequence[SamplingParams],
-    proposed: Sequence[int | None],
-    positions: Sequence[int],
-    vocab_size: int,
-    gather: Gather,
-) -> dict[int, int]:
-    """For a backend holding a device's draws (`proposed[i]`, None: none for that row): the token of each
-    row that checks its grammar first, as `pick_tokens` draws it, without its whole-batch work. A row
-    keeps its proposal where its grammar allows it; refused, it takes the one id its grammar allows where
-    it knows that id without a mask (`HostLogits.known_next`), else draws among its allowed ids with its
-    second uniform (`_pick_allowed`: the refused rows' masks in one call, a forced id taken without a
-    draw). `gather(rows, ids)`: raw fp32 logits [len(rows), n] of row rows[i] of `params` at ids[i, j]
-    (`Restricted.groups`). Rows asking for top logprobs are left to the sampler, which reads their whole
-    rows."""
+    params: Sequence[SamplingParams], proposed: Sequence[int | None], vocab_size: int
+) -> tuple[dict[int, int], list[int]]:
+    """For a backend holding a device's draws (`proposed[i]`, None: none for that row): the rows that
+    check their grammar first whose token needs no draw, with that token as `pick_tokens` takes it, and
+    the rows refused with several ids allowed (`redrawn`). A row keeps its proposal where its grammar
+    allows it; refused, it takes the one id its grammar allows where there is only one, known without a
+    mask (`HostLogits.known_next`) or from its mask (`Allowed.forced`: the refused rows' masks in one
+    call). Rows asking for top logprobs are left to the sampler, which reads their whole rows."""
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
@@ -264,16 +258,19 @@ def checked_tokens(
             settled[i] = known
         else:
             refused.append(i)
-    if refused:
-        index = np.array(refused, np.int64)
-        drawn = _pick_allowed(
-            [params[i] for i in refused],
-            [positions[i] + REDRAW for i in refused],
-            vocab_size,
-            lambda r, ids: gather(index[r], ids),
-        )
-        settled |= dict(zip(refused, drawn.tolist(), strict=True))
-    return settled
+    if not refused:
+        return settled, refused
+    rows, ids = Allowed.of([params[i].host for i in refused], vocab_size).forced()  # type: ignore[misc]
+    settled |= {refused[j]: token for j, token in zip(rows.tolist(), ids.tolist(), strict=True)}
+    return settled, [i for i in refused if i not in settled]
+
+
+def redrawn(
+    params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int, gather: Gather
+) -> list[int]:
+    """The tokens of rows whose device's draw their grammar refused (`checked_tokens`), drawn among their
+    allowed ids with their second uniform, as `pick_tokens` draws them (`gather`: their logits)."""
+    return _pick_allowed(params, [p + REDRAW for p in positions], vocab_size, gather).tolist()
 
 
 def _keeps_draw(params: SamplingParams, token: int) -> bool:

@@ -79,6 +79,7 @@ from app.backends.sampling import (
     draw,
     mix32,
     pick_tokens,
+    redrawn,
     sample_tokens,
 )
 from app.errors import BatchError, ConfigError
@@ -416,10 +417,11 @@ class SimBackend(Backend):
         hashes = [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows]
         params = [sampling[i] for i in rows]
         at = [positions[i] for i in rows]
-        shifts = np.array([h % self.model.vocab_size for h in hashes], np.int64)
-        settled = checked_tokens(
-            params, self._first_draws(params, at, shifts), at, self.model.vocab_size, self._gather(shifts)
-        )
+        vocab = self.model.vocab_size
+        shifts = np.array([h % vocab for h in hashes], np.int64)
+        settled, refused = checked_tokens(params, self._first_draws(params, at, shifts), vocab)
+        if refused:
+            settled |= self._redrawn(refused, params, at, shifts)
         for j, token in settled.items():
             tokens[rows[j]] = self._made_up_token(token, int(shifts[j]))
         left = [j for j in range(len(rows)) if j not in settled]
@@ -428,6 +430,14 @@ class SimBackend(Backend):
             for j, token in zip(left, drawn, strict=True):
                 tokens[rows[j]] = token
         return tokens  # type: ignore[return-value]
+
+    def _redrawn(
+        self, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
+    ) -> dict[int, int]:
+        """The tokens of `rows` (of `params`) whose made-up draw their grammar refused (`redrawn`)."""
+        at = [positions[j] for j in rows]
+        drawn = redrawn([params[j] for j in rows], at, self.model.vocab_size, self._gather(shifts[rows]))
+        return dict(zip(rows, drawn, strict=True))
 
     def _first_draws(
         self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray

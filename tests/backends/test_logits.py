@@ -385,9 +385,10 @@ def test_a_refused_row_drawn_by_the_sampler_computes_its_mask_once_a_step() -> N
         row.host.accept(token.token_id)  # type: ignore[union-attr]
 
 
-def test_a_refused_row_settled_by_its_backend_draws_what_the_sampler_draws() -> None:
-    """`checked_tokens`, a backend's draw of its refused rows without the batch's sampler, takes the
-    token `sample_tokens` takes from the same logits and proposal, and keeps an allowed proposal."""
+def test_a_refused_row_redrawn_by_its_backend_draws_what_the_sampler_draws() -> None:
+    """`checked_tokens` and `redrawn`, a backend's draw of its refused rows without the batch's sampler,
+    take the tokens `sample_tokens` takes from the same logits and proposals, and keep an allowed
+    proposal."""
     logits = torch.randn(3, VOCAB)
     rows = [
         HostLogits.start(
@@ -399,12 +400,12 @@ def test_a_refused_row_settled_by_its_backend_draws_what_the_sampler_draws() -> 
         for seed in (4, 5, 6)
     ]
     proposed = [12, ALLOWED[1], 13]
-    ours = sampling.checked_tokens(
-        rows, proposed, [5, 6, 7], VOCAB, sampling.gather_rows(logits, numpy.arange(3), VOCAB)
-    )
+    settled, refused = sampling.checked_tokens(rows, proposed, VOCAB)
+    assert settled == {1: ALLOWED[1]} and refused == [0, 2]
+    gather = sampling.gather_rows(logits, refused, VOCAB)
+    settled |= dict(zip(refused, sampling.redrawn([rows[0], rows[2]], [5, 7], VOCAB, gather), strict=True))
     theirs = sample_tokens(logits, rows, [5, 6, 7], VOCAB, proposed=proposed)
-    assert ours == {i: token.token_id for i, token in enumerate(theirs)}
-    assert ours[1] == ALLOWED[1]
+    assert settled == {i: token.token_id for i, token in enumerate(theirs)}
 
 
 class KnowsNext(CountedAllows):
@@ -422,7 +423,6 @@ def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask
         (EOS,),
         mask,  # type: ignore[arg-type]
     )
-    gather = sampling.gather_rows(torch.zeros(1, VOCAB), numpy.arange(1), VOCAB)
-    assert sampling.checked_tokens([row], [12], [5], VOCAB, gather) == {0: 40}
-    assert sampling.checked_tokens([row], [40], [5], VOCAB, gather) == {0: 40}  # allowed: kept
+    assert sampling.checked_tokens([row], [12], VOCAB) == ({0: 40}, [])
+    assert sampling.checked_tokens([row], [40], VOCAB) == ({0: 40}, [])  # allowed: kept
     assert mask.rows == 0
