@@ -349,21 +349,28 @@ def _inverse_cdf(
         if any(t not in (0.0, 1.0) for t in temperatures):
             logits /= np.array([t or 1.0 for t in temperatures], np.float32)[:, None]
         weights = np.exp(logits, out=logits)
-        if _filtered(params):
-            weights *= _filters_keep(weights, params)
-        column = _invert(weights, draws(params, positions))
+        uniforms = draws(params, positions)
+        column = _invert_kept(weights, params, uniforms) if _filtered(params) else _invert(weights, uniforms)
     return column if chosen is None else np.where(np.array(temperatures) == 0.0, chosen, column)
 
 
-def _filters_keep(weights: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
-    """bool [rows, columns]: the columns each row's top-k, top-p and min-p keep (`_cutoff`'s rule on its
-    probabilities)."""
-    probs = weights / weights.sum(axis=1, keepdims=True)
+def _invert_kept(weights: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray) -> np.ndarray:
+    """`_invert` of each row of `weights` cut by its top-k, top-p and min-p (`_cutoff`'s rule, on the
+    weights themselves: the rule compares a row's values with each other and with shares of their sum,
+    so it holds at any scale and the row is never normalised), its running sum taken over the columns
+    it keeps only (in column order, as `_draw`'s). A row of nan weights (all -inf logits) keeps none:
+    column 0."""
     columns = weights.shape[1]
-    cut = _host_cutoffs(
-        probs, [p.top_k or columns for p in params], [p.top_p for p in params], [p.min_p for p in params]
+    cutoffs = _host_cutoffs(
+        weights, [p.top_k or columns for p in params], [p.top_p for p in params], [p.min_p for p in params]
     )
-    return probs >= cut
+    chosen = np.zeros(len(weights), np.int64)
+    for i, (row, cutoff) in enumerate(zip(weights, cutoffs[:, 0], strict=True)):
+        kept = (row >= cutoff).nonzero()[0]
+        if len(kept):
+            running = row[kept].cumsum()[None, :]
+            chosen[i] = kept[_reaching(running, uniforms[i : i + 1] * running[:, -1])[0]]
+    return chosen
 
 
 CDF_BLOCK = 1024
@@ -482,10 +489,10 @@ LIKELY = 1e-4  # a token at least this share of the likeliest one's probability 
 
 
 def _host_cutoffs(probs: np.ndarray, top_k: list[int], top_p: list[float], min_p: list[float]) -> np.ndarray:
-    """`_cutoff` for fp32 rows on the host, where a sort of a 128k-token row takes milliseconds: the
-    top-k and nucleus come from the row's likeliest tokens (`LIKELY`) sorted, which hold them whenever
-    their mass reaches the nucleus (a language model's rows, nearly always); a row whose candidates fall
-    short sorts whole."""
+    """`_cutoff` for fp32 rows on the host (of probabilities, or weights at any scale: the rule is the
+    same), where a sort of a 128k-token row takes milliseconds: the top-k and nucleus come from the
+    row's likeliest tokens (`LIKELY`) sorted, which hold them whenever their mass reaches the nucleus (a
+    language model's rows, nearly always); a row whose candidates fall short sorts whole."""
     cutoffs = np.full((len(probs), 1), -np.inf, np.float32)  # a row without probabilities keeps all
     for i, (row, k, p, floor) in enumerate(zip(probs, top_k, top_p, min_p, strict=True)):
         top = row.max()
