@@ -47,6 +47,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import numpy as np
 import torch
 
 from app.backends.base import (
@@ -525,12 +526,16 @@ def with_host_rows(
     if not host:
         return tokens
     settled = _checked_rows(host, tokens, logits, params, positions)
-    changed = [(host[j], token) for j, token in settled.items() if token != tokens[host[j]].token_id]
-    if changed:
-        logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs  # scalar reads
-        for i, token in changed:
+    left: list[int] = []
+    logprobs: np.ndarray | torch.Tensor | None = None
+    for j, i in enumerate(host):
+        token = settled.get(j)
+        if token is None:
+            left.append(i)
+        elif token != tokens[i].token_id:
+            if logprobs is None:  # scalar reads, only where a row's token changed
+                logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs
             tokens[i] = SampledToken(token, float(logprobs[i, token]))
-    left = [i for j, i in enumerate(host) if j not in settled]
     if left:
         drawn = sample_tokens(
             logits,
@@ -567,8 +572,9 @@ def _checked_rows(
 
 
 def _on_host(params: SamplingParams) -> bool:
-    """A row the device's sampler cannot draw: it has no mask, bias, penalty or min-p input."""
-    return params.uses_host_logits or params.min_p > 0.0
+    """A row the device's sampler cannot draw: it has no mask, bias, penalty or min-p input (its host
+    state, where the engine gave it one, says so at once)."""
+    return params.host is not None or params.min_p > 0.0 or params.uses_host_logits
 
 
 def _host_param(params: SamplingParams) -> str:
