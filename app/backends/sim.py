@@ -414,39 +414,42 @@ class SimBackend(Backend):
         rows = [i for i, token in enumerate(tokens) if token is None]
         if not rows:
             return tokens  # type: ignore[return-value]
-        hashes = [sim_hash(sampling[i].seed, positions[i], previous[i]) for i in rows]
+        vocab = self.model.vocab_size
         params = [sampling[i] for i in rows]
         at = [positions[i] for i in rows]
-        vocab = self.model.vocab_size
-        shifts = np.array([h % vocab for h in hashes], np.int64)
+        # each row's roll of the made-up logits: a hash of its seed, position and previous token
+        shifts = [sim_hash(sampling[i].seed, positions[i], previous[i]) % vocab for i in rows]
         settled, refused = checked_tokens(params, self._first_draws(params, at, shifts), vocab)
         if refused:
             settled |= self._redrawn(refused, params, at, shifts)
         for j, token in settled.items():
-            tokens[rows[j]] = self._made_up_token(token, int(shifts[j]))
+            tokens[rows[j]] = self._made_up_token(token, shifts[j])
         left = [j for j in range(len(rows)) if j not in settled]
         if left:
-            drawn = self._host_tokens([params[j] for j in left], [at[j] for j in left], shifts[left])
+            drawn = self._host_tokens(
+                [params[j] for j in left], [at[j] for j in left], [shifts[j] for j in left]
+            )
             for j, token in zip(left, drawn, strict=True):
                 tokens[rows[j]] = token
         return tokens  # type: ignore[return-value]
 
     def _redrawn(
-        self, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
+        self, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int], shifts: list[int]
     ) -> dict[int, int]:
         """The tokens of `rows` (of `params`) whose made-up draw their grammar refused (`redrawn`)."""
         at = [positions[j] for j in rows]
-        drawn = redrawn([params[j] for j in rows], at, self.model.vocab_size, self._gather(shifts[rows]))
+        gather = self._gather(np.array([shifts[j] for j in rows], np.int64))
+        drawn = redrawn([params[j] for j in rows], at, self.model.vocab_size, gather)
         return dict(zip(rows, drawn, strict=True))
 
     def _first_draws(
-        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
+        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: list[int]
     ) -> list[int | None]:
         """The made-up draw of each row that checks its grammar first, as a device's would be (None for
         the others): a binary search each, not a pass over the vocabulary."""
         return [
             self._made_up_draw(p, position, shift) if checks_first(p) else None
-            for p, position, shift in zip(params, positions, shifts.tolist(), strict=True)
+            for p, position, shift in zip(params, positions, shifts, strict=True)
         ]
 
     def _made_up_token(self, token: int, shift: int) -> SampledToken:
@@ -456,13 +459,14 @@ class SimBackend(Backend):
         return SampledToken(token, logit - self._made_up_normaliser)
 
     def _host_tokens(
-        self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: np.ndarray
+        self, params: Sequence[SamplingParams], positions: Sequence[int], rolls: list[int]
     ) -> list[SampledToken]:
         """Host-logits rows, drawn from made-up logits: row i's is the fixed `_made_up_logits` rolled by
-        shifts[i] (a hash of seed, position and previous token). Restricted rows (a grammar,
+        rolls[i] (a hash of seed, position and previous token). Restricted rows (a grammar,
         `allowed_token_ids`) read only their allowed ids' logits, as a host reading a device's logits
         would; their logprob is exact (a roll keeps the row's log-normaliser). Others, and any batch
         asking for top logprobs, get whole rows."""
+        shifts = np.array(rolls, np.int64)
         vocab, gather = self.model.vocab_size, self._gather(shifts)
 
         def whole(rows: list[int]) -> torch.Tensor:
