@@ -31,7 +31,6 @@ from typing import Any
 
 import llguidance
 import numpy
-import torch
 
 from app.backends.logits import Grammar, HostLogits, single_id
 from app.engine.types import GenerationParams
@@ -201,8 +200,7 @@ class GrammarMatcher:
         """Every matcher's mask in one call of llguidance's executor (bit k of 32-bit word w: token
         32 w + k), which computes them on its own threads, outside the GIL; a matcher whose grammar
         knows its one next token (`ForcedStart`) gets that token's bit without a computation."""
-        bitmask = torch.empty((len(masks), self._words), dtype=torch.int32)  # data_ptr(): cheaper than ctypes
-        words = bitmask.numpy().view(numpy.uint32)
+        words = numpy.empty((len(masks), self._words), numpy.uint32)
         computed = []
         for i, mask in enumerate(masks):
             token = mask.known_next()
@@ -212,7 +210,7 @@ class GrammarMatcher:
                 words[i] = 0
                 words[i, token >> 5] = 1 << (token & 31)
         if computed:
-            _EXECUTOR.unsafe_compute_mask_ptr(computed, bitmask.data_ptr(), self._words * 4, len(masks))
+            _EXECUTOR.unsafe_compute_mask_ptr(computed, words.ctypes.data, self._words * 4, len(masks))
             for _, i in computed:
                 masks[i]._learn(words[i])
         return words.view(numpy.int32)
