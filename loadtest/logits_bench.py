@@ -182,20 +182,19 @@ class Rows:
         self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None
     ) -> list[float]:
         """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
-        fresh llguidance matchers, nothing of ours around them, one batched mask call of its executor,
-        then a token commit per row; with `apply`, its masks applied to fresh fp32 logits [k, vocab] in
-        between."""
+        fresh llguidance matchers, nothing of ours around them, one batched mask call of its executor
+        into a bitmask and a batch list made once, then a token commit per row; with `apply`, its masks
+        applied to fresh fp32 logits [k, vocab] in between."""
         matchers = [self.compiler.llguidance_matcher(self.grammar) for _ in range(k)]
         width = (self.compiler.vocab_size + 31) // 32
         logits = None if apply is None else torch.randn(k, self.vocab_size)
+        bitmask = torch.empty((k, width), dtype=torch.int32)
+        batch = [(matcher, i) for i, matcher in enumerate(matchers)]
         seconds = []
         for step in tokens:
             scratch = None if logits is None else logits.clone()
             start = time.perf_counter()
-            bitmask = torch.empty((k, width), dtype=torch.int32)
-            EXECUTOR.unsafe_compute_mask_ptr(
-                [(matcher, i) for i, matcher in enumerate(matchers)], bitmask.data_ptr(), width * 4, k
-            )
+            EXECUTOR.unsafe_compute_mask_ptr(batch, bitmask.data_ptr(), width * 4, k)
             if scratch is not None and apply is not None:
                 apply(scratch, bitmask)
             for matcher, token in zip(matchers, step, strict=False):
