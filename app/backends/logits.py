@@ -231,6 +231,9 @@ class _Edits:
     shift: _Pairs  # frequency and presence penalties, logit_bias: the addend
     ban: _Pairs  # -inf
 
+    def __bool__(self) -> bool:
+        return bool(self.scale.rows or self.shift.rows or self.ban.rows)
+
     @classmethod
     def of(cls, states: Sequence[HostLogits]) -> _Edits:
         edits = cls(_Pairs(), _Pairs(), _Pairs())
@@ -311,7 +314,7 @@ class Allowed:
         if all(row is not None for row in kept):
             rows: list[AllowedRow] = kept  # type: ignore[assignment]
             return cls(
-                np.stack([row.words for row in rows]),
+                rows[0].words[None] if len(rows) == 1 else np.stack([row.words for row in rows]),
                 [row.nonzero for row in rows],
                 [i for i, row in enumerate(rows) if row.rescued],
             )
@@ -346,18 +349,18 @@ class Allowed:
     def ids(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(j, token) for each token row rows[j] allows, ascending. Only the words with a bit set are
         unpacked: a row costs the tokens it allows, not the vocabulary."""
-        words = self.words if len(rows) == len(self.words) else self.words[rows]  # rows: ascending
+        words = (self.words if len(rows) == len(self.words) else self.words[rows]).ravel()  # rows: ascending
         # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
-        found = np.flatnonzero(words != 0)
-        row, word = np.divmod(found, words.shape[1])
+        found = (words != 0).nonzero()[0]
         # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
-        bits = np.unpackbits(words.ravel()[found].view(np.uint8), bitorder="little")
-        bit_row, bit = np.divmod(np.flatnonzero(bits.view(bool)), 32)
-        tokens = word[bit_row] * 32 + bit
-        if words.shape[1] * 32 > vocab_size:
+        bits = np.unpackbits(words[found].view(np.uint8), bitorder="little").view(bool).nonzero()[0]
+        at = found[bits >> 5]  # each allowed id's word, counted over the rows
+        width = self.words.shape[1]
+        row, tokens = at // width, at % width * 32 + (bits & 31)
+        if width * 32 > vocab_size:
             inside = tokens < vocab_size
-            return row[bit_row][inside], tokens[inside]
-        return row[bit_row], tokens
+            return row[inside], tokens[inside]
+        return row, tokens
 
     def select(self, rows: np.ndarray) -> Allowed:
         """Some of its rows (none of them rescued)."""
@@ -491,14 +494,19 @@ class Restricted:
         key_rows, ids = allowed.ids(rows, vocab_size)
         counts = allowed.counts[rows]
         starts = np.cumsum(counts) - counts
-        width = max(int(counts.max()), 1)
-        tokens = np.zeros((len(rows), width), np.int64)
-        tokens[key_rows, np.arange(len(ids)) - starts[key_rows]] = ids
-        logits = gather(rows, tokens)
-        if counts.min() < width:
-            logits[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
-        keys = key_rows * vocab_size + ids
-        _Edits.of([states[i] for i in rows]).apply(logits, _sparse_columns(keys, starts, vocab_size))
+        if len(rows) == 1 and len(ids):  # one row: its ids are its columns
+            tokens = ids[None, :]
+            logits = gather(rows, tokens)
+        else:
+            width = max(int(counts.max()), 1)
+            tokens = np.zeros((len(rows), width), np.int64)
+            tokens[key_rows, np.arange(len(ids)) - starts[key_rows]] = ids
+            logits = gather(rows, tokens)
+            if counts.min() < width:
+                logits[np.arange(width)[None, :] >= counts[:, None]] = -np.inf
+        edits = _Edits.of([states[i] for i in rows])
+        if edits:
+            edits.apply(logits, _sparse_columns(key_rows * vocab_size + ids, starts, vocab_size))
         if allowed.rescued:
             logits[np.isin(rows, allowed.rescued), 0] = 0.0
         return cls(rows, tokens, logits)

@@ -227,7 +227,7 @@ def pick_tokens(
         index = np.array(again, np.int64)
         merged[index] = _pick_allowed(
             [params[i] for i in again], at, vocab_size, lambda r, ids: gather(index[r], ids)
-        ).numpy()
+        )
     result = torch.from_numpy(merged)
     return result if tokens is None else result.to(tokens.device)
 
@@ -311,27 +311,25 @@ def _pick_allowed(
     positions: Sequence[int],
     vocab_size: int,
     gather: Gather,
-) -> torch.Tensor:
-    """Each restricted row's token. A row allowed one id (a token its grammar forces, or a stop id it is
-    rescued to) takes it, whatever its logits: no draw can pick another."""
+) -> np.ndarray:
+    """Each restricted row's token (int64). A row allowed one id (a token its grammar forces, or a stop
+    id it is rescued to) takes it, whatever its logits: no draw can pick another."""
     states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
     allowed = Allowed.of(states, vocab_size)
     chosen = np.empty(len(params), np.int64)
     forced, ids = allowed.forced()
-    chosen[forced] = ids
-    if len(forced) == len(params):
-        return torch.from_numpy(chosen)
     rest = np.arange(len(params))
     if len(forced):
+        chosen[forced] = ids
+        if len(forced) == len(params):
+            return chosen
         rest = rest[np.isin(rest, forced, invert=True)]
         allowed, states = allowed.select(rest), [states[i] for i in rest]
     for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed):
-        rows = rest[group.rows]
-        members = [params[i] for i in rows]
-        at = [positions[i] for i in rows]
-        column = _inverse_cdf(group.logits, members, at)
-        chosen[rows] = group.tokens[np.arange(len(members)), column]
-    return torch.from_numpy(chosen)
+        rows = rest[group.rows].tolist()
+        column = _inverse_cdf(group.logits, [params[i] for i in rows], [positions[i] for i in rows])
+        chosen[rows] = group.tokens[np.arange(len(rows)), column]
+    return chosen
 
 
 def _inverse_cdf(
