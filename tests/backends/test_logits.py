@@ -182,6 +182,37 @@ def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_ro
         assert ours[0] in (5, 9, 31, 40, 63) and ours[1] in (3, 8, 9, 40) and ours[2] in (9, 31)
 
 
+@pytest.mark.parametrize(
+    "filters",
+    [{"top_k": 3}, {"min_p": 0.2}, {"top_k": 5, "top_p": 0.6, "min_p": 0.05}],
+    ids=["top-k", "min-p", "all-three"],
+)
+def test_a_filtered_restricted_row_is_cut_on_its_weights_where_the_sampler_cuts_its_probabilities(
+    filters: dict[str, int | float],
+) -> None:
+    """Rows restricted to a third of the vocabulary with top-k, min-p or all three filters, drawn among
+    their allowed ids in numpy (the cut taken on the unnormalised weights, the running sum over the kept
+    ids only), draw what the torch sampler draws from their whole adjusted rows."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, VOCAB) * 2
+    allowed = tuple(range(0, VOCAB, 3))
+    for seed in range(60):
+        params = [
+            HostLogits.start(
+                SamplingParams(temperature=t, seed=seed * 3 + row, allowed_token_ids=allowed, **filters),
+                PROMPT,
+                (EOS,),
+                None,
+            )
+            for row, t in enumerate((1.0, 0.7, 1.6))
+        ]
+        positions = [seed] * 3
+        ours = [t.token_id for t in sample_tokens(logits, params, positions, VOCAB)]
+        tensors = SamplingTensors.build(params, positions, 3, VOCAB, torch.device("cpu"))
+        assert ours == pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
+        assert all(token in allowed for token in ours)
+
+
 @pytest.mark.parametrize("block", [1024, 8, 7], ids=["one-block", "blocks-of-8", "blocks-of-7-and-1"])
 def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
     block: int, monkeypatch: pytest.MonkeyPatch
