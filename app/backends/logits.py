@@ -437,9 +437,17 @@ def apply_host_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     rows = [i for i, p in enumerate(params) if p.host is not None]
     if not rows:
         return logits
-    states: list[HostLogits] = [params[i].host for i in rows]  # type: ignore[misc]
-    vocab = logits.shape[-1]
     values = logits[rows].float().cpu().numpy()  # the state lives on the host: a copy of its rows
+    adjust_rows(values, [params[i].host for i in rows])  # type: ignore[misc]
+    adjusted = logits.clone()
+    adjusted[rows] = torch.from_numpy(values).to(logits.device, logits.dtype)
+    return adjusted
+
+
+def adjust_rows(values: np.ndarray, states: Sequence[HostLogits]) -> None:
+    """Adjust fp32 `values` [len(states), vocab] in place, row i as states[i] asks: its adjustments, then
+    -inf where its restriction refuses a token (a row allowed nothing gets its first stop id, at 0)."""
+    vocab = values.shape[-1]
     _Edits.of(states).apply(values, _dense_columns(vocab))
     restricted = [i for i, s in enumerate(states) if s.restricts]
     if restricted:
@@ -449,9 +457,6 @@ def apply_host_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
         )
         for i in allowed.rescued:
             values[restricted[i], states[restricted[i]].stop_ids[0]] = 0.0
-    adjusted = logits.clone()
-    adjusted[rows] = torch.from_numpy(values).to(logits.device, logits.dtype)
-    return adjusted
 
 
 Gather = Callable[[np.ndarray, np.ndarray], np.ndarray]

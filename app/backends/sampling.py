@@ -6,7 +6,10 @@ temperature, top-k, top-p, min-p and per-request seeds, after the host logits pa
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row
 draws one uniform number from a counter-based hash of (seed, position), computed on the host with the
 batch's parameters, and inverts its own cumulative distribution. No generator state is shared between
-rows or steps, so a seeded request gets the same tokens whatever shares its batch. A row whose tokens are
+rows or steps, so a seeded request gets the same tokens whatever shares its batch. The rule is written
+twice, once per place the logits live: in torch for a device (`pick`, which CUDA graphs capture), in
+numpy for fp32 logits on the host (`_inverse_cdf`, a third of torch's CPU cost at 128k); tests hold them
+to the same tokens. A row whose tokens are
 restricted (a grammar, `allowed_token_ids`) inverts the same distribution over its allowed ids only
 (`app.backends.logits.Restricted`): the same token, at the cost of those ids rather than the vocabulary.
 A row whose grammar is all that changes it draws first as if unconstrained and keeps that token where
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
-from app.backends.logits import Allowed, Gather, HostLogits, Restricted, apply_host_logits
+from app.backends.logits import Allowed, Gather, HostLogits, Restricted, adjust_rows, apply_host_logits
 
 MASK32 = 0xFFFFFFFF
 HOST = torch.device("cpu")
@@ -300,10 +303,26 @@ def _proposals(checked: list[int], merged: np.ndarray, propose: Propose | None) 
 def _pick_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
 ) -> torch.Tensor:
+    """Each row's token from its whole row of `logits` [len(params), vocab], adjusted where it uses the
+    host logits path: on the host (fp32 CPU logits) in numpy (`_host_draws`), elsewhere by `pick`."""
+    if _on_host(logits):
+        return torch.from_numpy(_host_draws(logits.numpy(), params, positions))
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
     return pick(
         apply_host_logits(logits, params), tensors, random=_random(params), filtered=_filtered(params)
     )
+
+
+def _host_draws(logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:
+    """`pick` in numpy (`_inverse_cdf`: the same rule at a third of torch's cost over a 128k row), of fp32
+    `logits` [len(params), vocab], not written: a copy, the host rows adjusted in it."""
+    values = logits[: len(params)].copy()
+    host = [i for i, p in enumerate(params) if p.host is not None]
+    if host:
+        rows = values[host]
+        adjust_rows(rows, [params[i].host for i in host])  # type: ignore[misc]
+        values[host] = rows
+    return _inverse_cdf(values, params, positions)
 
 
 def _pick_allowed(

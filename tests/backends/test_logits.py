@@ -213,6 +213,37 @@ def test_a_filtered_restricted_row_is_cut_on_its_weights_where_the_sampler_cuts_
         assert all(token in allowed for token in ours)
 
 
+def test_host_rows_drawn_in_numpy_draw_what_the_torch_sampler_draws() -> None:
+    """Whole rows on the host (fp32 CPU logits: the torch CPU backend's batch, NxD Inference's host rows)
+    are drawn in numpy; with penalties, greedy, tempered, and cut by top-k, top-p or min-p over a
+    vocabulary wide enough for the host's cut of likely tokens, they take the torch sampler's tokens."""
+    vocab = 6000
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, vocab, generator=generator) * 3
+    rows = [
+        {"frequency_penalty": 0.8, "presence_penalty": 0.3},
+        {"repetition_penalty": 1.3, "top_p": 0.8},
+        {"temperature": 0.0, "repetition_penalty": 1.5},
+        {"top_k": 40, "temperature": 0.7},
+        {"min_p": 0.1, "temperature": 1.4},
+        {},
+    ]
+    for seed in range(30):
+        params = [
+            HostLogits.start(
+                SamplingParams(**{"temperature": 1.0, "seed": seed * 6 + i, **row}), PROMPT, (EOS,), None
+            )
+            for i, row in enumerate(rows)
+        ]
+        for state in params[:3]:
+            for token in (*OUTPUT, seed):
+                state.host.accept(token)  # type: ignore[union-attr]
+        positions = [seed + 3] * len(rows)
+        ours = [t.token_id for t in sample_tokens(logits, params, positions, vocab)]
+        tensors = SamplingTensors.build(params, positions, len(rows), vocab, torch.device("cpu"))
+        assert ours == pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
+
+
 @pytest.mark.parametrize("block", [1024, 8, 7], ids=["one-block", "blocks-of-8", "blocks-of-7-and-1"])
 def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
     block: int, monkeypatch: pytest.MonkeyPatch
