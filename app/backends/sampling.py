@@ -304,9 +304,9 @@ def _pick_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
 ) -> torch.Tensor:
     """Each row's token from its whole row of `logits` [len(params), vocab], adjusted where it uses the
-    host logits path: on the host (fp32 CPU logits) in numpy (`_host_draws`), elsewhere by `pick`."""
-    if _on_host(logits):
-        return torch.from_numpy(_host_draws(logits.numpy(), params, positions))
+    host logits path: on the host in numpy (`_host_draws`, in fp32), on a device by `pick`."""
+    if logits.device == HOST:
+        return torch.from_numpy(_host_draws(logits.float().numpy(), params, positions))
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
     return pick(
         apply_host_logits(logits, params), tensors, random=_random(params), filtered=_filtered(params)
@@ -489,8 +489,6 @@ def _cutoff(
 ) -> torch.Tensor:
     """Per row [rows, 1], the smallest probability inside the top-k, the top-p nucleus and at least
     min_p times the most likely token's (which is always inside)."""
-    if probs.device == HOST and probs.shape[-1] > NUCLEUS_CANDIDATES:
-        return torch.from_numpy(_host_cutoffs(probs.numpy(), top_k.tolist(), top_p.tolist(), min_p.tolist()))
     ordered = probs.sort(dim=-1, descending=True).values
     rank = torch.arange(ordered.shape[-1], device=probs.device)[None, :]
     in_top_k = rank < top_k[:, None]
@@ -501,7 +499,6 @@ def _cutoff(
     return torch.maximum(ordered.gather(1, kept - 1), min_p[:, None] * ordered[:, :1])
 
 
-NUCLEUS_CANDIDATES = 4096  # over this many columns the host sorts only a row's likeliest tokens
 LIKELY = 1e-4  # a token at least this share of the likeliest one's probability is a candidate
 
 

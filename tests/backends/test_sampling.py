@@ -69,27 +69,23 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
 @pytest.mark.parametrize(
     ("scale", "spikes"), [(1.0, 0), (4.0, 0), (12.0, 0), (0.1, 3)], ids=["flat", "peaked", "sharp", "spiked"]
 )
-def test_host_rows_over_many_columns_cut_where_the_sorted_rule_does(
-    scale: float, spikes: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Over `NUCLEUS_CANDIDATES` columns the host sorts only a row's likeliest tokens (its whole row where
-    they fall short of the nucleus): the same cut as sorting every row, for top-k, top-p and min-p, on
-    flat rows, peaked ones, and a few likely tokens over a floor of many unlikely ones that hold much of
-    the mass (the nucleus reaches past the likely tokens)."""
+def test_the_host_cut_of_likely_tokens_is_the_sorted_rule_s(scale: float, spikes: int) -> None:
+    """The host sorts only a row's likeliest tokens (its whole row where they fall short of the nucleus):
+    the same cut as the device's rule, which sorts every row, for top-k, top-p and min-p, on flat rows,
+    peaked ones, and a few likely tokens over a floor of many unlikely ones that hold much of the mass
+    (the nucleus reaches past the likely tokens)."""
     rng = numpy.random.default_rng(int(scale * 10) + spikes)
-    columns = 3 * sampling.NUCLEUS_CANDIDATES
-    rows = []
+    columns = 12_288
     for _ in range(8):
         logits = torch.from_numpy(rng.standard_normal((4, columns)).astype(numpy.float32) * scale)
         logits[:, :spikes] += 10.0
+        probs = torch.softmax(logits, dim=-1)
         top_k = torch.tensor([columns, int(rng.integers(1, columns)), int(rng.integers(1, 40)), columns])
         top_p = torch.tensor([rng.uniform(0.05, 0.99), 1.0, rng.uniform(0.3, 1.0), 1.0], dtype=torch.float32)
         min_p = torch.tensor([0.0, 0.0, rng.uniform(0.0, 0.2), 0.1], dtype=torch.float32)
-        rows.append((torch.softmax(logits, dim=-1), top_k, top_p, min_p))
-    candidates = [sampling._cutoff(*row) for row in rows]
-    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", columns)  # every row sorted whole
-    for row, cut in zip(rows, candidates, strict=True):
-        assert torch.equal(cut, sampling._cutoff(*row))
+        host = sampling._host_cutoffs(probs.numpy(), top_k.tolist(), top_p.tolist(), min_p.tolist())
+        sorted_rule = sampling._cutoff(probs, top_k, top_p, min_p)
+        assert torch.equal(torch.from_numpy(host), sorted_rule)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
