@@ -465,7 +465,8 @@ class SimBackend(Backend):
         rolls[i] (a hash of seed, position and previous token). Restricted rows (a grammar,
         `allowed_token_ids`) read only their allowed ids' logits, as a host reading a device's logits
         would; their logprob is exact (a roll keeps the row's log-normaliser). Others, and any batch
-        asking for top logprobs, get whole rows."""
+        asking for top logprobs, get whole rows. No row here checks its grammar against a made-up draw:
+        `_with_host_rows` settled those, but for the ones asking for top logprobs."""
         shifts = np.array(rolls, np.int64)
         vocab, gather = self.model.vocab_size, self._gather(shifts)
 
@@ -474,11 +475,7 @@ class SimBackend(Backend):
 
         if any(p.num_top_logprobs for p in params):
             return sample_tokens(whole(list(range(len(params)))), params, positions, vocab)
-
-        def propose(rows: list[int]) -> list[int]:
-            return [self._made_up_draw(params[i], positions[i], int(shifts[i])) for i in rows]
-
-        tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather, propose=propose).numpy()
+        tokens = pick_tokens(params, positions, vocab, rows=whole, gather=gather).numpy()
         logprobs = self._made_up_logits[(tokens - shifts) % vocab] - self._made_up_normaliser
         return [SampledToken(t, lp) for t, lp in zip(tokens.tolist(), logprobs.tolist(), strict=True)]
 
