@@ -45,6 +45,7 @@ class DecodeGraphs:
                 pool = captured[(rows, span)].graph.pool()
         return cls(captured)
 
+    @torch.inference_mode()  # the static buffers were made under it (warmup): only it may write them
     def replay(self, step: DecodeStep, sampling: SamplingTensors) -> SampleOutput:
         graph = self.captured[(len(step.tokens), step.span)]
         graph.tokens.copy_(torch.tensor(step.tokens))

@@ -91,11 +91,15 @@ def test_continuous_batching_through_graphs_matches_sequences_alone(
         assert s.tokens == generate(graphed, 3, s.prompt, s.max_tokens, s.params)
 
 
-def test_bf16_runs_with_graphs(checkpoint: Path, backends: dict[str, TorchBackend], tmp_path: Path) -> None:
-    backend = load(build_artifact(checkpoint, tmp_path, dtype="bf16"), "cuda", dtype="bf16")
-    backend.warmup()
-    assert backend.runner.kv_cache[0].dtype == torch.bfloat16
-    tokens = generate(backend, 0, PROMPT, 20)
-    assert all(0 <= token < backend.model.vocab_size for token in tokens)
-    assert tokens[:2] == generate(backends["cpu"], 0, PROMPT, 2)
-    backend.close()
+def test_bf16_runs_with_graphs(checkpoint: Path, tmp_path: Path) -> None:
+    """bf16 graphs give bf16 eager steps' tokens (not the fp32 CPU's: on an H100 this random model's first
+    bf16 token differed from fp32's)."""
+    artifact = build_artifact(checkpoint, tmp_path, dtype="bf16")
+    graphed, eager = load(artifact, "cuda", dtype="bf16"), load(artifact, "cuda", dtype="bf16")
+    graphed.warmup()
+    assert graphed.runner.kv_cache[0].dtype == torch.bfloat16
+    tokens = generate(graphed, 0, PROMPT, 20)
+    assert all(0 <= token < graphed.model.vocab_size for token in tokens)
+    assert tokens == generate(eager, 0, PROMPT, 20)
+    graphed.close()
+    eager.close()
