@@ -47,7 +47,12 @@ rest of the step at k = 8.
   takes the whole host path (mask, the masked row's nucleus, a draw), on peaked logits (`PEAKED`: the
   unit normal's nucleus would be three quarters of the vocabulary, no model's).
 
-    .venv/bin/python -m loadtest.logits_bench [--steps 30] [--rounds 3] [--out report.json]
+- `--device cuda` (a CUDA machine; nothing else is run): the torch backend on one GPU, whole steps, for
+  stories260K and a random 100M-parameter Llama with Llama 3's vocabulary, `cuda_*` through CUDA graphs
+  (a step with host rows replays its graph, then draws only those rows again on the host) beside
+  `cuda_*_eager`, the same steps without graphs, as every step with a host row ran before.
+
+    .venv/bin/python -m loadtest.logits_bench [--steps 30] [--rounds 3] [--device cpu] [--out report.json]
 """
 
 from __future__ import annotations
@@ -70,9 +75,8 @@ import torch
 
 from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.backends.logits import Grammar, HostLogits
-from app.backends.neuron.nxdi import with_host_rows
 from app.backends.neuron.steps import device_tokens
-from app.backends.sampling import sample_tokens
+from app.backends.sampling import sample_tokens, with_host_rows
 from app.backends.sim import SimBackend
 from app.shapes import ShapeGrid
 from app.structured.grammar import Constraint, GrammarCompiler, GrammarMatcher, Kind, compiler_for
@@ -383,15 +387,46 @@ def sim_backend(vocab_size: int) -> SimBackend:
 
 
 def torch_backend(model: Path, root: Path) -> Backend:
-    from app.backends.torch import TorchBackend
+    return load_torch(torch_artifact(model, root))
+
+
+def torch_artifact(model: Path, root: Path) -> Path:
     from compile.pipeline import CompileOptions, compile_artifact
 
     options = CompileOptions(
         model=str(model), output=str(root), batch_size=BATCH, max_positions=256, context_buckets=(8, 256),
         token_buckets=(256,), decode_batches=(BATCH,),
     )  # fmt: skip
-    artifact = Path(compile_artifact(options).uri)  # a local output: the URI is the directory
-    return TorchBackend.load(artifact, BackendSpec("torch", 1, "fp32", GRID))
+    return Path(compile_artifact(options).uri)  # a local output: the URI is the directory
+
+
+def load_torch(artifact: Path, device: str = "cpu") -> Backend:
+    from app.backends.torch import TorchBackend
+
+    return TorchBackend.load(artifact, BackendSpec("torch", 1, "fp32", GRID), device=device)
+
+
+def cuda_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
+    """The torch backend on one CUDA device, whole steps, for stories260K and a random 100M-parameter
+    Llama with Llama 3's vocabulary: `cuda_*` with CUDA graphs (a step with host rows replays its graph
+    and draws those rows again on the host), `cuda_*_eager` the same steps run eagerly, as every step
+    with a host row ran before graphs took them."""
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    with tempfile.TemporaryDirectory() as root:
+        random_model = write_random_llama(Path(root) / "random", "100m", vocab_size=LLAMA3_VOCAB)
+        for name, model in (("stories260K", stories), (f"100m_vocab{LLAMA3_VOCAB}", random_model)):
+            artifact = torch_artifact(model, Path(root) / name)
+            for graphed in (True, False):
+                backend = load_torch(artifact, "cuda")
+                try:
+                    rows = schema_rows(Tokenizer.from_dir(model), backend.model.vocab_size)
+                    if graphed:
+                        backend.warmup()
+                    key = f"cuda_{name}" if graphed else f"cuda_{name}_eager"
+                    report[key] = figures(backend_run(backend, rows, steps, None), rounds)
+                finally:
+                    backend.close()
+    return report
 
 
 def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0) -> Run:
@@ -441,37 +476,27 @@ def exp_pass_us(vocab_size: int) -> float:
     return round(best / BATCH * 1e6, 1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3, help="sweeps of every k; each k's least is kept")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    tokenizer = Tokenizer.from_dir(args.model)
-    report: dict[str, Any] = {"batch": BATCH, "steps": args.steps, "rounds": args.rounds, "threads": 1}
+def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
+    """The sim, the torch backend on the CPU and NxD Inference's host work (the module's docstring)."""
+    tokenizer = Tokenizer.from_dir(stories)
+    report: dict[str, Any] = {}
     apply = llguidance_apply_kernel()
-    stories = schema_rows(tokenizer, 512)
+    small = schema_rows(tokenizer, 512)
     llama3 = llama3_sized_rows()
-    for rows in (stories, llama3):
+    for rows in (small, llama3):
         sim = sim_backend(rows.vocab_size)
-        report[f"sim_vocab{rows.vocab_size}"] = figures(
-            backend_run(sim, rows, args.steps, apply), args.rounds
-        )
+        report[f"sim_vocab{rows.vocab_size}"] = figures(backend_run(sim, rows, steps, apply), rounds)
     penalised = replace(llama3, repetition_penalty=1.1)
     report[f"sim_vocab{LLAMA3_VOCAB}_with_penalty"] = figures(
-        backend_run(sim_backend(LLAMA3_VOCAB), penalised, args.steps, apply), args.rounds
+        backend_run(sim_backend(LLAMA3_VOCAB), penalised, steps, apply), rounds
     )
     with tempfile.TemporaryDirectory() as root:
-        backend = torch_backend(args.model, Path(root) / "stories")
+        backend = torch_backend(stories, Path(root) / "stories")
         try:
             rows = schema_rows(tokenizer, backend.model.vocab_size)
-            report["torch_stories260K"] = figures(backend_run(backend, rows, args.steps, apply), args.rounds)
+            report["torch_stories260K"] = figures(backend_run(backend, rows, steps, apply), rounds)
             report["torch_stories260K_host"] = figures(
-                backend_run(backend, rows, args.steps, apply, host_part), args.rounds
+                backend_run(backend, rows, steps, apply, host_part), rounds
             )
         finally:
             backend.close()
@@ -480,16 +505,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             rows = schema_rows(Tokenizer.from_dir(model), LLAMA3_VOCAB)
             report[f"torch_vocab{LLAMA3_VOCAB}_host"] = figures(
-                backend_run(backend, rows, args.steps, apply, host_part), args.rounds
+                backend_run(backend, rows, steps, apply, host_part), rounds
             )
         finally:
             backend.close()
-    report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, args.steps, apply), args.rounds)
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, steps, apply), rounds)
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p"] = figures(
-        nxdi_run(replace(llama3, top_p=0.9), args.steps, apply, PEAKED), args.rounds
+        nxdi_run(replace(llama3, top_p=0.9), steps, apply, PEAKED), rounds
     )
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     report[f"exp_pass_per_row_us_vocab{LLAMA3_VOCAB}"] = exp_pass_us(LLAMA3_VOCAB)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3, help="sweeps of every k; each k's least is kept")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the torch backend on CUDA alone"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    report: dict[str, Any] = {"batch": BATCH, "steps": args.steps, "rounds": args.rounds, "threads": 1}
+    if args.device == "cuda":
+        report |= cuda_report(args.model, args.steps, args.rounds)
+    else:
+        report |= cpu_report(args.model, args.steps, args.rounds)
     for name, value in report.items():
         print(f"{name}: {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -276,6 +276,71 @@ def redrawn(
     return _pick_allowed(params, [p + REDRAW for p in positions], vocab_size, gather).tolist()
 
 
+def uses_host_state(params: SamplingParams) -> bool:
+    """A row on the host logits path: its state, which the engine gives it, changes its logits."""
+    return params.host is not None
+
+
+def with_host_rows(
+    tokens: list[SampledToken],
+    logits: torch.Tensor,
+    all_logprobs: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    on_host: Callable[[SamplingParams], bool] = uses_host_state,
+) -> list[SampledToken]:
+    """The device's `tokens` with each host row's (`on_host`: those the device's sampler cannot draw)
+    drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row; rows
+    only their grammar changes first (`_checked_rows`)."""
+    host = [i for i, p in enumerate(params) if on_host(p)]
+    if not host:
+        return tokens
+    settled = _checked_rows(host, tokens, logits, params, positions)
+    left: list[int] = []
+    logprobs: np.ndarray | torch.Tensor | None = None
+    for j, i in enumerate(host):
+        token = settled.get(j)
+        if token is None:
+            left.append(i)
+        elif token != tokens[i].token_id:
+            if logprobs is None:  # scalar reads, only where a row's token changed
+                logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs
+            tokens[i] = SampledToken(token, float(logprobs[i, token]))
+    if left:
+        drawn = sample_tokens(
+            logits,
+            [params[i] for i in left],
+            [positions[i] for i in left],
+            logits.shape[-1],
+            rows=left,
+            logprobs=all_logprobs,
+            proposed=[tokens[i].token_id for i in left],
+        )
+        for i, token in zip(left, drawn, strict=True):
+            tokens[i] = token
+    return tokens
+
+
+def _checked_rows(
+    host: list[int],
+    tokens: Sequence[SampledToken],
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+) -> dict[int, int]:
+    """The host rows (j: row host[j]) whose token needs no batch sampler, with that token: a row only its
+    grammar changes keeps the device's draw where its grammar allows it, else takes the one id it
+    allows, else draws among them (`checked_tokens`, `redrawn`)."""
+    vocab = logits.shape[-1]
+    settled, refused = checked_tokens([params[i] for i in host], [tokens[i].token_id for i in host], vocab)
+    if refused:
+        again = [host[j] for j in refused]
+        gather = gather_rows(logits, again, vocab)
+        drawn = redrawn([params[i] for i in again], [positions[i] for i in again], vocab, gather)
+        settled |= dict(zip(refused, drawn, strict=True))
+    return settled
+
+
 def _keeps_draw(params: SamplingParams, token: int) -> bool:
     """Whether a row keeps `token`, drawn for it as if unconstrained: its grammar is all that changes it,
     and allows the token."""

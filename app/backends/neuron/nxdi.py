@@ -47,7 +47,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-import numpy as np
 import torch
 
 from app.backends.base import (
@@ -65,7 +64,7 @@ from app.backends.neuron.backend import NeuronBackend
 from app.backends.neuron.block_kv import BlockKvInputs, BlockLayout
 from app.backends.neuron.runtime import NXDI_PINS, import_library
 from app.backends.neuron.steps import DecodeRows, decode_rows, device_tokens, global_topk, sampling_row
-from app.backends.sampling import checked_tokens, gather_rows, redrawn, sample_tokens
+from app.backends.sampling import with_host_rows
 from app.errors import ArtifactError, ConfigError, InvalidRequestError
 from app.shapes import BucketRule
 
@@ -509,66 +508,7 @@ class NxdiBackend(NeuronBackend):
         logits = output.logits[rows, -1, : self.model.vocab_size].float()
         all_logprobs = torch.log_softmax(logits, dim=-1)
         tokens = device_tokens(output.tokens[rows], all_logprobs, params)
-        return with_host_rows(tokens, logits, all_logprobs, params, positions)
-
-
-def with_host_rows(
-    tokens: list[SampledToken],
-    logits: torch.Tensor,
-    all_logprobs: torch.Tensor,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int],
-) -> list[SampledToken]:
-    """The device's `tokens` with each host row's drawn here from its fp32 `logits` row (its logprobs
-    `all_logprobs`), in place: no copy of a row; rows only their grammar changes first
-    (`_checked_rows`)."""
-    host = [i for i, p in enumerate(params) if _on_host(p)]
-    if not host:
-        return tokens
-    settled = _checked_rows(host, tokens, logits, params, positions)
-    left: list[int] = []
-    logprobs: np.ndarray | torch.Tensor | None = None
-    for j, i in enumerate(host):
-        token = settled.get(j)
-        if token is None:
-            left.append(i)
-        elif token != tokens[i].token_id:
-            if logprobs is None:  # scalar reads, only where a row's token changed
-                logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs
-            tokens[i] = SampledToken(token, float(logprobs[i, token]))
-    if left:
-        drawn = sample_tokens(
-            logits,
-            [params[i] for i in left],
-            [positions[i] for i in left],
-            logits.shape[-1],
-            rows=left,
-            logprobs=all_logprobs,
-            proposed=[tokens[i].token_id for i in left],
-        )
-        for i, token in zip(left, drawn, strict=True):
-            tokens[i] = token
-    return tokens
-
-
-def _checked_rows(
-    host: list[int],
-    tokens: Sequence[SampledToken],
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int],
-) -> dict[int, int]:
-    """The host rows (j: row host[j]) whose token needs no batch sampler, with that token: a row only its
-    grammar changes keeps the device's draw where its grammar allows it, else takes the one id it
-    allows, else draws among them (`checked_tokens`, `redrawn`)."""
-    vocab = logits.shape[-1]
-    settled, refused = checked_tokens([params[i] for i in host], [tokens[i].token_id for i in host], vocab)
-    if refused:
-        again = [host[j] for j in refused]
-        gather = gather_rows(logits, again, vocab)
-        drawn = redrawn([params[i] for i in again], [positions[i] for i in again], vocab, gather)
-        settled |= dict(zip(refused, drawn, strict=True))
-    return settled
+        return with_host_rows(tokens, logits, all_logprobs, params, positions, on_host=_on_host)
 
 
 def _on_host(params: SamplingParams) -> bool:

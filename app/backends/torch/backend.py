@@ -24,7 +24,13 @@ from app.backends.base import (
     SampledToken,
 )
 from app.backends.batches import check_decode, check_prefill
-from app.backends.sampling import SamplingTensors, prompt_logprobs, sample_tokens, sampled_tokens
+from app.backends.sampling import (
+    SamplingTensors,
+    prompt_logprobs,
+    sample_tokens,
+    sampled_tokens,
+    with_host_rows,
+)
 from app.backends.torch.cuda_graphs import DecodeGraphs
 from app.backends.torch.model import DecodeStep, LlamaRunner, PrefillStep, SingleRank
 from app.backends.torch.parallel import TorchDistributedGroup, WorkerPool, rank_device
@@ -91,15 +97,18 @@ class TorchBackend(Backend):
     def decode(self, batch: DecodeBatch) -> list[SampledToken]:
         step = self._decode_step(batch)
         next_positions = [position + 1 for position in batch.positions]
-        if self.graphs is None or step.block_tables or any(p.host is not None for p in batch.sampling):
+        vocab = self.model.vocab_size
+        if self.graphs is None or step.block_tables:
             logits = self._forward_scored(step)[0]
-            return sample_tokens(logits, batch.sampling, next_positions, self.model.vocab_size)
+            return sample_tokens(logits, batch.sampling, next_positions, vocab)
         self._check_open()
         # Built on the host: the copy into the graph's static buffers is then the one transfer.
-        tensors = SamplingTensors.build(
-            batch.sampling, next_positions, len(step.tokens), self.model.vocab_size, HOST
-        )
-        return sampled_tokens(self.graphs.replay(step, tensors), batch.sampling)
+        tensors = SamplingTensors.build(batch.sampling, next_positions, len(step.tokens), vocab, HOST)
+        replayed = self.graphs.replay(step, tensors)
+        tokens = sampled_tokens(replayed.output, batch.sampling)
+        rows = len(batch.sampling)
+        logits, all_logprobs = replayed.logits[:rows, :vocab], replayed.output.all_logprobs[:rows]
+        return with_host_rows(tokens, logits, all_logprobs, batch.sampling, next_positions)
 
     def prefill_logits(self, batch: PrefillBatch) -> torch.Tensor:
         """Run a prefill step and return its fp32 logits [prompts, vocab] instead of sampling

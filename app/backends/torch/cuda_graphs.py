@@ -2,7 +2,8 @@
 
 A graph replays the forward pass and the sampler over static input buffers; a step copies its inputs
 into them and replays. Capture needs every row's inputs on the device, which is why sampling always runs
-in full (`random` and `filtered` True) inside a graph.
+in full (`random` and `filtered` True) inside a graph. The graph's logits stay readable after a replay, so
+a step with host rows replays it too and draws only those rows again on the host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class CapturedDecode:
     positions: torch.Tensor
     slots: torch.Tensor
     sampling: SamplingTensors
+    logits: torch.Tensor  # fp32 [rows, vocab], the forward pass's
     output: SampleOutput
 
 
@@ -46,14 +48,16 @@ class DecodeGraphs:
         return cls(captured)
 
     @torch.inference_mode()  # the static buffers were made under it (warmup): only it may write them
-    def replay(self, step: DecodeStep, sampling: SamplingTensors) -> SampleOutput:
+    def replay(self, step: DecodeStep, sampling: SamplingTensors) -> CapturedDecode:
+        """Run `step` through its shape's graph: its static `logits` and `output` hold the step's until
+        the next replay."""
         graph = self.captured[(len(step.tokens), step.span)]
         graph.tokens.copy_(torch.tensor(step.tokens))
         graph.positions.copy_(torch.tensor(step.positions))
         graph.slots.copy_(torch.tensor(step.slots))
         graph.sampling.copy_(sampling)
         graph.graph.replay()
-        return graph.output
+        return graph
 
 
 def _capture_one(runner: LlamaRunner, rows: int, span: int, pool: object) -> CapturedDecode:
@@ -63,9 +67,9 @@ def _capture_one(runner: LlamaRunner, rows: int, span: int, pool: object) -> Cap
     slots = torch.full((rows,), runner.scratch_slot, dtype=torch.int64, device=device)
     sampling = SamplingTensors.build([GREEDY] * rows, [1] * rows, rows, runner.spec.vocab_size, device)
 
-    def step() -> SampleOutput:
+    def step() -> tuple[torch.Tensor, SampleOutput]:
         logits = runner.decode_logits(tokens, positions, slots, span)
-        return sample(logits, sampling, random=True, filtered=True)
+        return logits, sample(logits, sampling, random=True, filtered=True)
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -75,5 +79,5 @@ def _capture_one(runner: LlamaRunner, rows: int, span: int, pool: object) -> Cap
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
-        output = step()
-    return CapturedDecode(graph, tokens, positions, slots, sampling, output)
+        logits, output = step()
+    return CapturedDecode(graph, tokens, positions, slots, sampling, logits, output)

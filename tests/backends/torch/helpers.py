@@ -106,9 +106,9 @@ def build_artifact(model_dir: Path, out_dir: Path, tp_degree: int = 1, dtype: st
 
 
 def load_backend(
-    artifact: Path, tp_degree: int = 1, dtype: str = "fp32", grid: ShapeGrid = GRID
+    artifact: Path, tp_degree: int = 1, dtype: str = "fp32", grid: ShapeGrid = GRID, device: str = "cpu"
 ) -> TorchBackend:
-    return TorchBackend.load(artifact, BackendSpec("torch", tp_degree, dtype, grid))
+    return TorchBackend.load(artifact, BackendSpec("torch", tp_degree, dtype, grid), device=device)
 
 
 def generate(
