@@ -335,10 +335,30 @@ def _checked_rows(
     settled, refused = checked_tokens([params[i] for i in host], [tokens[i].token_id for i in host], vocab)
     if refused:
         again = [host[j] for j in refused]
-        gather = gather_rows(logits, again, vocab)
-        drawn = redrawn([params[i] for i in again], [positions[i] for i in again], vocab, gather)
+        rows, at = [params[i] for i in again], [positions[i] for i in again]
+        drawn = (
+            redrawn(rows, at, vocab, gather_rows(logits, again, vocab))
+            if logits.device == HOST
+            else redrawn_on_device(logits, again, rows, at)
+        )
         settled |= dict(zip(refused, drawn, strict=True))
     return settled
+
+
+def redrawn_on_device(
+    logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int]
+) -> list[int]:
+    """`redrawn` where `logits` stay on a device: rows `rows` of `logits` masked there (their masks, which
+    `checked_tokens` computed, are what crosses, a bit per token, not a row of logits) and drawn by
+    `pick`, the rule the host's draw follows, with their second uniform."""
+    vocab = logits.shape[-1]
+    words = Allowed.of([p.host for p in params], vocab).words  # type: ignore[misc]
+    on_device = torch.from_numpy(np.ascontiguousarray(words).view(np.int32)).to(logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allows = ((on_device[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    masked = logits[torch.tensor(rows, device=logits.device)].masked_fill(~allows, float("-inf"))
+    tensors = SamplingTensors.build(params, [p + REDRAW for p in positions], len(rows), vocab, logits.device)
+    return pick(masked, tensors, random=_random(params), filtered=_filtered(params)).tolist()
 
 
 def _keeps_draw(params: SamplingParams, token: int) -> bool:

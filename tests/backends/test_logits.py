@@ -470,6 +470,29 @@ def test_a_refused_row_redrawn_by_its_backend_draws_what_the_sampler_draws() -> 
     assert settled == {i: token.token_id for i, token in enumerate(theirs)}
 
 
+@pytest.mark.parametrize("allowed", [7, 40], ids=["few-ids", "much-of-the-vocabulary"])
+def test_refused_rows_redrawn_on_their_device_draw_what_the_host_draws(allowed: int) -> None:
+    """`redrawn_on_device` (the mask sent to the logits, `pick` there: CUDA's path), run here on CPU
+    tensors, takes the tokens `redrawn` takes on the host from the same rows, greedy and at three
+    temperatures, rows allowed a few ids (drawn among them on the host) or much of the vocabulary (over
+    their whole rows)."""
+    generator = numpy.random.default_rng(allowed)
+    logits = torch.randn(6, VOCAB) * 3
+    for seed in range(40):
+        rows = [
+            HostLogits.start(
+                SamplingParams(temperature=temperature, seed=seed * 10 + row, grammar=object()),  # type: ignore[arg-type]
+                PROMPT,
+                (EOS,),
+                Allows(tuple(generator.choice(VOCAB, allowed, replace=False).tolist())),
+            )
+            for row, temperature in enumerate((1.0, 0.5, 0.0, 1.7))
+        ]
+        which, positions = [5, 0, 3, 2], [seed + i for i in range(4)]
+        on_host = sampling.redrawn(rows, positions, VOCAB, sampling.gather_rows(logits, which, VOCAB))
+        assert sampling.redrawn_on_device(logits, which, rows, positions) == on_host
+
+
 class KnowsNext(CountedAllows):
     """A grammar that knows the one token it allows next without computing its mask."""
 
