@@ -345,6 +345,15 @@ def _checked_rows(
     return settled
 
 
+def compute_masks(params: Sequence[SamplingParams], vocab_size: int) -> None:
+    """Compute the masks of the restricted rows now, each kept in its state until its next token: for a
+    backend whose device still runs the step, so that the wait for its logits pays for them, rather than
+    the rows its grammar refuses after it."""
+    states = [p.host for p in params if p.host is not None and p.host.restricts]
+    if states:
+        Allowed.of(states, vocab_size)
+
+
 def redrawn_on_device(
     logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> list[int]:

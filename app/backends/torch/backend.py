@@ -26,6 +26,7 @@ from app.backends.base import (
 from app.backends.batches import check_decode, check_prefill
 from app.backends.sampling import (
     SamplingTensors,
+    compute_masks,
     prompt_logprobs,
     sample_tokens,
     sampled_tokens,
@@ -104,7 +105,8 @@ class TorchBackend(Backend):
         self._check_open()
         # Built on the host: the copy into the graph's static buffers is then the one transfer.
         tensors = SamplingTensors.build(batch.sampling, next_positions, len(step.tokens), vocab, HOST)
-        replayed = self.graphs.replay(step, tensors)
+        replayed = self.graphs.replay(step, tensors)  # returns while the device runs it
+        compute_masks(batch.sampling, vocab)
         tokens = sampled_tokens(replayed.output, batch.sampling)
         rows = len(batch.sampling)
         logits, all_logprobs = replayed.logits[:rows, :vocab], replayed.output.all_logprobs[:rows]
