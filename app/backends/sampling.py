@@ -290,9 +290,10 @@ def with_host_rows(
     on_host: Callable[[SamplingParams], bool] = uses_host_state,
 ) -> list[SampledToken]:
     """The device's `tokens` with each host row's (`on_host`: those the device's sampler cannot draw)
-    drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row; rows
-    only their grammar changes first (`_checked_rows`)."""
-    host = [i for i, p in enumerate(params) if on_host(p)]
+    drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row. A
+    row only its grammar changes keeps the device's token where its grammar allows it (most steps inside
+    a JSON string: nothing else is done for it); the others are checked first (`_checked_rows`)."""
+    host = [i for i, p in enumerate(params) if on_host(p) and not _keeps_draw(p, tokens[i].token_id)]
     if not host:
         return tokens
     settled = _checked_rows(host, tokens, logits, params, positions)

@@ -188,13 +188,14 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One request's position in its grammar (`app.backends.logits.TokenMask`)."""
 
-    __slots__ = ("_matcher", "_start", "_taken", "_words")
+    __slots__ = ("_matcher", "_refused", "_start", "_taken", "_words")
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, start: ForcedStart) -> None:
         self._matcher = matcher
         self._words = (vocab_size + 31) // 32
         self._start = start
         self._taken = 0  # tokens taken, while each was the one its grammar forced (-1 after any other)
+        self._refused = -1  # the token last found refused since the last accept: a step checks it twice
 
     def fill(self, masks: Sequence[GrammarMatcher]) -> numpy.ndarray:  # type: ignore[override]
         """Every matcher's mask in one call of llguidance's executor (bit k of 32-bit word w: token
@@ -229,12 +230,18 @@ class GrammarMatcher:
 
     def accept(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)  # a refused token leaves it in its error state: EOS next
+        self._refused = -1
         if self._taken >= 0:
             forced = self.known_next()
             self._taken = self._taken + 1 if forced == token_id else -1
 
     def allows(self, token_id: int) -> bool:
-        return bool(self._matcher.validate_tokens([token_id]))  # a fraction of a microsecond: no mask
+        if token_id == self._refused:
+            return False
+        if self._matcher.validate_tokens([token_id]):  # a fraction of a microsecond: no mask
+            return True
+        self._refused = token_id
+        return False
 
     @property
     def is_accepting(self) -> bool:

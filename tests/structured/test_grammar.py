@@ -121,3 +121,18 @@ def test_the_path_records_only_its_next_state_and_ends_at_a_choice() -> None:
     start.record(1, None)
     start.record(1, 5)
     assert start.ids == [7] and start.ended
+
+
+def test_a_token_refused_in_one_state_is_checked_again_in_the_next(
+    compiler: grammar.GrammarCompiler, stories260k: Path
+) -> None:
+    """`allows` remembers the token it last refused (a step checks a device's draw twice), until the next
+    token is taken: a digit refused before the dash is allowed after it."""
+    tokenizer = Tokenizer.from_dir(stories260k)
+    source = compiler.compile(Constraint(Kind.REGEX, "-[0-9]", "guided_regex"))
+    matcher = compiler.matcher(source)
+    dash, digit = (tokenizer.encode(text)[-1] for text in ("-", "7"))
+    assert not matcher.allows(digit) and not matcher.allows(digit)
+    assert matcher.allows(dash)
+    matcher.accept(dash)
+    assert matcher.allows(digit) and not matcher.allows(dash)
