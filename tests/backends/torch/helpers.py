@@ -1,7 +1,8 @@
 """Helpers of the torch backend tests: artifact folders staged by the compile step's own functions
 (model files copied into `model/`, the torch builder's rank files in `weights/`), tiny random Llama
 checkpoints covering the config variants, a generation driver for one sequence and a tiny
-continuous-batching scheduler for many."""
+continuous-batching scheduler for many, and greedy generation with host-logits fields beside
+transformers' logits processors of the same name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.backends.base import GREEDY, BackendSpec, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
+from app.backends.logits import HostLogits
 from app.backends.torch import TorchBackend
 from app.backends.torch.checkpoint import check_checkpoint
 from app.llama import read_llama_config
@@ -204,3 +206,48 @@ def run_together(backend: TorchBackend, sequences: list[Sequence]) -> None:
         if all(len(s.tokens) == s.max_tokens for s in sequences):
             return
     pytest.fail("the workload did not finish in 200 steps")
+
+
+# Greedy stories260K with host-logits fields, against transformers' logits processors of the same name.
+HOST_PROMPT = (1, 403, 407, 261, 378, 432, 383, 286, 261, 376)
+HOST_STEPS = 24
+HOST_STOP = 426  # greedy stories260K generates it 6th after HOST_PROMPT: the minimum length holds it back
+
+
+def generate_with_host(backend: TorchBackend, slot: int, params: SamplingParams, steps: int) -> list[int]:
+    """As the engine runs it: a fresh state, advanced by each token as it is applied (HOST_STOP is the stop
+    id that min_tokens holds back)."""
+    params = HostLogits.start(params, HOST_PROMPT, (HOST_STOP,), None)
+    grid = backend.spec.grid
+    batch = PrefillBatch((slot,), (HOST_PROMPT,), (params,), grid.context_bucket(len(HOST_PROMPT)))
+    tokens = [backend.prefill(batch)[0].token_id]
+    params.host.accept(tokens[-1])  # type: ignore[union-attr]
+    while len(tokens) < steps:
+        position = len(HOST_PROMPT) + len(tokens) - 1
+        step = DecodeBatch((slot,), (tokens[-1],), (position,), (params,), 1, grid.token_bucket(position + 1))
+        tokens.append(backend.decode(step)[0].token_id)
+        params.host.accept(tokens[-1])  # type: ignore[union-attr]
+    return tokens
+
+
+def transformers_greedy(model_dir: Path, steps: int, **processors: object) -> list[int]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    options = {"eos_token_id": None, **processors}  # min_new_tokens names the EOS it holds back
+    output = model.generate(
+        torch.tensor([HOST_PROMPT]), max_new_tokens=steps, do_sample=False, pad_token_id=0, **options
+    )
+    return output[0, len(HOST_PROMPT) :].tolist()
+
+
+# (our field, transformers' processor) pairs that change greedy stories260K after HOST_PROMPT
+PROCESSORS = pytest.mark.parametrize(
+    ("params", "processors"),
+    [
+        (SamplingParams(repetition_penalty=1.6), {"repetition_penalty": 1.6}),
+        (SamplingParams(min_tokens=HOST_STEPS), {"min_new_tokens": HOST_STEPS, "eos_token_id": HOST_STOP}),
+        (SamplingParams(bad_words=((267,), (317, 426))), {"bad_words_ids": [[267], [317, 426]]}),
+    ],
+    ids=["repetition_penalty", "min_tokens", "bad_words"],
+)

@@ -18,8 +18,7 @@ from app.backends.torch import TorchBackend
 from app.structured.grammar import Constraint, Kind, compiler_for
 from app.tokenizer import Tokenizer
 
-from .helpers import load_backend
-from .test_host_logits import STEPS, STOP, generate_with_host, transformers_greedy
+from .helpers import HOST_STEPS, PROCESSORS, generate_with_host, load_backend, transformers_greedy
 
 pytestmark = pytest.mark.gpu
 REGEX = r"[0-9]{3}-(cat|dog)( (cat|dog)){20}"  # longer than the steps taken: no row ends
@@ -135,18 +134,10 @@ def test_plain_rows_keep_their_tokens_beside_host_rows_through_graphs(
     assert mixed != alone
 
 
-@pytest.mark.parametrize(
-    ("params", "processors"),
-    [
-        (SamplingParams(repetition_penalty=1.6), {"repetition_penalty": 1.6}),
-        (SamplingParams(min_tokens=STEPS), {"min_new_tokens": STEPS, "eos_token_id": STOP}),
-        (SamplingParams(bad_words=((267,), (317, 426))), {"bad_words_ids": [[267], [317, 426]]}),
-    ],
-    ids=["repetition_penalty", "min_tokens", "bad_words"],
-)
+@PROCESSORS
 def test_greedy_processors_through_graphs_match_transformers(
     on_cuda: dict[str, TorchBackend], stories260k: Path, params: SamplingParams, processors: dict
 ) -> None:
-    assert generate_with_host(on_cuda["graphed"], 0, params, STEPS) == transformers_greedy(
-        stories260k, STEPS, **processors
+    assert generate_with_host(on_cuda["graphed"], 0, params, HOST_STEPS) == transformers_greedy(
+        stories260k, HOST_STEPS, **processors
     )
