@@ -338,9 +338,9 @@ def _checked_rows(
         again = [host[j] for j in refused]
         rows, at = [params[i] for i in again], [positions[i] for i in again]
         drawn = (
-            redrawn(rows, at, vocab, gather_rows(logits, again, vocab))
-            if logits.device == HOST
-            else redrawn_on_device(logits, again, rows, at)
+            redrawn_on_device(logits, again, rows, at)
+            if logits.device.type == "cuda"
+            else redrawn(rows, at, vocab, gather_rows(logits, again, vocab))
         )
         settled |= dict(zip(refused, drawn, strict=True))
     return settled
@@ -358,9 +358,10 @@ def compute_masks(params: Sequence[SamplingParams], vocab_size: int) -> None:
 def redrawn_on_device(
     logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int]
 ) -> list[int]:
-    """`redrawn` where `logits` stay on a device: rows `rows` of `logits` masked there (their masks, which
-    `checked_tokens` computed, are what crosses, a bit per token, not a row of logits) and drawn by
-    `pick`, the rule the host's draw follows, with their second uniform."""
+    """`redrawn` where `logits` stay on a CUDA device: rows `rows` of `logits` masked there (their masks,
+    which `checked_tokens` computed, are what crosses, a bit per token, not a row of logits) and drawn
+    by `pick`, the rule the host's draw follows, with their second uniform. Not for other devices: an
+    XLA device would compile a graph for each new shape."""
     vocab = logits.shape[-1]
     words = Allowed.of([p.host for p in params], vocab).words  # type: ignore[misc]
     on_device = torch.from_numpy(np.ascontiguousarray(words).view(np.int32)).to(logits.device)
