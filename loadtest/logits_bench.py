@@ -49,7 +49,7 @@ rest of the step at k = 8.
 
 - `--device cuda` (a CUDA machine; nothing else is run): the torch backend on one GPU, whole steps, for
   stories260K and a random 100M-parameter Llama with Llama 3's vocabulary, `cuda_*` through CUDA graphs
-  (a step with host rows replays its graph, then draws only those rows again on the host) beside
+  (a step with host rows replays its graph, then draws only those rows again) beside
   `cuda_*_eager`, the same steps without graphs, as every step with a host row ran before.
 
     .venv/bin/python -m loadtest.logits_bench [--steps 30] [--rounds 3] [--device cpu] [--out report.json]
@@ -409,7 +409,7 @@ def load_torch(artifact: Path, device: str = "cpu") -> Backend:
 def cuda_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
     """The torch backend on one CUDA device, whole steps, for stories260K and a random 100M-parameter
     Llama with Llama 3's vocabulary: `cuda_*` with CUDA graphs (a step with host rows replays its graph
-    and draws those rows again on the host), `cuda_*_eager` the same steps run eagerly, as every step
+    and draws those rows again), `cuda_*_eager` the same steps run eagerly, as every step
     with a host row ran before graphs took them."""
     report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     with tempfile.TemporaryDirectory() as root:

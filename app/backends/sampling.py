@@ -331,7 +331,8 @@ def _checked_rows(
 ) -> dict[int, int]:
     """The host rows (j: row host[j]) whose token needs no batch sampler, with that token: a row only its
     grammar changes keeps the device's draw where its grammar allows it, else takes the one id it
-    allows, else draws among them (`checked_tokens`, `redrawn`)."""
+    allows, else draws among them (`checked_tokens`, then `redrawn`, or `redrawn_on_device` where the
+    logits are on CUDA)."""
     vocab = logits.shape[-1]
     settled, refused = checked_tokens([params[i] for i in host], [tokens[i].token_id for i in host], vocab)
     if refused:

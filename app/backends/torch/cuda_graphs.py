@@ -3,7 +3,7 @@
 A graph replays the forward pass and the sampler over static input buffers; a step copies its inputs
 into them and replays. Capture needs every row's inputs on the device, which is why sampling always runs
 in full (`random` and `filtered` True) inside a graph. The graph's logits stay readable after a replay, so
-a step with host rows replays it too and draws only those rows again on the host.
+a step with host rows replays it too and draws only those rows again (`with_host_rows`).
 """
 
 from __future__ import annotations
