@@ -678,7 +678,7 @@ def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dic
         role = "system" if message.role == "developer" else message.role
         entry: dict[str, Any] = {"role": role, "content": message.text}
         if message.tool_calls:
-            entry["tool_calls"] = [_template_call(call, index) for call in message.tool_calls]
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
@@ -701,15 +701,21 @@ def _check_message(message: ChatMessage, index: int) -> None:
         )
 
 
-def _template_call(call: ToolCallMessage, index: int) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        raise InvalidRequestError(
-            f"messages[{index}] has a tool call whose arguments are not JSON", param="messages"
-        ) from None
-    function = {"name": call.function.name, "arguments": arguments}
+def _template_call(call: ToolCallMessage) -> dict[str, Any]:
+    function = {"name": call.function.name, "arguments": _template_arguments(call.function.arguments)}
     return {"id": call.id, "type": "function", "function": function}
+
+
+def _template_arguments(arguments: str) -> Any:
+    """A replayed call's arguments as the template reads them: parsed JSON, `{}` for none, and the string
+    itself where it is not JSON. A call cut by max_tokens is not JSON, and an agent replays it with the
+    rest of the conversation on every later turn: refusing it would end that conversation for good."""
+    if not arguments.strip():
+        return {}
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 _RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})

@@ -473,3 +473,24 @@ def test_tools_with_a_template_that_cannot_render_them_are_a_400_naming_it(clien
 def test_tool_choice_without_tools_is_a_400(client):
     body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}
     assert refused(post(client, "/v1/chat/completions", body), "tool_choice")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "rendered"),
+    [
+        ('{"city": "Pa', r'"parameters": "{\"city\": \"Pa"'),  # cut by max_tokens: the string itself
+        ("", '"parameters": {}'),  # a call without arguments
+        ('{"city": "Paris"}', '"parameters": {"city": "Paris"}'),
+    ],
+)
+def test_a_replayed_call_renders_whatever_its_arguments(real_validator, arguments, rendered):
+    from app.api.validation import Api
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "error: the arguments are not JSON"},
+    ]
+    ids = prompt_ids(real_validator, Api.CHAT, {"messages": messages})
+    assert f'assistant: {{"name": "f", {rendered}}}\n' in real_validator.tokenizer.decode(ids)
