@@ -2,7 +2,7 @@
 INF2SERVE_CHAT_TEMPLATE) and the unmodified `openai` client: `tool_choice` "required" and a named
 function return calls whose arguments validate against the function's schema, streamed (OpenAI's
 tool-call deltas, ending with finish_reason "tool_calls") and not; a conversation carrying an earlier
-call and its result renders."""
+call and its result renders, and so does one replaying a call that max_tokens cut, as agents replay it."""
 
 from __future__ import annotations
 
@@ -121,3 +121,23 @@ def test_a_conversation_with_a_call_and_its_result_renders(client) -> None:
     assert (
         completion.usage.prompt_tokens - alone.usage.prompt_tokens > len('get_time({"zone": "UTC"})12:00') / 2
     )
+
+
+def test_an_agent_replaying_a_call_cut_by_max_tokens_gets_its_next_turn(client) -> None:
+    cut = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    (call,) = cut.choices[0].message.tool_calls
+    assert cut.choices[0].finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # cut inside the arguments
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "error: the arguments are not JSON"},
+    ]
+    completion = client.chat.completions.create(
+        model="stories260K", messages=messages, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
