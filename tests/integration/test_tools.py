@@ -76,11 +76,16 @@ def test_required_returns_calls_that_validate(client) -> None:
         assert_valid(call.function.name, call.function.arguments)
 
 
-def test_a_named_function_is_the_one_called(client) -> None:
-    completion = client.chat.completions.create(
-        model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=60, seed=2,
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
+def named_call(client, name: str, **fields):
+    """A completion that `tool_choice` forces to call the function `name`."""
+    return client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": name}}, **fields,
     )  # fmt: skip
+
+
+def test_a_named_function_is_the_one_called(client) -> None:
+    completion = named_call(client, "get_time", max_tokens=60, seed=2)
     (call,) = completion.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert_valid("get_time", call.function.arguments)
@@ -124,10 +129,7 @@ def test_a_conversation_with_a_call_and_its_result_renders(client) -> None:
 
 
 def test_an_agent_replaying_a_call_cut_by_max_tokens_gets_its_next_turn(client) -> None:
-    cut = client.chat.completions.create(
-        model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
+    cut = named_call(client, "get_weather", max_tokens=40, temperature=0)
     (call,) = cut.choices[0].message.tool_calls
     assert cut.choices[0].finish_reason == "length"
     with pytest.raises(ValueError):
