@@ -48,10 +48,10 @@ def forces_call(body: ChatCompletionRequest) -> bool:
     return tools_offered(body) and body.tool_choice not in (None, "auto")
 
 
-def forced_call(body: ChatCompletionRequest) -> Constraint | None:
-    """The grammar of a `required` or named call, or None."""
+def forced_functions(body: ChatCompletionRequest) -> list[Function]:
+    """The functions a `required` or named call may call: none where no call is forced."""
     if not forces_call(body):
-        return None
+        return []
     functions = [Function(t.function.name, t.function.parameters or {}) for t in body.tools or ()]
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
@@ -61,7 +61,13 @@ def forced_call(body: ChatCompletionRequest) -> Constraint | None:
                 f"tool_choice names {choice.function.name!r}, which is not among the tools",
                 param="tool_choice",
             )
-    return forced_call_constraint(functions, "tool_choice")
+    return functions
+
+
+def forced_call(body: ChatCompletionRequest) -> Constraint | None:
+    """The grammar of a `required` or named call, or None."""
+    functions = forced_functions(body)
+    return forced_call_constraint(functions, "tool_choice") if functions else None
 
 
 def json_schema_constraint(schema: Any, param: str) -> Constraint:

@@ -25,7 +25,7 @@ from pydantic_core import to_json
 
 from app.api import streaming
 from app.api.auth import presented_key
-from app.api.constraints import forces_call, tools_offered
+from app.api.constraints import forced_functions, tools_offered
 from app.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -231,7 +231,7 @@ class ChatRenderer(OpenAIRenderer):
         self.started: set[int] = set()
         self.offers_tools = tools_offered(body)
         # A forced call is generated in the JSON form whatever the parser of free text.
-        self.forced = forces_call(body)
+        self.forced = [f.name for f in forced_functions(body)]
         self.parser = ToolCallParser.LLAMA3_JSON if self.forced else serving.tool_call_parser
         self.first_call_only = body.parallel_tool_calls is False
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
@@ -246,10 +246,10 @@ class ChatRenderer(OpenAIRenderer):
 
     def tool_calls(self, text: str, reason: FinishReason | None) -> list[ToolCallInfo] | None:
         """The calls `text` holds in OpenAI's terms, or None (plain content). A forced call cut off by the
-        token limit is the call as far as it got (its name complete), as OpenAI returns it."""
+        token limit is the call as far as it got, as OpenAI returns it (`truncated_call`)."""
         calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
         if calls is None and self.forced and reason is FinishReason.LENGTH:
-            cut = truncated_call(text)
+            cut = truncated_call(text, self.forced)
             calls = None if cut is None else [cut]
         if calls is None:
             return None

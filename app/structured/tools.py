@@ -29,6 +29,8 @@ from app.structured.grammar import Constraint, Kind, closed
 
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
+# a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
+NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
 CUT_CALL = re.compile(
     r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(?P<arguments>.*)', re.S
 )
@@ -71,14 +73,23 @@ def forced_call_constraint(functions: Sequence[Function], param: str) -> Constra
     return Constraint(Kind.JSON_SCHEMA, schema, param)
 
 
-def truncated_call(text: str) -> ToolCall | None:
-    """A forced call cut off by the token limit (its JSON form, `{"name": ..., "parameters": ...`, in that
-    order by its grammar): its name and its arguments as far as they got, as OpenAI returns a cut call;
-    None while even the name is incomplete."""
+def truncated_call(text: str, names: Sequence[str]) -> ToolCall | None:
+    """A forced call of one of the functions `names` cut off by the token limit (its JSON form,
+    `{"name": ..., "parameters": ...`, in that order by its grammar): its name and its arguments as far
+    as they got, as OpenAI returns a cut call. Cut before its arguments began, it is the one function
+    its name so far can be (a named choice's, always), with no arguments yet: a request that forces a
+    call gets one, as clients that read `tool_calls[0]` expect. None where several functions can be."""
     found = CUT_CALL.match(text.strip())
-    if found is None:
-        return None
-    return ToolCall(json.loads(found["name"]), found["arguments"])
+    if found is not None:
+        return ToolCall(json.loads(found["name"]), found["arguments"])
+    begun = NAME_SO_FAR.match(text.strip())
+    if begun is None:
+        possible = list(names)
+    elif begun["closed"]:
+        possible = [name for name in names if name == begun["name"]]
+    else:
+        possible = [name for name in names if name.startswith(begun["name"])]
+    return ToolCall(possible[0], "") if len(possible) == 1 else None
 
 
 def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[ToolCall] | None:

@@ -1,8 +1,9 @@
 """Tool calls through the real server (torch backend, stories260K, a tool-aware chat template given with
 INF2SERVE_CHAT_TEMPLATE) and the unmodified `openai` client: `tool_choice` "required" and a named
-function return calls whose arguments validate against the function's schema, streamed (OpenAI's
-tool-call deltas, ending with finish_reason "tool_calls") and not; a conversation carrying an earlier
-call and its result renders, and so does one replaying a call that max_tokens cut, as agents replay it."""
+function return calls whose arguments validate against the function's schema (a call even when cut
+before its arguments), streamed (OpenAI's tool-call deltas, ending with finish_reason "tool_calls") and
+not; a conversation carrying an earlier call and its result renders, and so does one replaying a call
+that max_tokens cut, as agents replay it."""
 
 from __future__ import annotations
 
@@ -89,6 +90,16 @@ def test_a_named_function_is_the_one_called(client) -> None:
     (call,) = completion.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert_valid("get_time", call.function.arguments)
+
+
+def test_a_named_call_cut_before_its_arguments_is_still_a_call(client) -> None:
+    completion = named_call(client, "get_weather", max_tokens=16, temperature=0)
+    (call,) = completion.choices[0].message.tool_calls
+    assert completion.choices[0].finish_reason == "length" and completion.choices[0].message.content is None
+    assert (call.function.name, call.function.arguments) == ("get_weather", "")
+    chunks = list(named_call(client, "get_weather", max_tokens=16, temperature=0, stream=True))
+    (delta,) = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert delta.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_streamed_required_call_arrives_as_tool_call_deltas(client) -> None:

@@ -68,9 +68,28 @@ def test_a_forced_call_closes_the_functions_objects() -> None:
     json.dumps(schema)
 
 
+NAMES = ["get_weather", "get_time", "get"]
+
+
 def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
-    assert truncated_call('{"name":"get_weather","parameters":{"city":"Par') == ToolCall(
+    assert truncated_call('{"name":"get_weather","parameters":{"city":"Par', NAMES) == ToolCall(
         "get_weather", '{"city":"Par'
     )
-    assert truncated_call('{"name": "a\\"b", "parameters": ') == ToolCall('a"b', "")
-    assert truncated_call('{"name":"get_wea') is None
+    assert truncated_call('{"name": "a\\"b", "parameters": ', NAMES) == ToolCall('a"b', "")
+
+
+@pytest.mark.parametrize(
+    ("text", "names", "name"),
+    [
+        ('{"name":"get_wea', NAMES, "get_weather"),  # the one name it can still become
+        ('{"name":"get","para', NAMES, "get"),  # its name closed: "get" itself
+        ('{"na', ["get_time"], "get_time"),  # a named choice's function, whatever was cut
+        ("", ["get_time"], "get_time"),
+        ('{"name":"get', NAMES, None),  # three names begin so
+        ('{"name":"get_', NAMES, None),
+        ('{"na', NAMES, None),
+    ],
+)
+def test_a_call_cut_before_its_arguments_is_the_one_function_it_can_be(text, names, name) -> None:
+    call = truncated_call(text, names)
+    assert call == (None if name is None else ToolCall(name, ""))
