@@ -29,6 +29,7 @@ from app.structured.grammar import Constraint, Kind, closed
 
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
+LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 # a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
 NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
 CUT_CALL = re.compile(
@@ -57,20 +58,43 @@ class ToolCall:
 
 def forced_call_constraint(functions: Sequence[Function], param: str) -> Constraint:
     """One call of one of `functions`, in the JSON form."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": f.name},
-                "parameters": closed(f.parameters or {"type": "object"}),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if len(functions) == 1:
+        schema = _call_schema(functions[0], "#")
+    else:
+        schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]}
     return Constraint(Kind.JSON_SCHEMA, schema, param)
+
+
+def _call_schema(function: Function, at: str) -> dict[str, Any]:
+    """A call of `function`, its schema placed at the JSON pointer `at` of the whole one. The function's
+    own schema sits inside it, so its local references (`#/$defs/...`, as pydantic writes an enum or a
+    nested model) move with it."""
+    parameters = closed(function.parameters or {"type": "object"})
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function.name},
+            "parameters": _relocated(parameters, f"{at}/properties/parameters"),
+        },
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+
+
+def _relocated(schema: Any, at: str) -> Any:
+    """`schema` as a part of a larger one at the JSON pointer `at`: each local `$ref` (`#`, or `#/...`
+    into `schema`) made to point where it pointed."""
+    if isinstance(schema, list):
+        return [_relocated(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: _relocated_value(key, value, at) for key, value in schema.items()}
+
+
+def _relocated_value(key: str, value: Any, at: str) -> Any:
+    if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        return at + value[1:]
+    return value if key in LITERAL_KEYWORDS else _relocated(value, at)
 
 
 def truncated_call(text: str, names: Sequence[str]) -> ToolCall | None:

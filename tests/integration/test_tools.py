@@ -3,10 +3,12 @@ INF2SERVE_CHAT_TEMPLATE) and the unmodified `openai` client: `tool_choice` "requ
 function return calls whose arguments validate against the function's schema (a call even when cut
 before its arguments), streamed (OpenAI's tool-call deltas, ending with finish_reason "tool_calls") and
 not; a conversation carrying an earlier call and its result renders, and so does one replaying a call
-that max_tokens cut, as agents replay it."""
+that max_tokens cut, as agents replay it; a pydantic model's tool, its `$defs` and all, gets valid
+arguments."""
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from loadtest.harness.server import BIN, ServerProcess, free_port
@@ -154,3 +157,24 @@ def test_an_agent_replaying_a_call_cut_by_max_tokens_gets_its_next_turn(client) 
         model="stories260K", messages=messages, tools=TOOLS, max_tokens=4, temperature=0
     )
     assert completion.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+class Sky(enum.Enum):
+    CLEAR = "clear"
+    GREY = "grey"
+
+
+class Forecast(pydantic.BaseModel):
+    """A forecast: pydantic writes its enum under `$defs`, referred to as `#/$defs/Sky`."""
+
+    sky: Sky
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_a_pydantic_tool_with_definitions_is_called_with_valid_arguments(client) -> None:
+    completion = client.chat.completions.parse(
+        model="stories260K", messages=MESSAGES, tools=[openai.pydantic_function_tool(Forecast)],
+        tool_choice="required", max_tokens=60, temperature=1.0, seed=3,
+    )  # fmt: skip
+    (call,) = completion.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Forecast)

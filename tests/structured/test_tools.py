@@ -1,5 +1,6 @@
 """Reading Llama 3.x tool calls out of generated text: the JSON form (with `<|python_tag|>`, `arguments`
-for `parameters`, several calls), 3.2's pythonic list, and text that is not a call."""
+for `parameters`, several calls), 3.2's pythonic list, and text that is not a call; a call cut by the
+token limit; the grammar of a forced call, its functions' own references kept."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 
+from app.structured.grammar import compiler_for
 from app.structured.tools import (
     Function,
     ToolCall,
@@ -15,6 +17,7 @@ from app.structured.tools import (
     parse_tool_calls,
     truncated_call,
 )
+from app.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize(
@@ -93,3 +96,30 @@ def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
 def test_a_call_cut_before_its_arguments_is_the_one_function_it_can_be(text, names, name) -> None:
     call = truncated_call(text, names)
     assert call == (None if name is None else ToolCall(name, ""))
+
+
+COLOR = {"$defs": {"Color": {"enum": ["red", "blue"]}}, "properties": {"c": {"$ref": "#/$defs/Color"}}}
+TREE = {
+    "type": "object",
+    "properties": {"kid": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["kid"],
+}
+
+
+@pytest.mark.parametrize(
+    ("functions", "call", "valid"),
+    [
+        ([Function("f", COLOR)], '{"name":"f","parameters":{"c":"blue"}}', True),
+        ([Function("f", COLOR)], '{"name":"f","parameters":{"c":"green"}}', False),
+        ([Function("g", {}), Function("f", COLOR)], '{"name":"f","parameters":{"c":"red"}}', True),
+        ([Function("g", {}), Function("f", COLOR)], '{"name":"f","parameters":{"c":"pink"}}', False),
+        ([Function("t", TREE)], '{"name":"t","parameters":{"kid":{"kid":null}}}', True),
+        ([Function("t", TREE)], '{"name":"t","parameters":{"kid":{"kid":1}}}', False),
+    ],
+)
+def test_a_functions_references_hold_inside_the_forced_call(stories260k, functions, call, valid) -> None:
+    tokenizer = Tokenizer.from_dir(stories260k)
+    compiler = compiler_for(tokenizer)
+    matcher = compiler.llguidance_matcher(compiler.compile(forced_call_constraint(functions, "tool_choice")))
+    tokens = tokenizer.encode(call, add_special_tokens=False)[1:]  # past the leading space marker
+    assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
