@@ -18,7 +18,7 @@ from typing import Any
 
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat
 from app.errors import InvalidRequestError
-from app.structured.grammar import Constraint, Kind, closed
+from app.structured.grammar import Constraint, Kind, closed, lenient
 from app.structured.tools import Function, forced_call_constraint
 from app.tokenizer import Tokenizer
 
@@ -52,7 +52,10 @@ def forced_functions(body: ChatCompletionRequest) -> list[Function]:
     """The functions a `required` or named call may call: none where no call is forced."""
     if not forces_call(body):
         return []
-    functions = [Function(t.function.name, t.function.parameters or {}) for t in body.tools or ()]
+    functions = [
+        Function(t.function.name, t.function.parameters or {}, strict=t.function.strict is True)
+        for t in body.tools or ()
+    ]
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]
@@ -70,8 +73,9 @@ def forced_call(body: ChatCompletionRequest) -> Constraint | None:
     return forced_call_constraint(functions, "tool_choice") if functions else None
 
 
-def json_schema_constraint(schema: Any, param: str) -> Constraint:
-    """A JSON schema (a dict, or a string holding one) as a constraint, its open objects closed."""
+def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Constraint:
+    """A JSON schema (a dict, or a string holding one) as a constraint, its open objects closed; unless
+    `strict`, the keywords the grammar engine does not implement ignored (`lenient`), not refused."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -79,7 +83,7 @@ def json_schema_constraint(schema: Any, param: str) -> Constraint:
             raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
-    return Constraint(Kind.JSON_SCHEMA, closed(schema), param)
+    return Constraint(Kind.JSON_SCHEMA, closed(schema) if strict else lenient(closed(schema)), param)
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -121,7 +125,9 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
         raise InvalidRequestError(
             "response_format json_schema needs its json_schema object", param="response_format.json_schema"
         )
-    return json_schema_constraint(spec.get("schema", {}), "response_format.json_schema.schema")
+    return json_schema_constraint(
+        spec.get("schema", {}), "response_format.json_schema.schema", strict=spec.get("strict") is True
+    )
 
 
 def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint | None]:

@@ -274,6 +274,16 @@ def with_host_state(
     return replace(params, sampling=state)
 
 
+def lenient(schema: Any) -> Any:
+    """A schema whose keywords llguidance does not implement (`uniqueItems`, `not`, `if`, a `format` it
+    does not know...) are ignored rather than refused, and `oneOf` read as `anyOf`: for a request that did
+    not ask for strict adherence, as OpenAI takes a schema that is not `strict`. What llguidance implements
+    still holds."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("x-guidance", {}), dict):
+        return schema
+    return {**schema, "x-guidance": {"lenient": True, **schema.get("x-guidance", {})}}
+
+
 def closed(schema: Any) -> Any:
     """A copy of a schema with `additionalProperties: false` on every object that does not set it."""
     if isinstance(schema, list):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from app.structured.grammar import Constraint, Kind, closed
+from app.structured.grammar import Constraint, Kind, closed, lenient
 
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
@@ -48,6 +48,7 @@ class Function:
 
     name: str
     parameters: dict[str, Any]
+    strict: bool = False  # OpenAI's `strict`: its schema's every keyword enforced, or a 400
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +58,13 @@ class ToolCall:
 
 
 def forced_call_constraint(functions: Sequence[Function], param: str) -> Constraint:
-    """One call of one of `functions`, in the JSON form."""
+    """One call of one of `functions`, in the JSON form: `lenient` unless one of them is `strict`."""
     if len(functions) == 1:
         schema = _call_schema(functions[0], "#")
     else:
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]}
-    return Constraint(Kind.JSON_SCHEMA, schema, param)
+    strict = any(f.strict for f in functions)
+    return Constraint(Kind.JSON_SCHEMA, schema if strict else lenient(schema), param)
 
 
 def _call_schema(function: Function, at: str) -> dict[str, Any]:

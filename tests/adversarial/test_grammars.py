@@ -81,3 +81,19 @@ def test_a_pathological_pattern_is_served_beside_plain_requests(api) -> None:
         responses = list(pool.map(lambda body: api.post(CHAT, json=body), bodies))
     assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses]
     assert responses[0].json()["choices"][0]["message"]["content"].startswith('{"s":"x')
+
+
+def test_a_keyword_the_engine_lacks_is_ignored_unless_the_schema_is_strict(api) -> None:
+    colors = {"type": "array", "items": {"enum": ["red", "blue"]}, "uniqueItems": True, "maxItems": 2}
+    schema = {"type": "object", "properties": {"c": colors}, "required": ["c"]}
+
+    def asking(strict: bool) -> httpx.Response:
+        spec = {"name": "s", "schema": schema, "strict": strict}
+        body = {"messages": MESSAGES, "max_tokens": 8}
+        return api.post(CHAT, json=body | {"response_format": {"type": "json_schema", "json_schema": spec}})
+
+    refused = asking(True).json()["error"]
+    assert refused["param"] == "response_format.json_schema.schema" and "uniqueItems" in refused["message"]
+    served = asking(False)
+    assert served.status_code == 200
+    assert served.json()["choices"][0]["message"]["content"].startswith('{"c":[')

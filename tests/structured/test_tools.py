@@ -1,6 +1,7 @@
 """Reading Llama 3.x tool calls out of generated text: the JSON form (with `<|python_tag|>`, `arguments`
 for `parameters`, several calls), 3.2's pythonic list, and text that is not a call; a call cut by the
-token limit; the grammar of a forced call, its functions' own references kept."""
+token limit; the grammar of a forced call, its functions' own references kept, lenient unless one is
+strict."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from app.errors import InvalidRequestError
 from app.structured.grammar import compiler_for
 from app.structured.tools import (
     Function,
@@ -123,3 +125,14 @@ def test_a_functions_references_hold_inside_the_forced_call(stories260k, functio
     matcher = compiler.llguidance_matcher(compiler.compile(forced_call_constraint(functions, "tool_choice")))
     tokens = tokenizer.encode(call, add_special_tokens=False)[1:]  # past the leading space marker
     assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
+
+
+UNIQUE = {"properties": {"c": {"type": "array", "items": {"enum": ["r", "b"]}, "uniqueItems": True}}}
+
+
+def test_a_keyword_the_engine_lacks_is_ignored_unless_a_function_is_strict(stories260k) -> None:
+    compiler = compiler_for(Tokenizer.from_dir(stories260k))
+    compiler.compile(forced_call_constraint([Function("f", UNIQUE)], "tool_choice"))
+    with pytest.raises(InvalidRequestError, match="uniqueItems"):
+        functions = [Function("g", {}), Function("f", UNIQUE, strict=True)]
+        compiler.compile(forced_call_constraint(functions, "tool_choice"))
