@@ -7,8 +7,8 @@ grammar is compiled by `app.structured.grammar`.
 A JSON schema's objects that do not set `additionalProperties` are closed (no property beyond those
 declared), whatever OpenAI's `strict` says: vLLM's default grammar engine (xgrammar, in its default
 strict mode) does the same, and an open object lets a weak model add keys until its token limit. A
-schema that wants extra properties says `"additionalProperties": true` (or a schema for them).
-"""
+schema that wants extra properties says `"additionalProperties": true` (or a schema for them); one that
+composes with `allOf` is left open (`closed`)."""
 
 from __future__ import annotations
 

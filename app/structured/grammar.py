@@ -285,15 +285,29 @@ def lenient(schema: Any) -> Any:
 
 
 def closed(schema: Any) -> Any:
-    """A copy of a schema with `additionalProperties: false` on every object that does not set it."""
+    """A copy of a schema with `additionalProperties: false` on every object that does not set it. A
+    schema that composes with `allOf` anywhere is left as it is: a part of the composition closed, or a
+    definition a part refers to, would refuse the properties the other parts add."""
+    return schema if _mentions(schema, "allOf") else _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
     if isinstance(schema, list):
-        return [closed(item) for item in schema]
+        return [_closed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    result = {key: closed(value) for key, value in schema.items()}
+    result = {key: _closed(value) for key, value in schema.items()}
     if (result.get("type") == "object" or "properties" in result) and "additionalProperties" not in result:
         result["additionalProperties"] = False
     return result
+
+
+def _mentions(schema: Any, keyword: str) -> bool:
+    if isinstance(schema, list):
+        return any(_mentions(item, keyword) for item in schema)
+    return isinstance(schema, dict) and (
+        keyword in schema or any(_mentions(value, keyword) for value in schema.values())
+    )
 
 
 def _source(constraint: Constraint) -> str:

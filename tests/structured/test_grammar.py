@@ -1,5 +1,6 @@
 """A compiled grammar's forced start (`ForcedStart`): what its first matcher finds forced, the matchers
-after it take without a mask computation, and get the masks llguidance would compute."""
+after it take without a mask computation, and get the masks llguidance would compute. Which objects a
+schema's closing leaves open."""
 
 from __future__ import annotations
 
@@ -136,3 +137,29 @@ def test_a_token_refused_in_one_state_is_checked_again_in_the_next(
     assert matcher.allows(dash)
     matcher.accept(dash)
     assert matcher.allows(digit) and not matcher.allows(dash)
+
+
+def part(name: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {name: {"type": "boolean"}}, "required": [name]}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [part("a"), part("b")]},
+        {"$defs": {"A": part("a")}, "allOf": [{"$ref": "#/$defs/A"}, part("b")]},
+    ],
+    ids=["parts", "a-part-by-reference"],
+)
+def test_a_schema_composed_with_all_of_is_left_open_so_its_parts_meet(
+    compiler: grammar.GrammarCompiler, stories260k: Path, schema: dict[str, Any]
+) -> None:
+    assert grammar.closed(schema) == schema
+    compiled = compiler.compile(Constraint(Kind.JSON_SCHEMA, grammar.closed(schema), "guided_json"))
+    tokens = Tokenizer.from_dir(stories260k).encode('{"a":true,"b":false}', add_special_tokens=False)[1:]
+    assert compiler.llguidance_matcher(compiled).validate_tokens(tokens) == len(tokens)
+
+
+def test_objects_elsewhere_are_closed() -> None:
+    assert grammar.closed(part("a"))["additionalProperties"] is False
+    assert grammar.closed({"anyOf": [part("a")]})["anyOf"][0]["additionalProperties"] is False
