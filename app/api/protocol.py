@@ -481,6 +481,7 @@ class TokenizeChatRequest(RequestModel):
     add_special_tokens: bool = Field(False, description="Add BOS before the template's own.")
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # rendered as a chat completion renders them (vLLM's field)
 
 
 class TokenizeResponse(ResponseModel):

@@ -560,7 +560,7 @@ class Validator:
             sum(len(m["content"]) for m in messages), self.tokenizer.max_token_chars, "messages"
         )
         template_kwargs = _template_kwargs(body.chat_template_kwargs)
-        if isinstance(body, ChatCompletionRequest) and tools_offered(body):
+        if _renders_tools(body):
             if not self.tokenizer.renders_tools:
                 raise InvalidRequestError(
                     "this model's chat template does not render tools (it never reads `tools`); serve it "
@@ -683,6 +683,12 @@ def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> list[dic
             entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
     return messages
+
+
+def _renders_tools(body: ChatCompletionRequest | TokenizeChatRequest) -> bool:
+    """Whether the template renders the body's tools: a chat request's unless `tool_choice` is none, a
+    tokenize request's whenever it sends some (to count a chat request's prompt)."""
+    return tools_offered(body) if isinstance(body, ChatCompletionRequest) else bool(body.tools)
 
 
 def _check_message(message: ChatMessage, index: int) -> None:

@@ -1,7 +1,8 @@
 """vLLM's tokenizer routes on a real server with stories260K's tokenizer, through the clients that call
 them unmodified: `/tokenize` then `/detokenize` returns the text, and lm-evaluation-harness's remote
 tokenizer (`tokenizer_backend=remote`, what its `local-completions` model uses without a local
-tokenizer) finds `/tokenizer_info` and encodes and decodes as transformers' tokenizer does."""
+tokenizer) finds `/tokenizer_info` and encodes and decodes as transformers' tokenizer does; a chat
+prompt's count takes its tools, as the completion's usage does."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def test_lm_evals_remote_tokenizer_finds_the_routes(sim_server, reference) -> No
     assert remote.encode(TEXT) == reference.encode(TEXT, add_special_tokens=False)
     assert remote.decode(remote.encode(TEXT)) == TEXT
     assert remote.eos_token_id == reference.eos_token_id
+
+
+def test_tokenize_counts_a_chat_prompt_with_its_tools(sim_server) -> None:
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    chat = {"messages": [{"role": "user", "content": "What time is it?"}], "tools": [tool]}
+    counted = httpx.post(sim_server.url + "/tokenize", json=chat)
+    completion = httpx.post(sim_server.url + "/v1/chat/completions", json={**chat, "max_tokens": 1})
+    without = httpx.post(sim_server.url + "/tokenize", json={"messages": chat["messages"]}).json()["count"]
+    assert counted.json()["count"] == completion.json()["usage"]["prompt_tokens"] > without
