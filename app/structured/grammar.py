@@ -274,20 +274,25 @@ def with_host_state(
     return replace(params, sampling=state)
 
 
+LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON, not schemas
+
+
 def lenient(schema: Any) -> Any:
     """A schema whose keywords llguidance does not implement (`uniqueItems`, `not`, `if`, a `format` it
     does not know...) are ignored rather than refused, and `oneOf` read as `anyOf`: for a request that did
     not ask for strict adherence, as OpenAI takes a schema that is not `strict`. What llguidance implements
     still holds."""
-    if not isinstance(schema, dict) or not isinstance(schema.get("x-guidance", {}), dict):
+    guidance = schema.get("x-guidance", {}) if isinstance(schema, dict) else None
+    if not isinstance(guidance, dict):
         return schema
-    return {**schema, "x-guidance": {"lenient": True, **schema.get("x-guidance", {})}}
+    return {**schema, "x-guidance": {"lenient": True, **guidance}}
 
 
 def closed(schema: Any) -> Any:
-    """A copy of a schema with `additionalProperties: false` on every object that does not set it. A
-    schema that composes with `allOf` anywhere is left as it is: a part of the composition closed, or a
-    definition a part refers to, would refuse the properties the other parts add."""
+    """A schema with `additionalProperties: false` on every object that does not set it (a copy; literal
+    values, `LITERAL_KEYWORDS`, as they are). A schema that composes with `allOf` anywhere is left as it
+    is: a part of the composition closed, or a definition a part refers to, would refuse the properties
+    the other parts add."""
     return schema if _mentions(schema, "allOf") else _closed(schema)
 
 
@@ -296,7 +301,7 @@ def _closed(schema: Any) -> Any:
         return [_closed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    result = {key: _closed(value) for key, value in schema.items()}
+    result = {key: value if key in LITERAL_KEYWORDS else _closed(value) for key, value in schema.items()}
     if (result.get("type") == "object" or "properties" in result) and "additionalProperties" not in result:
         result["additionalProperties"] = False
     return result
@@ -306,7 +311,8 @@ def _mentions(schema: Any, keyword: str) -> bool:
     if isinstance(schema, list):
         return any(_mentions(item, keyword) for item in schema)
     return isinstance(schema, dict) and (
-        keyword in schema or any(_mentions(value, keyword) for value in schema.values())
+        keyword in schema
+        or any(_mentions(value, keyword) for key, value in schema.items() if key not in LITERAL_KEYWORDS)
     )
 
 

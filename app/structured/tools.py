@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from app.structured.grammar import Constraint, Kind, closed, lenient
+from app.structured.grammar import LITERAL_KEYWORDS, Constraint, Kind, closed, lenient
 
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
-LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # JSON values, not schemas
 # a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
 NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
 CUT_CALL = re.compile(

@@ -160,6 +160,9 @@ def test_a_schema_composed_with_all_of_is_left_open_so_its_parts_meet(
     assert compiler.llguidance_matcher(compiled).validate_tokens(tokens) == len(tokens)
 
 
-def test_objects_elsewhere_are_closed() -> None:
+def test_objects_elsewhere_are_closed_and_literal_values_kept() -> None:
     assert grammar.closed(part("a"))["additionalProperties"] is False
     assert grammar.closed({"anyOf": [part("a")]})["anyOf"][0]["additionalProperties"] is False
+    literals = {"const": {"properties": 1}, "enum": [{"type": "object"}], "default": {"allOf": []}}
+    assert grammar.closed(literals) == literals  # values to match, not schemas: nothing added
+    assert grammar.closed({**part("a"), **literals})["additionalProperties"] is False  # "allOf" a value
