@@ -1,7 +1,8 @@
 """Host rows on one CUDA device: a decode batch mixing grammar, `allowed_token_ids` and penalised rows
 with plain ones gives the CPU's tokens, eagerly and through CUDA graphs (a step with host rows replays
-its graph and draws only those rows again on the host); each grammar row's tokens are ones its grammar
-allows; and greedy penalties match transformers' logits processors.
+its graph and draws only those rows again on the host), and on a bf16 model the eager steps' tokens;
+each grammar row's tokens are ones its grammar allows; and greedy penalties match transformers' logits
+processors.
 
 stories260K and its tokenizer come from the shared model folder, as on the CPU."""
 
@@ -18,7 +19,14 @@ from app.backends.torch import TorchBackend
 from app.structured.grammar import Constraint, Kind, compiler_for
 from app.tokenizer import Tokenizer
 
-from .helpers import HOST_STEPS, PROCESSORS, generate_with_host, load_backend, transformers_greedy
+from .helpers import (
+    HOST_STEPS,
+    PROCESSORS,
+    build_artifact,
+    generate_with_host,
+    load_backend,
+    transformers_greedy,
+)
 
 pytestmark = pytest.mark.gpu
 REGEX = r"[0-9]{3}-(cat|dog)( (cat|dog)){20}"  # longer than the steps taken: no row ends
@@ -118,6 +126,28 @@ def test_a_mixed_batch_gives_the_cpu_tokens_eagerly_and_through_graphs(
                 check.accept(token)
         if params.allowed_token_ids is not None:
             assert set(tokens) <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_a_mixed_batch_of_a_bf16_model_gives_its_eager_tokens_through_graphs(
+    stories260k: Path, tokenizer: Tokenizer, tmp_path: Path, group: int
+) -> None:
+    """bf16 weights (fp32 logits): the graphs' host rows take the tokens eager bf16 steps take, each
+    allowed by its grammar (the CPU's fp32 tokens are not the reference: bf16 changes the logits)."""
+    artifact = build_artifact(stories260k, tmp_path, dtype="bf16")
+    eager, graphed = (load_backend(artifact, dtype="bf16", device="cuda") for _ in range(2))
+    graphed.warmup()
+    rows, steps = mixed_rows(tokenizer, group), 16
+    tokens = decode_together(graphed, rows(), steps)
+    assert tokens == decode_together(eager, rows(), steps)
+    for params, generated in zip(rows(), tokens, strict=True):
+        if params.grammar is not None:
+            check = compiler_for(tokenizer).matcher(params.grammar)
+            for token in generated:
+                assert check.allows(token), tokenizer.decode(generated)
+                check.accept(token)
+    eager.close()
+    graphed.close()
 
 
 @pytest.mark.parametrize("group", [0, 1])
