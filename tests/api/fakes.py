@@ -14,6 +14,8 @@ import string
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
+import tokenizers
+
 from app.api.state import Runtime
 from app.backends.base import SampledToken, check_sampling
 from app.engine.admission import Backlog
@@ -45,6 +47,21 @@ class FakeTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
+
+    def to_json(self) -> str:
+        """This vocabulary as a Hugging Face tokenizer.json (a byte per token, after the three specials),
+        for the grammar engine: a request with a grammar compiles one, as on a real tokenizer."""
+        specials = ("<unk>", "<s>", "</s>")
+        vocab = {
+            **{name: i for i, name in enumerate(specials)},
+            **{f"<0x{b:02X}>": b + OFFSET for b in range(256)},
+        }
+        tokenizer = tokenizers.Tokenizer(
+            tokenizers.models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True)
+        )
+        tokenizer.decoder = tokenizers.decoders.ByteFallback()
+        tokenizer.add_special_tokens([tokenizers.AddedToken(name, special=True) for name in specials])
+        return tokenizer.to_str()
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, template_kwargs=None

@@ -494,3 +494,11 @@ def test_a_replayed_call_renders_whatever_its_arguments(real_validator, argument
     ]
     ids = prompt_ids(real_validator, Api.CHAT, {"messages": messages})
     assert f'assistant: {{"name": "f", {rendered}}}\n' in real_validator.tokenizer.decode(ids)
+
+
+def test_a_request_with_a_grammar_is_answered_on_the_fake_engine(client):
+    """The fake tokenizer compiles a grammar as a real one does, and the fake engine then refuses it as a
+    backend without grammars would: test_openapi.py's fuzzer once drew such a body and got a 500 from
+    the fake tokenizer, not from the server."""
+    body = {"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_object"}}
+    assert refused(post(client, "/v1/completions", body), "grammar")
