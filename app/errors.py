@@ -10,6 +10,7 @@ class Inf2ServeError(Exception):
 
     status_code = 500
     error_type = "internal_error"
+    code: str | None = None  # OpenAI's error code where it has one for the case; else the status is sent
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -36,6 +37,20 @@ class InvalidRequestError(Inf2ServeError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt with the output asked for, does not fit the model's positions. OpenAI
+    answers this with the code `context_length_exceeded` and a message that begins with the words below,
+    and clients match either (LangChain, DSPy, LiteLLM, CrewAI) to shorten a conversation and retry,
+    or to fall back to a larger model: `problem` says what did not fit, and which limit."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, max_positions: int, problem: str, param: str | None) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_positions} tokens. However, {problem}", param
+        )
 
 
 class AuthenticationError(Inf2ServeError):

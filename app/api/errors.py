@@ -40,7 +40,7 @@ def error_payload(error: Inf2ServeError) -> dict[str, object]:
             "message": error.message,
             "type": error.error_type,
             "param": getattr(error, "param", None),
-            "code": error.status_code,
+            "code": error.code or error.status_code,
         }
     }
 

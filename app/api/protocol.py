@@ -272,7 +272,7 @@ class ErrorInfo(ResponseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    code: int | str  # the HTTP status, or OpenAI's code where it has one (`context_length_exceeded`)
 
 
 class ErrorResponse(ResponseModel):

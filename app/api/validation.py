@@ -41,7 +41,7 @@ from app.api.responses_protocol import REFUSED as RESPONSES_REFUSED
 from app.api.responses_protocol import RESPONSES_NAMES, ResponsesRequest, chat_body
 from app.backends.base import SamplingParams
 from app.engine.types import EngineClient, GenerationParams
-from app.errors import InvalidRequestError, NotFoundError
+from app.errors import ContextLengthError, InvalidRequestError, NotFoundError
 from app.settings import ServerSettings
 from app.shapes import ShapeGrid
 from app.structured.grammar import compiler_for
@@ -187,23 +187,27 @@ class Limits:
             max_sequences=settings.max_waiting,
         )
 
-    def check_prompt(self, token_ids: Sequence[int]) -> None:
+    def check_prompt(self, token_ids: Sequence[int], param: str = "prompt") -> None:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if len(token_ids) > self.max_prompt_tokens:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens; max_prompt_tokens is {self.max_prompt_tokens}",
-                param="prompt",
+            raise ContextLengthError(
+                self.max_positions,
+                f"your {param} resulted in {len(token_ids)} tokens, more than the {self.max_prompt_tokens} "
+                f"a prompt may take (max_prompt_tokens). Please reduce the length of the {param}.",
+                param,
             )
 
     def check_chars(self, chars: int, max_token_chars: int, param: str) -> None:
         """Cheap, before tokenizing: a text of more than max_token_chars characters per token allowed
         has more tokens than allowed."""
         if chars > self.max_prompt_tokens * max_token_chars:
-            raise InvalidRequestError(
-                f"the prompt has {chars} characters: more than max_prompt_tokens ({self.max_prompt_tokens}) "
-                f"tokens of at most {max_token_chars} characters each",
-                param=param,
+            raise ContextLengthError(
+                self.max_positions,
+                f"your {param} has {chars} characters, more than max_prompt_tokens "
+                f"({self.max_prompt_tokens}) tokens of at most {max_token_chars} characters each can hold. "
+                f"Please reduce the length of the {param}.",
+                param,
             )
 
     def refuse_long_arrays(self, raw: bytes) -> None:
@@ -254,10 +258,11 @@ class Limits:
     def check_messages(self, count: int) -> None:
         """Every message takes at least one token of the template's markup."""
         if count > self.max_prompt_tokens:
-            raise InvalidRequestError(
-                f"{count} messages; each takes at least one token and max_prompt_tokens is "
-                f"{self.max_prompt_tokens}",
-                param="messages",
+            raise ContextLengthError(
+                self.max_positions,
+                f"your request has {count} messages, each taking a token at least, and a prompt may take "
+                f"{self.max_prompt_tokens} (max_prompt_tokens). Please reduce the number of messages.",
+                "messages",
             )
 
     def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
@@ -290,10 +295,11 @@ class Limits:
             return default
         room = min(self.max_output_tokens, self.max_positions - prompt_len)
         if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens and leaves no room to generate within "
-                f"max_positions {self.max_positions}",
-                param="prompt",
+            raise ContextLengthError(
+                self.max_positions,
+                f"the prompt has {prompt_len} tokens, which leave no room to generate. Please reduce the "
+                "length of the prompt.",
+                "prompt",
             )
         return room
 
@@ -509,7 +515,7 @@ class Validator:
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
         self.limits.check_logprobs(top_logprobs, "top_logprobs")
         prompt = self._truncate(self.chat_prompt(body), body.truncate_prompt_tokens)
-        self.limits.check_prompt(prompt)
+        self.limits.check_prompt(prompt, "messages")
         requested, param = (
             (body.max_completion_tokens, "max_completion_tokens")
             if body.max_completion_tokens is not None
@@ -538,7 +544,7 @@ class Validator:
         self.limits.check_stop(params.stop, "parameters.stop")
         self.limits.check_chars(len(body.inputs), self.tokenizer.max_token_chars, "inputs")
         prompt = self._truncate(self.tokenizer.encode(body.inputs), params.truncate)
-        self.limits.check_prompt(prompt)
+        self.limits.check_prompt(prompt, "inputs")
         max_tokens = [
             self.limits.max_tokens(params.max_new_tokens, len(prompt), "parameters.max_new_tokens", None)
         ]

@@ -34,7 +34,7 @@ from app.engine.request import Request
 from app.engine.stats import StatsSink, discard_stats
 from app.engine.stops import StopStringMatcher, stop_token_ids
 from app.engine.types import FinishReason, GenerationParams
-from app.errors import GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError
+from app.errors import ContextLengthError, GenerationError, Inf2ServeError, InvalidRequestError, NotReadyError
 from app.shapes import ShapeGrid
 from app.structured.grammar import with_host_state
 
@@ -312,13 +312,16 @@ def check_limits(prompt: Sequence[int], params: GenerationParams, vocab: int, gr
         )
     n, limit = len(prompt), grid.max_prompt_tokens
     if n > limit:
-        raise InvalidRequestError(
-            f"the prompt has {n} tokens, more than the largest compiled context bucket ({limit})",
-            param="prompt",
+        raise ContextLengthError(
+            grid.max_positions,
+            f"the prompt has {n} tokens, more than the largest compiled context bucket ({limit}). Please "
+            "reduce the length of the prompt.",
+            "prompt",
         )
     if not grid.fits(n, params.max_tokens):
-        raise InvalidRequestError(
-            f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
-            f"tokens, more than the {grid.max_positions} positions the model was compiled for",
-            param="max_tokens",
+        raise ContextLengthError(
+            grid.max_positions,
+            f"you requested {n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for "
+            "max_tokens). Please reduce the length of the prompt or max_tokens.",
+            "max_tokens",
         )

@@ -406,10 +406,39 @@ def test_too_many_characters_are_refused_before_tokenizing(client):
     serving = client.app.state.serving
     serving.validator.tokenizer = NeverTokenizer()
     too_long = "x" * (serving.limits.max_prompt_tokens + 1)
-    assert refused(post(client, "/v1/completions", {"prompt": too_long}), "prompt", says="characters")
+    assert past_context(post(client, "/v1/completions", {"prompt": too_long}), "prompt", says="characters")
     chat = {"messages": [{"role": "user", "content": too_long}]}
-    assert refused(post(client, "/v1/chat/completions", chat), "messages", says="characters")
-    assert refused(post(client, "/invocations", {"inputs": too_long}), "inputs", says="characters")
+    assert past_context(post(client, "/v1/chat/completions", chat), "messages", says="characters")
+    assert past_context(post(client, "/invocations", {"inputs": too_long}), "inputs", says="characters")
+
+
+def past_context(response, param: str, says: str = "") -> bool:
+    """OpenAI's answer to a prompt that does not fit: the code `context_length_exceeded` and the words
+    clients match (LangChain and DSPy the code, LiteLLM and CrewAI the words), naming our limit too."""
+    error = response.json()["error"]
+    return (
+        refused(response, param, says)
+        and error["code"] == "context_length_exceeded"
+        and error["message"].startswith("This model's maximum context length is ")
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "param"),
+    [
+        ("/v1/completions", "prompt", "prompt"),
+        ("/v1/chat/completions", "messages", "messages"),
+        ("/v1/responses", "input", "input"),
+        ("/invocations", "inputs", "inputs"),
+    ],
+)
+def test_a_prompt_past_the_context_is_openais_context_length_exceeded(client, path, field, param):
+    """Within the characters a prompt may have, past its tokens (BOS, or the chat markup, is the one too
+    many)."""
+    limit = client.app.state.serving.limits.max_prompt_tokens
+    text = "x" * limit
+    body = {field: [{"role": "user", "content": text}] if field == "messages" else text}
+    assert past_context(post(client, path, body), param, says="max_prompt_tokens")
 
 
 # 17.9: user text is encoded as text; control tokens come only from templates.

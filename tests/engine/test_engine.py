@@ -23,6 +23,7 @@ from app.engine.policies import POLICIES
 from app.engine.stats import StepStats
 from app.engine.types import FinishReason, GenerationParams, RequestOutput
 from app.errors import (
+    ContextLengthError,
     DeadlineExceededError,
     GenerationError,
     InvalidRequestError,
@@ -143,10 +144,11 @@ def test_a_stop_string_across_tokens_is_cut_out_of_the_stream(tokenizer: Tokeniz
 def test_admission_refuses_what_cannot_fit_naming_the_numbers(tokenizer: Tokenizer) -> None:
     async def main(engine: LLMEngine) -> None:
         with pytest.raises(
-            InvalidRequestError, match=r"\(60 tokens\) plus max_tokens \(80\) is 140.*128 positions"
+            ContextLengthError,
+            match=r"length is 128 tokens.*requested 140 tokens \(60 in the prompt, 80 for max_tokens",
         ):
             engine.generate("long", [5] * 60, params(80))
-        with pytest.raises(InvalidRequestError, match=r"70 tokens.*largest compiled context bucket \(64\)"):
+        with pytest.raises(ContextLengthError, match=r"70 tokens.*largest compiled context bucket \(64\)"):
             engine.generate("prompt", [5] * 70, params(4))
         with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
             engine.generate("vocab", [5, 9999], params(4))
