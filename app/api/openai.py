@@ -53,7 +53,7 @@ from app.api.streaming import Renderer
 from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
-from app.structured.tools import ToolCallParser, parse_tool_calls, truncated_call
+from app.structured.tools import CallStart, ToolCallParser, parse_tool_calls, truncated_call
 
 # Stands for a chunk's text while its halves are rendered: private use, so never escaped, and in no id.
 TEXT_MARK = "\ue000inf2serve-text\ue000"
@@ -217,8 +217,10 @@ class CompletionRenderer(OpenAIRenderer):
 
 
 class ChatRenderer(OpenAIRenderer):
-    """With tools offered, a choice's text is held until it ends and then sent as tool calls when it is
-    one (`finish_reason` "tool_calls"), else as content: whether it is a call shows only at its end."""
+    """With tools offered, a choice's text is held while it may still be calls, then sent at its end as
+    tool calls where it is (`finish_reason` "tool_calls"), else as content. A reply whose start cannot
+    open a call (`opens_call`) streams as content from there on, with what was held before it, as a
+    reply without tools does."""
 
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
@@ -235,14 +237,26 @@ class ChatRenderer(OpenAIRenderer):
         self.parser = ToolCallParser.LLAMA3_JSON if self.forced else serving.tool_call_parser
         self.first_call_only = body.parallel_tool_calls is False
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
+        self.starts: dict[int, CallStart] = {}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
-        if self.offers_tools and not out.finished:
+        if self.offers_tools and not out.finished and not self.is_text(index, out.text):
             texts, samples = self.held.setdefault(index, ([], []))
             texts.append(out.text)
             samples += out.samples
             return b""
         return super().delta(index, out)
+
+    def is_text(self, index: int, text: str) -> bool:
+        """Whether choice `index`, `text` its next delta, is known to be text, not calls."""
+        if index not in self.starts:
+            self.starts[index] = CallStart(self.parser, bool(self.forced))
+        return self.starts[index].is_text(text)
+
+    def known_text(self, index: int) -> bool:
+        """Whether choice `index` has shown already that it is text, not calls (it then streams)."""
+        start = self.starts.get(index)
+        return start is not None and start.opens is False
 
     def tool_calls(self, text: str, reason: FinishReason | None) -> list[ToolCallInfo] | None:
         """The calls `text` holds in OpenAI's terms, or None (plain content). A forced call cut off by the
@@ -277,14 +291,17 @@ class ChatRenderer(OpenAIRenderer):
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     def text_only(self, index: int) -> bool:
-        return index in self.started and self.top_logprobs is None and not self.offers_tools
+        streams = not self.offers_tools or self.known_text(index)
+        return index in self.started and self.top_logprobs is None and streams
 
     def chunk_choice(self, index: int, out: RequestOutput) -> ChatChunkChoice:
         role = None if index in self.started else "assistant"  # the role comes in a choice's first chunk
         self.started.add(index)
         texts, samples = self.held.pop(index, ([], []))
         text, samples = "".join(texts) + out.text, [*samples, *out.samples]
-        calls = self.tool_calls(text, out.finish_reason) if out.finished else None
+        calls = (
+            self.tool_calls(text, out.finish_reason) if out.finished and not self.known_text(index) else None
+        )
         if calls is None:
             delta, reason = ChatDelta(role=role, content=text), finish_reason(out.finish_reason)
         else:

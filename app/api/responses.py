@@ -46,8 +46,9 @@ def usage(job: Job) -> ResponseUsage:
 
 
 class ResponsesRenderer:
-    """With function tools offered, the text is held until it ends (as chat holds it, `ChatRenderer`),
-    then written as `function_call` items when it is calls, else as the message."""
+    """With function tools offered, the text is held while it may still be calls (as chat holds it,
+    `ChatRenderer`), then written as `function_call` items where it is, else as the message; a reply
+    whose start cannot open a call streams as the message from there on."""
 
     def __init__(self, serving: Serving, request_id: str, validated: Validated, job: Job) -> None:
         assert validated.responses is not None
@@ -59,6 +60,8 @@ class ResponsesRenderer:
         self.created_at = int(time.time())
         self.sequence = itertools.count()
         self.started = False
+        self.held: list[str] = []  # the text while it may still be calls
+        self.streams = False  # the message's item is open and its text streams
 
     def response(self, status: str, output: list[OutputItem], job: Job | None) -> ResponseObject:
         request = self.request
@@ -124,11 +127,17 @@ class ResponsesRenderer:
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
         events = b"" if self.started else self.created()
-        if not self.chat.offers_tools:
-            events += b"" if self.started else self.message_added()
-            if out.text:
-                events += self.event("response.output_text.delta", **self.part(), delta=out.text, logprobs=[])
         self.started = True
+        if self.chat.offers_tools and not self.chat.is_text(index, out.text):
+            self.held.append(out.text)
+            return events
+        if not self.streams:
+            events += self.message_added()
+            self.streams = True
+        text = "".join(self.held) + out.text
+        self.held.clear()
+        if text:
+            events += self.event("response.output_text.delta", **self.part(), delta=text, logprobs=[])
         return events
 
     def created(self) -> bytes:
@@ -163,7 +172,7 @@ class ResponsesRenderer:
             )
         text = item.content[0].text
         held = b""
-        if self.chat.offers_tools:  # nothing of it was sent while it was held
+        if not self.streams:  # nothing of it was sent while it was held
             held = self.message_added()
             if text:
                 held += self.event("response.output_text.delta", **self.part(), delta=text, logprobs=[])

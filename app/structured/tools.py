@@ -128,8 +128,43 @@ def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[To
     return None
 
 
+CALL_OPENERS = {ToolCallParser.LLAMA3_JSON: "{", ToolCallParser.PYTHONIC: "["}
+
+
+def opens_call(text: str, parser: ToolCallParser | None = None) -> bool | None:
+    """Whether the start of a reply, `text`, opens calls in a form `parse_tool_calls` reads: None while
+    it is blank or `<|python_tag|>` so far, then whether its first character after them opens one. A
+    reply that does not can never be read as calls, whatever follows: a stream may send it as text."""
+    start = text.lstrip()
+    if PYTHON_TAG.startswith(start):
+        return None
+    body = start.removeprefix(PYTHON_TAG).lstrip()
+    if not body:
+        return None
+    return body[0] in (CALL_OPENERS[parser] if parser else "".join(CALL_OPENERS.values()))
+
+
+class CallStart:
+    """A streamed reply's start, read until it shows whether the reply opens calls (`opens_call`); a
+    forced call always does."""
+
+    __slots__ = ("opens", "parser", "start")
+
+    def __init__(self, parser: ToolCallParser | None, forced: bool) -> None:
+        self.parser = parser
+        self.opens: bool | None = True if forced else None
+        self.start = ""
+
+    def is_text(self, delta: str) -> bool:
+        """Whether the reply, `delta` its next text, is known to be text and never calls."""
+        if self.opens is None:
+            self.start += delta
+            self.opens = opens_call(self.start, self.parser)
+        return self.opens is False
+
+
 def _json_calls(body: str) -> list[ToolCall] | None:
-    if not body.startswith("{"):
+    if not body.startswith(CALL_OPENERS[ToolCallParser.LLAMA3_JSON]):
         return None
     calls = []
     decoder = json.JSONDecoder()
@@ -158,7 +193,7 @@ def _json_call(call: Any) -> ToolCall | None:
 
 
 def _pythonic_calls(body: str) -> list[ToolCall] | None:
-    if not body.startswith("["):
+    if not body.startswith(CALL_OPENERS[ToolCallParser.PYTHONIC]):
         return None
     try:
         tree = ast.parse(body, mode="eval").body

@@ -1,7 +1,8 @@
 """The Responses API with structured output and function tools, through the real server (torch backend,
 stories260K, a tool-aware chat template) and the unmodified `openai` SDK: `responses.create`, streamed
 and not, with a function tool the model must call (its arguments validate against the function's
-schema) and with a JSON-schema `text.format` (the output validates against the schema); a conversation
+schema), with one it may call (a reply that is no call streams as text), and with a JSON-schema
+`text.format` (the output validates against the schema); a conversation
 carrying an earlier call and its output runs (issue 23, on issue 22's machinery)."""
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def test_a_streamed_call_arrives_as_argument_events(client) -> None:  # noqa: F8
     assert call.name == "get_time" and events[4].arguments == call.arguments
     assert_valid("get_time", call.arguments)
     assert events[-1].response.output[0].call_id == call.call_id
+
+
+def test_a_reply_that_is_no_call_streams_as_it_is_generated(client) -> None:  # noqa: F811
+    """With function tools offered, a reply whose start cannot open a call streams as text deltas, not
+    held to its end; they make the message's text."""
+    events = list(
+        client.responses.create(
+            model="stories260K", input=INPUT, tools=FUNCTIONS, max_output_tokens=24, stream=True,
+            extra_body={"seed": 3},
+        )
+    )  # fmt: skip
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    final = events[-1].response
+    assert len(deltas) > 1 and "".join(deltas) == final.output_text and final.output[0].type == "message"
+    assert [event.type for event in events].count("response.output_item.added") == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

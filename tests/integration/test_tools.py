@@ -2,9 +2,9 @@
 INF2SERVE_CHAT_TEMPLATE) and the unmodified `openai` client: `tool_choice` "required" and a named
 function return calls whose arguments validate against the function's schema (a call even when cut
 before its arguments), streamed (OpenAI's tool-call deltas, ending with finish_reason "tool_calls") and
-not; a conversation carrying an earlier call and its result renders, and so does one replaying a call
-that max_tokens cut, as agents replay it; a pydantic model's tool, its `$defs` and all, gets valid
-arguments."""
+not; a reply that is no call streams as it comes; a conversation carrying an earlier call and its
+result renders, and so does one replaying a call that max_tokens cut, as agents replay it; a pydantic
+model's tool, its `$defs` and all, gets valid arguments."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import openai
 import pydantic
 import pytest
 
+from app.structured.tools import opens_call
 from loadtest.harness.server import BIN, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -116,6 +117,19 @@ def test_a_streamed_required_call_arrives_as_tool_call_deltas(client) -> None:
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
     assert_valid(calls[0].function.name, calls[0].function.arguments)
     assert all(not c.choices[0].delta.content for c in chunks)
+
+
+def test_a_streamed_reply_that_is_no_call_streams_as_it_is_generated(client) -> None:
+    """With tools offered and the choice the model's, a reply whose start cannot open a call is sent as
+    content deltas as it comes, not held to its end (a chat UI with tools on would show nothing until
+    then); the deltas make the reply a request without streaming gets."""
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=24, temperature=1.0, seed=3)
+    whole = client.chat.completions.create(**asked).choices[0].message.content
+    assert opens_call(whole) is False, whole
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert len(texts) > 1 and "".join(texts) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_conversation_with_a_call_and_its_result_renders(client) -> None:

@@ -1,7 +1,7 @@
 """Reading Llama 3.x tool calls out of generated text: the JSON form (with `<|python_tag|>`, `arguments`
 for `parameters`, several calls), 3.2's pythonic list, and text that is not a call; a call cut by the
 token limit; the grammar of a forced call, its functions' own references kept, lenient unless one is
-strict."""
+strict; the start of a streamed reply, read until it shows whether the reply opens calls."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 from app.errors import InvalidRequestError
 from app.structured.grammar import compiler_for
 from app.structured.tools import (
+    CallStart,
     Function,
     ToolCall,
     ToolCallParser,
     forced_call_constraint,
+    opens_call,
     parse_tool_calls,
     truncated_call,
 )
@@ -136,3 +138,36 @@ def test_a_keyword_the_engine_lacks_is_ignored_unless_a_function_is_strict(stori
     with pytest.raises(InvalidRequestError, match="uniqueItems"):
         functions = [Function("g", {}), Function("f", UNIQUE, strict=True)]
         compiler.compile(forced_call_constraint(functions, "tool_choice"))
+
+
+@pytest.mark.parametrize(
+    ("text", "parser", "opens"),
+    [
+        ("", None, None),
+        ("  \n", None, None),
+        ("<|python", None, None),  # `<|python_tag|>` so far
+        (" <|python_tag|> ", None, None),
+        ('{"name"', None, True),
+        ("\n <|python_tag|>{", None, True),
+        ("[get_weather(", None, True),
+        ("[get_weather(", ToolCallParser.LLAMA3_JSON, False),
+        ('{"name"', ToolCallParser.PYTHONIC, False),
+        ("Once upon", None, False),
+        ("<b>", None, False),
+        (" It is {", None, False),  # a call is the whole reply: never after text
+    ],
+)
+def test_the_start_of_a_reply_shows_whether_it_opens_calls(text, parser, opens) -> None:
+    """`opens_call` agrees with `parse_tool_calls`: a start that does not open calls never parses as them."""
+    assert opens_call(text, parser) is opens
+    if opens is False:
+        assert parse_tool_calls(text + '{"name": "f", "parameters": {}}', parser) is None
+        assert parse_tool_calls(text + "[f(a=1)]", parser) is None
+
+
+def test_a_streamed_start_is_read_until_it_shows() -> None:
+    start = CallStart(None, forced=False)
+    assert [start.is_text(delta) for delta in (" ", "\n", "Hi", "{")] == [False, False, True, True]
+    assert start.start == " \nHi"  # nothing is kept once it shows
+    forced = CallStart(None, forced=True)
+    assert not forced.is_text("Hi") and forced.start == ""
