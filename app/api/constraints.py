@@ -19,16 +19,21 @@ from typing import Any
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat
 from app.errors import InvalidRequestError
 from app.structured.grammar import Constraint, Kind, closed, lenient
-from app.structured.tools import Function, forced_call_constraint
+from app.structured.tools import Function, call_or_answer_constraint, forced_call_constraint
 from app.tokenizer import Tokenizer
 
 
 def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
     """The body's one output constraint, or None; 400 when it sets several. A forced tool call makes
     `response_format` moot: that shapes the text the model writes, and a forced call writes none (OpenAI
-    takes both; the Responses API clients of structured extraction send both)."""
+    takes both; the Responses API clients of structured extraction send both). With tools the model may
+    call, a JSON schema response format shapes the answer and leaves the calls open (agents send their
+    output's schema on every turn, those that call tools included); `json_object` admits a call as it is,
+    an object."""
     forced = forced_call(body) if isinstance(body, ChatCompletionRequest) else None
     text_format = _response_format(body.response_format)  # checked even where a forced call wins
+    if isinstance(body, ChatCompletionRequest) and text_format is not None and calls_open(body):
+        text_format = call_or_answer(body, text_format)
     found = [c for c in (None if forced else text_format, *_guided(body), forced) if c is not None]
     if len(found) > 1:
         names = ", ".join(c.param for c in found)
@@ -43,19 +48,44 @@ def tools_offered(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
+def calls_open(body: ChatCompletionRequest) -> bool:
+    """Whether the model may call a tool or answer: tools offered, no call forced."""
+    return tools_offered(body) and not forces_call(body)
+
+
+def call_or_answer(body: ChatCompletionRequest, text_format: Constraint) -> Constraint:
+    """A response format with calls open: a JSON schema's answer, or a call (`json_object` admits one
+    as it is)."""
+    if text_format.kind is not Kind.JSON_SCHEMA:
+        return text_format
+    return call_or_answer_constraint(offered_functions(body), text_format)
+
+
+def calls_in_json_form(body: ChatCompletionRequest) -> bool:
+    """Whether a call, if the reply is one, is generated in the JSON form whatever the parser of free
+    text: a grammar shapes the reply (a forced call, or a JSON response format with tools offered)."""
+    json_format = body.response_format is not None and body.response_format.type != "text"
+    return tools_offered(body) and (forces_call(body) or json_format)
+
+
 def forces_call(body: ChatCompletionRequest) -> bool:
     """Whether the output must be a tool call (`required`, or a named function)."""
     return tools_offered(body) and body.tool_choice not in (None, "auto")
+
+
+def offered_functions(body: ChatCompletionRequest) -> list[Function]:
+    """The request's functions, in order."""
+    return [
+        Function(t.function.name, t.function.parameters or {}, strict=t.function.strict is True)
+        for t in body.tools or ()
+    ]
 
 
 def forced_functions(body: ChatCompletionRequest) -> list[Function]:
     """The functions a `required` or named call may call: none where no call is forced."""
     if not forces_call(body):
         return []
-    functions = [
-        Function(t.function.name, t.function.parameters or {}, strict=t.function.strict is True)
-        for t in body.tools or ()
-    ]
+    functions = offered_functions(body)
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         functions = [f for f in functions if f.name == choice.function.name]

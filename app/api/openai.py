@@ -25,7 +25,7 @@ from pydantic_core import to_json
 
 from app.api import streaming
 from app.api.auth import presented_key
-from app.api.constraints import forced_functions, tools_offered
+from app.api.constraints import calls_in_json_form, forced_functions, tools_offered
 from app.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -232,9 +232,8 @@ class ChatRenderer(OpenAIRenderer):
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.started: set[int] = set()
         self.offers_tools = tools_offered(body)
-        # A forced call is generated in the JSON form whatever the parser of free text.
         self.forced = [f.name for f in forced_functions(body)]
-        self.parser = ToolCallParser.LLAMA3_JSON if self.forced else serving.tool_call_parser
+        self.parser = ToolCallParser.LLAMA3_JSON if calls_in_json_form(body) else serving.tool_call_parser
         self.first_call_only = body.parallel_tool_calls is False
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
         self.starts: dict[int, CallStart] = {}

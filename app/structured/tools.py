@@ -11,8 +11,9 @@ With no parser named, both are tried (JSON first): a Llama family artifact may u
 A forced call (`tool_choice` `required` or a named function) is generated under a JSON schema of the
 JSON form whose `parameters` is each function's own schema with its objects closed (an argument the
 schema does not declare would still validate, but a tiny model could ramble in one forever), so the
-arguments always parse and validate. `app/api` renders the calls in OpenAI's format; `/v1/responses`
-reuses `forced_call_constraint` and `parse_tool_calls`.
+arguments always parse and validate. With the choice the model's and a JSON schema for its answer (a
+response format), the reply is a call in that form or the answer (`call_or_answer_constraint`).
+`app/api` renders the calls in OpenAI's format; `/v1/responses` reuses these.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def forced_call_constraint(functions: Sequence[Function], param: str) -> Constra
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]}
     strict = any(f.strict for f in functions)
     return Constraint(Kind.JSON_SCHEMA, schema if strict else lenient(schema), param)
+
+
+def call_or_answer_constraint(functions: Sequence[Function], answer: Constraint) -> Constraint:
+    """A reply that is one call of one of `functions` (the JSON form) or an answer under `answer`, a JSON
+    schema constraint (a response format): `tool_choice` auto with a response format, which shapes the
+    answer and not the calls, as OpenAI reads the two together. `answer`'s own references move with it;
+    lenient unless it or one of the functions is strict."""
+    schema = dict(answer.value)
+    guidance = schema.pop("x-guidance", None)
+    calls = [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]
+    composed: dict[str, Any] = {"anyOf": [*calls, _relocated(schema, f"#/anyOf/{len(calls)}")]}
+    if guidance is not None and not any(f.strict for f in functions):
+        composed["x-guidance"] = guidance
+    return Constraint(Kind.JSON_SCHEMA, composed, answer.param)
 
 
 def _call_schema(function: Function, at: str) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 INF2SERVE_CHAT_TEMPLATE) and the unmodified `openai` client: `tool_choice` "required" and a named
 function return calls whose arguments validate against the function's schema (a call even when cut
 before its arguments), streamed (OpenAI's tool-call deltas, ending with finish_reason "tool_calls") and
-not; a reply that is no call streams as it comes; a conversation carrying an earlier call and its
-result renders, and so does one replaying a call that max_tokens cut, as agents replay it; a pydantic
-model's tool, its `$defs` and all, gets valid arguments."""
+not; a reply that is no call streams as it comes; with calls open a response format shapes the
+answer and leaves the calls; a conversation carrying an earlier call and its result renders, and so
+does one replaying a call that max_tokens cut, as agents replay it; a pydantic model's tool, its
+`$defs` and all, gets valid arguments."""
 
 from __future__ import annotations
 
@@ -130,6 +131,34 @@ def test_a_streamed_reply_that_is_no_call_streams_as_it_is_generated(client) -> 
     texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
     assert len(texts) > 1 and "".join(texts) == whole
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+PET = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+    "required": ["kind", "legs"],
+    "additionalProperties": False,
+}
+
+
+def test_a_response_format_with_calls_open_shapes_the_answer_and_leaves_the_calls(client) -> None:
+    """Tools the model may call and a response format (as agents send their output's schema on every
+    turn): each reply is a call that validates or an answer that does, and over 30 samples both come."""
+    kinds = set()
+    pet = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    for seed in range(30):
+        choice = client.chat.completions.create(
+            model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0, seed=seed,
+            response_format=pet,
+        ).choices[0]  # fmt: skip
+        if choice.message.tool_calls:
+            (call,) = choice.message.tool_calls
+            assert_valid(call.function.name, call.function.arguments)
+            kinds.add(choice.finish_reason)
+        else:
+            jsonschema.validate(json.loads(choice.message.content), PET)
+            kinds.add("answer")
+    assert kinds == {"tool_calls", "answer"}
 
 
 def test_a_conversation_with_a_call_and_its_result_renders(client) -> None:

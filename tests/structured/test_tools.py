@@ -10,12 +10,13 @@ import json
 import pytest
 
 from app.errors import InvalidRequestError
-from app.structured.grammar import compiler_for
+from app.structured.grammar import Constraint, Kind, compiler_for, lenient
 from app.structured.tools import (
     CallStart,
     Function,
     ToolCall,
     ToolCallParser,
+    call_or_answer_constraint,
     forced_call_constraint,
     opens_call,
     parse_tool_calls,
@@ -126,6 +127,29 @@ def test_a_functions_references_hold_inside_the_forced_call(stories260k, functio
     compiler = compiler_for(tokenizer)
     matcher = compiler.llguidance_matcher(compiler.compile(forced_call_constraint(functions, "tool_choice")))
     tokens = tokenizer.encode(call, add_special_tokens=False)[1:]  # past the leading space marker
+    assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
+
+
+@pytest.mark.parametrize(
+    ("reply", "valid"),
+    [
+        ('{"name":"f","parameters":{"c":"red"}}', True),  # a call
+        ('{"kid":{"kid":null}}', True),  # the answer, its `#` reference kept
+        ('{"name":"f","parameters":{"c":"pink"}}', False),
+        ('{"kid":1}', False),
+        ('{"name":"g","parameters":{}}', False),  # no such function
+    ],
+)
+def test_a_reply_with_calls_open_and_a_response_format_is_a_call_or_the_answer(
+    stories260k, reply, valid
+) -> None:
+    tokenizer = Tokenizer.from_dir(stories260k)
+    compiler = compiler_for(tokenizer)
+    answer = Constraint(Kind.JSON_SCHEMA, lenient(TREE), "response_format")
+    constraint = call_or_answer_constraint([Function("f", COLOR)], answer)
+    assert constraint.value["x-guidance"] == {"lenient": True} and constraint.param == "response_format"
+    matcher = compiler.llguidance_matcher(compiler.compile(constraint))
+    tokens = tokenizer.encode(reply, add_special_tokens=False)[1:]  # past the leading space marker
     assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
 
 
