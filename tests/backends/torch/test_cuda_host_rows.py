@@ -118,14 +118,19 @@ def test_a_mixed_batch_gives_the_cpu_tokens_eagerly_and_through_graphs(
     on_cpu = decode_together(stories_backend, rows(), steps)
     assert decode_together(on_cuda["eager"], rows(), steps) == on_cpu
     assert decode_together(on_cuda["graphed"], rows(), steps) == on_cpu
-    for params, tokens in zip(rows(), on_cpu, strict=True):
+    assert_restricted(tokenizer, rows(), on_cpu)
+
+
+def assert_restricted(tokenizer: Tokenizer, rows: list[SamplingParams], tokens: list[list[int]]) -> None:
+    """Each grammar row's tokens are ones its grammar allows, each allowed-ids row's among its ids."""
+    for params, generated in zip(rows, tokens, strict=True):
         if params.grammar is not None:
             check = compiler_for(tokenizer).matcher(params.grammar)
-            for token in tokens:
-                assert check.allows(token), tokenizer.decode(tokens)
+            for token in generated:
+                assert check.allows(token), tokenizer.decode(generated)
                 check.accept(token)
         if params.allowed_token_ids is not None:
-            assert set(tokens) <= set(ALLOWED)
+            assert set(generated) <= set(ALLOWED)
 
 
 @pytest.mark.parametrize("group", [0, 1])
@@ -133,19 +138,14 @@ def test_a_mixed_batch_of_a_bf16_model_gives_its_eager_tokens_through_graphs(
     stories260k: Path, tokenizer: Tokenizer, tmp_path: Path, group: int
 ) -> None:
     """bf16 weights (fp32 logits): the graphs' host rows take the tokens eager bf16 steps take, each
-    allowed by its grammar (the CPU's fp32 tokens are not the reference: bf16 changes the logits)."""
+    allowed by its restriction (the CPU's fp32 tokens are not the reference: bf16 changes the logits)."""
     artifact = build_artifact(stories260k, tmp_path, dtype="bf16")
     eager, graphed = (load_backend(artifact, dtype="bf16", device="cuda") for _ in range(2))
     graphed.warmup()
     rows, steps = mixed_rows(tokenizer, group), 16
     tokens = decode_together(graphed, rows(), steps)
     assert tokens == decode_together(eager, rows(), steps)
-    for params, generated in zip(rows(), tokens, strict=True):
-        if params.grammar is not None:
-            check = compiler_for(tokenizer).matcher(params.grammar)
-            for token in generated:
-                assert check.allows(token), tokenizer.decode(generated)
-                check.accept(token)
+    assert_restricted(tokenizer, rows(), tokens)
     eager.close()
     graphed.close()
 
