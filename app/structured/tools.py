@@ -70,15 +70,17 @@ def forced_call_constraint(functions: Sequence[Function], param: str) -> Constra
 def call_or_answer_constraint(functions: Sequence[Function], answer: Constraint) -> Constraint:
     """A reply that is one call of one of `functions` (the JSON form) or an answer under `answer`, a JSON
     schema constraint (a response format): `tool_choice` auto with a response format, which shapes the
-    answer and not the calls, as OpenAI reads the two together. `answer`'s own references move with it;
-    lenient unless it or one of the functions is strict."""
+    answer and not the calls, as OpenAI reads the two together. `answer`'s own references move with it.
+    Strict only where the answer and every function are: a keyword the engine lacks in a part that is
+    not strict is ignored, as that part alone would ignore it."""
     schema = dict(answer.value)
     guidance = schema.pop("x-guidance", None)
     calls = [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]
     composed: dict[str, Any] = {"anyOf": [*calls, _relocated(schema, f"#/anyOf/{len(calls)}")]}
-    if guidance is not None and not any(f.strict for f in functions):
+    if guidance is not None:
         composed["x-guidance"] = guidance
-    return Constraint(Kind.JSON_SCHEMA, composed, answer.param)
+    strict = not (guidance or {}).get("lenient") and all(f.strict for f in functions)
+    return Constraint(Kind.JSON_SCHEMA, composed if strict else lenient(composed), answer.param)
 
 
 def _call_schema(function: Function, at: str) -> dict[str, Any]:

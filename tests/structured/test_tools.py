@@ -164,6 +164,16 @@ def test_a_keyword_the_engine_lacks_is_ignored_unless_a_function_is_strict(stori
         compiler.compile(forced_call_constraint(functions, "tool_choice"))
 
 
+def test_a_call_or_an_answer_is_strict_only_where_every_part_is(stories260k) -> None:
+    """A strict answer beside a function that is not strict: the function's keyword the engine lacks is
+    ignored, as it is for that function alone (before calls were open, it was not compiled at all)."""
+    compiler = compiler_for(Tokenizer.from_dir(stories260k))
+    answer = Constraint(Kind.JSON_SCHEMA, TREE, "response_format")  # strict: no `lenient`
+    compiler.compile(call_or_answer_constraint([Function("f", UNIQUE)], answer))
+    with pytest.raises(InvalidRequestError, match="uniqueItems"):
+        compiler.compile(call_or_answer_constraint([Function("f", UNIQUE, strict=True)], answer))
+
+
 @pytest.mark.parametrize(
     ("text", "parser", "opens"),
     [
