@@ -76,8 +76,13 @@ def forces_call(body: ChatCompletionRequest) -> bool:
 def offered_functions(body: ChatCompletionRequest) -> list[Function]:
     """The request's functions, in order."""
     return [
-        Function(t.function.name, t.function.parameters or {}, strict=t.function.strict is True)
-        for t in body.tools or ()
+        Function(
+            t.function.name,
+            t.function.parameters or {},
+            strict=t.function.strict is True,
+            param=f"tools.{i}.function.parameters",
+        )
+        for i, t in enumerate(body.tools or ())
     ]
 
 

@@ -16,6 +16,7 @@ as `input` items instead. An omitted `store` means false here (OpenAI's default 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -165,11 +166,13 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "conversation": ((None,), "no stored conversations"),
 }
 # What chat calls a field, and the Responses name an error about it should give.
-RESPONSES_NAMES = {
+RESPONSES_NAMES = {  # prefixes of the chat fields' names, longest first
     "max_completion_tokens": "max_output_tokens",
+    "response_format.json_schema": "text.format",
     "response_format": "text.format",
     "messages": "input",
 }
+RESPONSES_TOOL = re.compile(r"\btools\.(\d+)\.function\.")  # a chat tool's field: the Responses tool is flat
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "parallel_tool_calls")
 
 

@@ -38,7 +38,7 @@ from app.api.protocol import (
     ToolCallMessage,
 )
 from app.api.responses_protocol import REFUSED as RESPONSES_REFUSED
-from app.api.responses_protocol import RESPONSES_NAMES, ResponsesRequest, chat_body
+from app.api.responses_protocol import RESPONSES_NAMES, RESPONSES_TOOL, ResponsesRequest, chat_body
 from app.backends.base import SamplingParams
 from app.engine.types import EngineClient, GenerationParams
 from app.errors import ContextLengthError, InvalidRequestError, NotFoundError
@@ -409,7 +409,11 @@ def _in_responses_words(error: InvalidRequestError) -> InvalidRequestError:
     for chat_name, name in RESPONSES_NAMES.items():
         if error.param is not None and (error.param == chat_name or error.param.startswith(chat_name + ".")):
             error.param, error.message = name, error.message.replace(chat_name, name)
-            error.args = (error.message,)
+    if error.param is not None and RESPONSES_TOOL.match(error.param):
+        error.param, error.message = (
+            RESPONSES_TOOL.sub(r"tools.\1.", text) for text in (error.param, error.message)
+        )
+    error.args = (error.message,)
     return error
 
 

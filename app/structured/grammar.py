@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
@@ -65,11 +65,13 @@ class Kind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What a request asks its output to match, as it asked it (`param`: the field, for errors)."""
+    """What a request asks its output to match, as it asked it (`param`: the field, for errors). One
+    composed of several fields keeps each as a part: an error is blamed on the part it comes from."""
 
     kind: Kind
     value: Any  # a schema dict, a regex or grammar string, a list of choice strings; None for json_object
     param: str
+    parts: tuple[Constraint, ...] = field(default=(), compare=False)
 
     @property
     def text(self) -> str:
@@ -145,6 +147,10 @@ class GrammarCompiler:
                 raise InvalidRequestError(
                     f"compiling {param} took longer than {COMPILE_TIMEOUT_S:g} s; simplify it", param=param
                 ) from None
+            except InvalidRequestError:
+                for part in constraint.parts:  # the first part that fails alone names its own field
+                    self.compile(part)
+                raise
             self._store(source, matcher)
         return Grammar(source, f"{constraint.kind.value} ({param})")
 

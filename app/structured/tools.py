@@ -49,6 +49,7 @@ class Function:
     name: str
     parameters: dict[str, Any]
     strict: bool = False  # OpenAI's `strict`: its schema's every keyword enforced, or a 400
+    param: str = "tools"  # the field of its parameters, for errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +60,14 @@ class ToolCall:
 
 def forced_call_constraint(functions: Sequence[Function], param: str) -> Constraint:
     """One call of one of `functions`, in the JSON form: `lenient` unless one of them is `strict`."""
+    strict = any(f.strict for f in functions)
     if len(functions) == 1:
         schema = _call_schema(functions[0], "#")
     else:
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]}
-    strict = any(f.strict for f in functions)
-    return Constraint(Kind.JSON_SCHEMA, schema if strict else lenient(schema), param)
+    return Constraint(
+        Kind.JSON_SCHEMA, schema if strict else lenient(schema), param, _parts(functions, strict)
+    )
 
 
 def call_or_answer_constraint(functions: Sequence[Function], answer: Constraint) -> Constraint:
@@ -80,7 +83,17 @@ def call_or_answer_constraint(functions: Sequence[Function], answer: Constraint)
     if guidance is not None:
         composed["x-guidance"] = guidance
     strict = not (guidance or {}).get("lenient") and all(f.strict for f in functions)
-    return Constraint(Kind.JSON_SCHEMA, composed if strict else lenient(composed), answer.param)
+    parts = (*_parts(functions, strict), answer)
+    return Constraint(Kind.JSON_SCHEMA, composed if strict else lenient(composed), answer.param, parts)
+
+
+def _parts(functions: Sequence[Function], strict: bool) -> tuple[Constraint, ...]:
+    """Each function's call alone, as strict as the whole: what an error in the whole is blamed on."""
+    schemas = [_call_schema(f, "#") for f in functions]
+    return tuple(
+        Constraint(Kind.JSON_SCHEMA, schema if strict else lenient(schema), f.param)
+        for f, schema in zip(functions, schemas, strict=True)
+    )
 
 
 def _call_schema(function: Function, at: str) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Hostile output constraints against a real server (sim device, stories260K's tokenizer): a schema too
 deep or too large, a grammar or regex that cannot compile, a reference to nothing, two constraints at
-once, each a 400 naming the field; a pathological pattern that does compile is served, bounded by the
-grammar engine's per-step fuel, while the requests beside it are served too; the server stays healthy."""
+once, a function's parameters that cannot compile beside other functions or an answer's format, each a
+400 naming the field (in the Responses API, as it names it); a pathological pattern that does compile
+is served, bounded by the grammar engine's per-step fuel, while the requests beside it are served too;
+the server stays healthy."""
 
 from __future__ import annotations
 
@@ -27,6 +29,18 @@ def deep_schema(levels: int) -> dict:
     return schema
 
 
+PET = {
+    "type": "json_schema",
+    "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+}
+
+
+def tools(*parameters: dict) -> list[dict]:
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": p}} for i, p in enumerate(parameters)
+    ]
+
+
 def wide_schema(properties: int) -> dict:
     return {"type": "object", "properties": {f"field_{i:06d}": {"type": "string"} for i in range(properties)}}
 
@@ -48,6 +62,24 @@ def wide_schema(properties: int) -> dict:
             "one output",
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema"),
+        (
+            {"tools": tools({"type": "object"}, {"type": "nope"}), "response_format": PET},
+            "tools.1.function.parameters",
+            "cannot be compiled",
+        ),
+        (
+            {
+                "tools": tools({"type": "object"}),
+                "response_format": {**PET, "json_schema": {"schema": {"$ref": "#/x"}}},
+            },
+            "response_format.json_schema.schema",
+            "cannot be compiled",
+        ),
+        (
+            {"tools": tools({"type": "object"}, {"type": "nope"}), "tool_choice": "required"},
+            "tools.1.function.parameters",
+            "cannot be compiled",
+        ),
     ],
     ids=[
         "deep",
@@ -60,6 +92,9 @@ def wide_schema(properties: int) -> dict:
         "no-choice",
         "two",
         "no-schema",
+        "a-bad-function-beside-an-answer",
+        "a-bad-answer-beside-a-function",
+        "a-bad-forced-function",
     ],
 )
 def test_a_hostile_constraint_is_a_400_naming_it(api, fields, param, says) -> None:
@@ -67,6 +102,19 @@ def test_a_hostile_constraint_is_a_400_naming_it(api, fields, param, says) -> No
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_a_bad_function_beside_a_text_format_is_named_as_the_responses_api_names_it(api) -> None:
+    body = {
+        "input": "hi",
+        "max_output_tokens": 16,
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}],
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}},
+    }
+    error = api.post("/v1/responses", json=body).json()["error"]
+    assert (
+        error["param"] == "tools.0.parameters" and "tools.0.parameters cannot be compiled" in error["message"]
+    )
 
 
 def test_a_pathological_pattern_is_served_beside_plain_requests(api) -> None:
