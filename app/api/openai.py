@@ -44,6 +44,7 @@ from app.api.protocol import (
     TokenLogprob,
     ToolCallDelta,
     ToolCallFunction,
+    ToolCallFunctionDelta,
     ToolCallInfo,
     TopLogprob,
     UsageInfo,
@@ -53,7 +54,14 @@ from app.api.streaming import Renderer
 from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
-from app.structured.tools import CallStart, ToolCallParser, parse_tool_calls, truncated_call
+from app.structured.tools import (
+    CallStart,
+    ToolCallParser,
+    forced_call_so_far,
+    parse_tool_calls,
+    settled_arguments,
+    truncated_call,
+)
 
 # Stands for a chunk's text while its halves are rendered: private use, so never escaped, and in no id.
 TEXT_MARK = "\ue000inf2serve-text\ue000"
@@ -237,14 +245,45 @@ class ChatRenderer(OpenAIRenderer):
         self.first_call_only = body.parallel_tool_calls is False
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
         self.starts: dict[int, CallStart] = {}
+        # A forced call's arguments stream as they come (without logprobs, which would need the tokens
+        # split at each delta): per choice, its call's id and how much of its arguments was sent.
+        self.streams_call = bool(self.forced) and self.top_logprobs is None
+        self.streamed: dict[int, tuple[str, int]] = {}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
         if self.offers_tools and not out.finished and not self.is_text(index, out.text):
             texts, samples = self.held.setdefault(index, ([], []))
             texts.append(out.text)
             samples += out.samples
-            return b""
+            return self.call_so_far(index) if self.streams_call else b""
         return super().delta(index, out)
+
+    def call_so_far(self, index: int) -> bytes:
+        """A forced call's chunk: its id and name with its arguments so far once its name is complete,
+        then the arguments that came since, each as soon as no later text can take it back."""
+        call = forced_call_so_far("".join(self.held[index][0]))
+        if call is None:
+            return b""
+        ready = settled_arguments(call.arguments, complete=False)
+        delta = self.call_delta(index, call.name, ready)
+        if delta is None:
+            return b""
+        role = None if index in self.started else "assistant"
+        self.started.add(index)
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(role=role, tool_calls=[delta]))
+        return streaming.sse(self.chunk_type(**self.header, choices=[choice]).model_dump_json())
+
+    def call_delta(self, index: int, name: str, arguments: str) -> ToolCallDelta | None:
+        """The delta that brings choice `index`'s streamed call to `arguments` (None: nothing new)."""
+        if index not in self.streamed:
+            self.streamed[index] = (f"call_{secrets.token_hex(12)}", len(arguments))
+            head = ToolCallFunctionDelta(name=name, arguments=arguments)
+            return ToolCallDelta(index=0, id=self.streamed[index][0], type="function", function=head)
+        call_id, sent = self.streamed[index]
+        if len(arguments) <= sent:
+            return None
+        self.streamed[index] = (call_id, len(arguments))
+        return ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=arguments[sent:]))
 
     def is_text(self, index: int, text: str) -> bool:
         """Whether choice `index`, `text` its next delta, is known to be text, not calls."""
@@ -275,6 +314,15 @@ class ChatRenderer(OpenAIRenderer):
             for c in kept
         ]
 
+    def rest_of_call(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
+        """The last delta of a streamed call: the arguments still unsent, all of them where the token
+        limit cut the call, else all but its closing brace."""
+        call = forced_call_so_far(text)
+        cut = out.finish_reason is FinishReason.LENGTH
+        arguments = "" if call is None else call.arguments if cut else settled_arguments(call.arguments, True)
+        _, sent = self.streamed[index]
+        return [ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=arguments[sent:]))]
+
     def logprobs(self, samples: Sequence[SampledToken]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
             return None
@@ -298,6 +346,9 @@ class ChatRenderer(OpenAIRenderer):
         self.started.add(index)
         texts, samples = self.held.pop(index, ([], []))
         text, samples = "".join(texts) + out.text, [*samples, *out.samples]
+        if index in self.streamed:  # the rest of a streamed call's arguments
+            delta = ChatDelta(role=role, tool_calls=self.rest_of_call(index, text, out))
+            return ChatChunkChoice(index=index, delta=delta, finish_reason=calls_reason(out.finish_reason))
         calls = (
             self.tool_calls(text, out.finish_reason) if out.finished and not self.known_text(index) else None
         )

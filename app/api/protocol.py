@@ -349,8 +349,18 @@ class ToolCallInfo(ResponseModel):
     function: ToolCallFunction
 
 
-class ToolCallDelta(ToolCallInfo):
+class ToolCallFunctionDelta(ResponseModel):
+    name: str | None = Field(None, exclude_if=lambda name: name is None)  # in a call's first delta
+    arguments: str
+
+
+class ToolCallDelta(ResponseModel):
+    """A streamed call: its first delta carries its id and name, the later ones more of its arguments."""
+
     index: int
+    id: str | None = Field(None, exclude_if=lambda id_: id_ is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda kind: kind is None)
+    function: ToolCallFunctionDelta
 
 
 class AssistantMessage(ResponseModel):

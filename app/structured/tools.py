@@ -147,6 +147,23 @@ def truncated_call(text: str, names: Sequence[str]) -> ToolCall | None:
     return ToolCall(possible[0], "") if len(possible) == 1 else None
 
 
+def forced_call_so_far(text: str) -> ToolCall | None:
+    """A forced call being generated (the JSON form, in its grammar's order), once its name is complete
+    and its arguments have begun: its name and its arguments' text so far, the object's closing brace
+    among them while it is unknown which brace that is."""
+    found = CUT_CALL.match(text.strip())
+    return None if found is None else ToolCall(json.loads(found["name"]), found["arguments"])
+
+
+def settled_arguments(arguments: str, complete: bool) -> str:
+    """Of a forced call's arguments so far (`forced_call_so_far`), the part no later text can take
+    back: without the braces and blanks at its end, any of which may close the call, or, for a call
+    that is `complete`, all but the brace that closes it."""
+    if complete:
+        return arguments.rstrip().removesuffix("}").rstrip()
+    return arguments.rstrip().rstrip("}").rstrip()
+
+
 def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[ToolCall] | None:
     """The calls `text` holds, or None when it is not (only) tool calls."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()

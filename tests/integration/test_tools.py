@@ -108,15 +108,20 @@ def test_a_named_call_cut_before_its_arguments_is_still_a_call(client) -> None:
 
 
 def test_a_streamed_required_call_arrives_as_tool_call_deltas(client) -> None:
-    stream = client.chat.completions.create(
-        model="stories260K", messages=MESSAGES, tools=TOOLS, tool_choice="required", stream=True,
-        max_tokens=60, temperature=1.0, seed=9,
-    )  # fmt: skip
-    chunks = list(stream)
+    """OpenAI's form: the first delta carries the call's id and name, the later ones its arguments as they
+    are generated (what clients that stream partial objects read), the last chunk "tool_calls"."""
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=60,
+                 temperature=1.0, seed=9)  # fmt: skip
+    chunks = list(client.chat.completions.create(stream=True, **asked))
     calls = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
     assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
-    assert_valid(calls[0].function.name, calls[0].function.arguments)
+    assert len(calls) > 2 and all(call.index == 0 for call in calls)
+    assert calls[0].id.startswith("call_") and all(call.id is None for call in calls[1:])
+    assert all(call.function.name is None for call in calls[1:])
+    arguments = "".join(call.function.arguments for call in calls)
+    assert_valid(calls[0].function.name, arguments)
+    whole = client.chat.completions.create(**asked).choices[0].message.tool_calls[0].function
+    assert (whole.name, json.loads(whole.arguments)) == (calls[0].function.name, json.loads(arguments))
     assert all(not c.choices[0].delta.content for c in chunks)
 
 

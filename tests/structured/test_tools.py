@@ -18,8 +18,10 @@ from app.structured.tools import (
     ToolCallParser,
     call_or_answer_constraint,
     forced_call_constraint,
+    forced_call_so_far,
     opens_call,
     parse_tool_calls,
+    settled_arguments,
     truncated_call,
 )
 from app.tokenizer import Tokenizer
@@ -172,6 +174,25 @@ def test_a_call_or_an_answer_is_strict_only_where_every_part_is(stories260k) -> 
     compiler.compile(call_or_answer_constraint([Function("f", UNIQUE)], answer))
     with pytest.raises(InvalidRequestError, match="uniqueItems"):
         compiler.compile(call_or_answer_constraint([Function("f", UNIQUE, strict=True)], answer))
+
+
+CALL = '{"name": "f", "parameters": {"a": "x}", "b": {"c": 1}}} '
+
+
+def test_a_forced_call_streams_only_what_no_later_text_can_take_back() -> None:
+    """Each prefix of a forced call sends arguments that begin the call's whole arguments: a closing
+    brace waits until it is known not to be the call's own."""
+    assert forced_call_so_far(CALL[:18]) is None  # `"parameters"` not yet complete
+    whole = forced_call_so_far(CALL)
+    assert whole is not None and whole.name == "f"
+    arguments = settled_arguments(whole.arguments, complete=True)
+    assert json.loads(arguments) == {"a": "x}", "b": {"c": 1}}
+    for end in range(len('{"name": "f", "parameters": '), len(CALL)):
+        so_far = forced_call_so_far(CALL[:end])
+        assert so_far is not None and arguments.startswith(
+            settled_arguments(so_far.arguments, complete=False)
+        )
+    assert settled_arguments('{"a": "x}', complete=False) == '{"a": "x'
 
 
 @pytest.mark.parametrize(
