@@ -56,6 +56,7 @@ from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
 from app.structured.tools import (
     CallStart,
+    ToolCall,
     ToolCallParser,
     forced_call_so_far,
     parse_tool_calls,
@@ -300,6 +301,8 @@ class ChatRenderer(OpenAIRenderer):
         """The calls `text` holds in OpenAI's terms, or None (plain content). A forced call cut off by the
         token limit is the call as far as it got, as OpenAI returns it (`truncated_call`)."""
         calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
+        if calls is not None and self.forced:  # its arguments as generated, as they were streamed
+            calls = [self.forced_call(text, reason) or calls[0]]
         if calls is None and self.forced and reason is FinishReason.LENGTH:
             cut = truncated_call(text, self.forced)
             calls = None if cut is None else [cut]
@@ -315,13 +318,20 @@ class ChatRenderer(OpenAIRenderer):
         ]
 
     def rest_of_call(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
-        """The last delta of a streamed call: the arguments still unsent, all of them where the token
-        limit cut the call, else all but its closing brace."""
-        call = forced_call_so_far(text)
-        cut = out.finish_reason is FinishReason.LENGTH
-        arguments = "" if call is None else call.arguments if cut else settled_arguments(call.arguments, True)
+        """The last delta of a streamed call: the arguments still unsent."""
+        call = self.forced_call(text, out.finish_reason)
         _, sent = self.streamed[index]
-        return [ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=arguments[sent:]))]
+        arguments = "" if call is None else call.arguments[sent:]
+        return [ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=arguments))]
+
+    @staticmethod
+    def forced_call(text: str, reason: FinishReason | None) -> ToolCall | None:
+        """A forced call with its arguments as generated: all of them where the token limit cut it,
+        else all but the brace that closes the call (None before its arguments begin)."""
+        call = forced_call_so_far(text)
+        if call is None or reason is FinishReason.LENGTH:
+            return call
+        return ToolCall(call.name, settled_arguments(call.arguments, complete=True))
 
     def logprobs(self, samples: Sequence[SampledToken]) -> ChatLogprobs | None:
         if self.top_logprobs is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from app.api.responses_protocol import (
 from app.api.serving import Job, Serving, cached_tokens, usage_counts
 from app.api.validation import Validated
 from app.engine.types import FinishReason, RequestOutput
+from app.structured.tools import forced_call_so_far, settled_arguments
 
 
 def usage(job: Job) -> ResponseUsage:
@@ -62,6 +64,7 @@ class ResponsesRenderer:
         self.started = False
         self.held: list[str] = []  # the text while it may still be calls
         self.streams = False  # the message's item is open and its text streams
+        self.call: tuple[str, int] | None = None  # a forced call streaming: its call id, arguments sent
 
     def response(self, status: str, output: list[OutputItem], job: Job | None) -> ResponseObject:
         request = self.request
@@ -101,15 +104,10 @@ class ResponsesRenderer:
         calls = self.chat.tool_calls(text, job.choices[0].finish_reason)
         if calls is None:
             return status, [self.message(status, text)]
+        ids = [self.call[0]] if self.call is not None else [call.id for call in calls]  # a streamed one's
         return status, [  # "incomplete": the token limit cut the last call
-            OutputFunctionCall(
-                id=f"fc_{call.id.removeprefix('call_')}",
-                call_id=call.id,
-                name=call.function.name,
-                arguments=call.function.arguments,
-                status=status,
-            )
-            for call in calls
+            self.function_call(call_id, call.function.name, call.function.arguments, status)
+            for call_id, call in zip(ids, calls, strict=False)
         ]
 
     def body(self, job: Job) -> bytes:
@@ -130,7 +128,7 @@ class ResponsesRenderer:
         self.started = True
         if self.chat.offers_tools and not self.chat.is_text(index, out.text):
             self.held.append(out.text)
-            return events
+            return events + (self.call_so_far() if self.chat.streams_call else b"")
         if not self.streams:
             events += self.message_added()
             self.streams = True
@@ -139,6 +137,42 @@ class ResponsesRenderer:
         if text:
             events += self.event("response.output_text.delta", **self.part(), delta=text, logprobs=[])
         return events
+
+    def call_so_far(self) -> bytes:
+        """A forced call's item once its name is complete, then its arguments as they come, each as soon
+        as no later text can take it back (as chat streams it, `ChatRenderer.call_so_far`)."""
+        call = forced_call_so_far("".join(self.held))
+        if call is None:
+            return b""
+        ready = settled_arguments(call.arguments, complete=False)
+        events = b""
+        if self.call is None:
+            self.call = (f"call_{secrets.token_hex(12)}", 0)
+            item = self.function_call(self.call[0], call.name, "", "in_progress")
+            events += self.event(
+                "response.output_item.added", output_index=0, item=item.model_dump(mode="json")
+            )
+        call_id, sent = self.call
+        if len(ready) > sent:
+            events += self.event(
+                "response.function_call_arguments.delta", **self.call_part(call_id), delta=ready[sent:]
+            )
+            self.call = (call_id, len(ready))
+        return events
+
+    @staticmethod
+    def function_call(call_id: str, name: str, arguments: str, status: str) -> OutputFunctionCall:
+        return OutputFunctionCall(
+            id=f"fc_{call_id.removeprefix('call_')}",
+            call_id=call_id,
+            name=name,
+            arguments=arguments,
+            status=status,
+        )
+
+    @staticmethod
+    def call_part(call_id: str) -> dict[str, Any]:
+        return {"item_id": f"fc_{call_id.removeprefix('call_')}", "output_index": 0}
 
     def created(self) -> bytes:
         started = self.response("in_progress", [], None).model_dump(mode="json")
@@ -164,9 +198,13 @@ class ResponsesRenderer:
         if isinstance(item, OutputFunctionCall):
             added = item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump(mode="json")
             where = {"item_id": item.id, "output_index": index}
+            opened = (
+                b"" if self.call else self.event("response.output_item.added", output_index=index, item=added)
+            )
+            rest = item.arguments[self.call[1] if self.call else 0 :]
             return (
-                self.event("response.output_item.added", output_index=index, item=added)
-                + self.event("response.function_call_arguments.delta", **where, delta=item.arguments)
+                opened
+                + (self.event("response.function_call_arguments.delta", **where, delta=rest) if rest else b"")
                 + self.event("response.function_call_arguments.done", **where, arguments=item.arguments)
                 + self.item_done(index, item)
             )
