@@ -56,11 +56,10 @@ from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
 from app.structured.tools import (
     CallStart,
-    ToolCall,
+    StreamedCall,
     ToolCallParser,
-    forced_call_so_far,
+    forced_call_as_generated,
     parse_tool_calls,
-    settled_arguments,
     truncated_call,
 )
 
@@ -247,9 +246,9 @@ class ChatRenderer(OpenAIRenderer):
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
         self.starts: dict[int, CallStart] = {}
         # A forced call's arguments stream as they come (without logprobs, which would need the tokens
-        # split at each delta): per choice, its call's id and how much of its arguments was sent.
+        # split at each delta).
         self.streams_call = bool(self.forced) and self.top_logprobs is None
-        self.streamed: dict[int, tuple[str, int]] = {}
+        self.streamed: dict[int, StreamedCall] = {}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
         if self.offers_tools and not out.finished and not self.is_text(index, out.text):
@@ -261,30 +260,19 @@ class ChatRenderer(OpenAIRenderer):
 
     def call_so_far(self, index: int) -> bytes:
         """A forced call's chunk: its id and name with its arguments so far once its name is complete,
-        then the arguments that came since, each as soon as no later text can take it back."""
-        call = forced_call_so_far("".join(self.held[index][0]))
-        if call is None:
+        then the arguments that came since (`StreamedCall`)."""
+        call = self.streamed.setdefault(index, StreamedCall())
+        sending = call.next("".join(self.held[index][0]))
+        if sending is None:
             return b""
-        ready = settled_arguments(call.arguments, complete=False)
-        delta = self.call_delta(index, call.name, ready)
-        if delta is None:
-            return b""
+        name, arguments = sending
+        function = ToolCallFunctionDelta(name=name, arguments=arguments)
+        head = {} if name is None else {"id": call.id, "type": "function"}
         role = None if index in self.started else "assistant"
         self.started.add(index)
-        choice = ChatChunkChoice(index=index, delta=ChatDelta(role=role, tool_calls=[delta]))
+        delta = ChatDelta(role=role, tool_calls=[ToolCallDelta(index=0, function=function, **head)])
+        choice = ChatChunkChoice(index=index, delta=delta)
         return streaming.sse(self.chunk_type(**self.header, choices=[choice]).model_dump_json())
-
-    def call_delta(self, index: int, name: str, arguments: str) -> ToolCallDelta | None:
-        """The delta that brings choice `index`'s streamed call to `arguments` (None: nothing new)."""
-        if index not in self.streamed:
-            self.streamed[index] = (f"call_{secrets.token_hex(12)}", len(arguments))
-            head = ToolCallFunctionDelta(name=name, arguments=arguments)
-            return ToolCallDelta(index=0, id=self.streamed[index][0], type="function", function=head)
-        call_id, sent = self.streamed[index]
-        if len(arguments) <= sent:
-            return None
-        self.streamed[index] = (call_id, len(arguments))
-        return ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=arguments[sent:]))
 
     def is_text(self, index: int, text: str) -> bool:
         """Whether choice `index`, `text` its next delta, is known to be text, not calls."""
@@ -302,7 +290,7 @@ class ChatRenderer(OpenAIRenderer):
         token limit is the call as far as it got, as OpenAI returns it (`truncated_call`)."""
         calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
         if calls is not None and self.forced:  # its arguments as generated, as they were streamed
-            calls = [self.forced_call(text, reason) or calls[0]]
+            calls = [forced_call_as_generated(text, reason is FinishReason.LENGTH) or calls[0]]
         if calls is None and self.forced and reason is FinishReason.LENGTH:
             cut = truncated_call(text, self.forced)
             calls = None if cut is None else [cut]
@@ -319,19 +307,9 @@ class ChatRenderer(OpenAIRenderer):
 
     def rest_of_call(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
         """The last delta of a streamed call: the arguments still unsent."""
-        call = self.forced_call(text, out.finish_reason)
-        _, sent = self.streamed[index]
-        arguments = "" if call is None else call.arguments[sent:]
-        return [ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=arguments))]
-
-    @staticmethod
-    def forced_call(text: str, reason: FinishReason | None) -> ToolCall | None:
-        """A forced call with its arguments as generated: all of them where the token limit cut it,
-        else all but the brace that closes the call (None before its arguments begin)."""
-        call = forced_call_so_far(text)
-        if call is None or reason is FinishReason.LENGTH:
-            return call
-        return ToolCall(call.name, settled_arguments(call.arguments, complete=True))
+        call = forced_call_as_generated(text, out.finish_reason is FinishReason.LENGTH)
+        rest = self.streamed[index].rest("" if call is None else call.arguments)
+        return [ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=rest))]
 
     def logprobs(self, samples: Sequence[SampledToken]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -356,7 +334,7 @@ class ChatRenderer(OpenAIRenderer):
         self.started.add(index)
         texts, samples = self.held.pop(index, ([], []))
         text, samples = "".join(texts) + out.text, [*samples, *out.samples]
-        if index in self.streamed:  # the rest of a streamed call's arguments
+        if index in self.streamed and self.streamed[index].begun:  # the rest of a streamed call
             delta = ChatDelta(role=role, tool_calls=self.rest_of_call(index, text, out))
             return ChatChunkChoice(index=index, delta=delta, finish_reason=calls_reason(out.finish_reason))
         calls = (

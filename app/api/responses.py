@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import secrets
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ from app.api.responses_protocol import (
 from app.api.serving import Job, Serving, cached_tokens, usage_counts
 from app.api.validation import Validated
 from app.engine.types import FinishReason, RequestOutput
-from app.structured.tools import forced_call_so_far, settled_arguments
+from app.structured.tools import StreamedCall
 
 
 def usage(job: Job) -> ResponseUsage:
@@ -64,7 +63,7 @@ class ResponsesRenderer:
         self.started = False
         self.held: list[str] = []  # the text while it may still be calls
         self.streams = False  # the message's item is open and its text streams
-        self.call: tuple[str, int] | None = None  # a forced call streaming: its call id, arguments sent
+        self.call = StreamedCall()  # a forced call, as it streams
 
     def response(self, status: str, output: list[OutputItem], job: Job | None) -> ResponseObject:
         request = self.request
@@ -104,7 +103,7 @@ class ResponsesRenderer:
         calls = self.chat.tool_calls(text, job.choices[0].finish_reason)
         if calls is None:
             return status, [self.message(status, text)]
-        ids = [self.call[0]] if self.call is not None else [call.id for call in calls]  # a streamed one's
+        ids = [self.call.id] if self.call.begun else [call.id for call in calls]  # a streamed one's
         return status, [  # "incomplete": the token limit cut the last call
             self.function_call(call_id, call.function.name, call.function.arguments, status)
             for call_id, call in zip(ids, calls, strict=False)
@@ -139,25 +138,19 @@ class ResponsesRenderer:
         return events
 
     def call_so_far(self) -> bytes:
-        """A forced call's item once its name is complete, then its arguments as they come, each as soon
-        as no later text can take it back (as chat streams it, `ChatRenderer.call_so_far`)."""
-        call = forced_call_so_far("".join(self.held))
-        if call is None:
+        """A forced call's item once its name is complete, then its arguments as they come (as chat
+        streams them, `StreamedCall`)."""
+        sending = self.call.next("".join(self.held))
+        if sending is None:
             return b""
-        ready = settled_arguments(call.arguments, complete=False)
+        name, arguments = sending
         events = b""
-        if self.call is None:
-            self.call = (f"call_{secrets.token_hex(12)}", 0)
-            item = self.function_call(self.call[0], call.name, "", "in_progress")
-            events += self.event(
-                "response.output_item.added", output_index=0, item=item.model_dump(mode="json")
-            )
-        call_id, sent = self.call
-        if len(ready) > sent:
-            events += self.event(
-                "response.function_call_arguments.delta", **self.call_part(call_id), delta=ready[sent:]
-            )
-            self.call = (call_id, len(ready))
+        if name is not None:
+            item = self.function_call(self.call.id, name, "", "in_progress").model_dump(mode="json")
+            events += self.event("response.output_item.added", output_index=0, item=item)
+        if arguments:
+            where = self.call_part(self.call.id)
+            events += self.event("response.function_call_arguments.delta", **where, delta=arguments)
         return events
 
     @staticmethod
@@ -198,10 +191,11 @@ class ResponsesRenderer:
         if isinstance(item, OutputFunctionCall):
             added = item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump(mode="json")
             where = {"item_id": item.id, "output_index": index}
+            streamed = self.call.begun
             opened = (
-                b"" if self.call else self.event("response.output_item.added", output_index=index, item=added)
+                b"" if streamed else self.event("response.output_item.added", output_index=index, item=added)
             )
-            rest = item.arguments[self.call[1] if self.call else 0 :]
+            rest = self.call.rest(item.arguments)
             return (
                 opened
                 + (self.event("response.function_call_arguments.delta", **where, delta=rest) if rest else b"")

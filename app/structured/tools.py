@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -134,9 +135,8 @@ def truncated_call(text: str, names: Sequence[str]) -> ToolCall | None:
     as they got, as OpenAI returns a cut call. Cut before its arguments began, it is the one function
     its name so far can be (a named choice's, always), with no arguments yet: a request that forces a
     call gets one, as clients that read `tool_calls[0]` expect. None where several functions can be."""
-    found = CUT_CALL.match(text.strip())
-    if found is not None:
-        return ToolCall(json.loads(found["name"]), found["arguments"])
+    if (call := forced_call_so_far(text)) is not None:
+        return call
     begun = NAME_SO_FAR.match(text.strip())
     if begun is None:
         possible = list(names)
@@ -162,6 +162,48 @@ def settled_arguments(arguments: str, complete: bool) -> str:
     if complete:
         return arguments.rstrip().removesuffix("}").rstrip()
     return arguments.rstrip().rstrip("}").rstrip()
+
+
+def forced_call_as_generated(text: str, cut: bool) -> ToolCall | None:
+    """A forced call with its arguments as the model wrote them: all of them where the token limit `cut`
+    it, else all but the brace that closes the call (None before its arguments begin)."""
+    call = forced_call_so_far(text)
+    if call is None or cut:
+        return call
+    return ToolCall(call.name, settled_arguments(call.arguments, complete=True))
+
+
+class StreamedCall:
+    """A forced call as it streams: its id, and how much of its arguments was sent."""
+
+    __slots__ = ("id", "sent")
+
+    def __init__(self) -> None:
+        self.id = f"call_{secrets.token_hex(12)}"
+        self.sent: int | None = None  # None: nothing sent yet
+
+    @property
+    def begun(self) -> bool:
+        """Whether its first delta was sent."""
+        return self.sent is not None
+
+    def next(self, text: str) -> tuple[str | None, str] | None:
+        """What to send of the call `text` holds so far: its name where nothing was sent yet (else None)
+        and the arguments that came since, as soon as no later text can take them back; None where
+        there is nothing new."""
+        call = forced_call_so_far(text)
+        if call is None:
+            return None
+        ready = settled_arguments(call.arguments, complete=False)
+        first, sent = self.sent is None, self.sent or 0
+        if not first and len(ready) <= sent:
+            return None
+        self.sent = len(ready)
+        return (call.name if first else None), ready[sent:]
+
+    def rest(self, arguments: str) -> str:
+        """The call's final `arguments` not sent yet."""
+        return arguments[self.sent or 0 :]
 
 
 def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[ToolCall] | None:
