@@ -103,9 +103,14 @@ def forced_functions(body: ChatCompletionRequest) -> list[Function]:
 
 
 def forced_call(body: ChatCompletionRequest) -> Constraint | None:
-    """The grammar of a `required` or named call, or None."""
+    """The grammar of a `required` call or a named one, or None. `required` with `parallel_tool_calls`
+    true allows one or more calls, as vLLM's `required` does; left unset, one: a weak model allowed more
+    may go on calling until its token limit cuts the last call."""
     functions = forced_functions(body)
-    return forced_call_constraint(functions, "tool_choice") if functions else None
+    if not functions:
+        return None
+    several = body.tool_choice == "required" and body.parallel_tool_calls is True
+    return forced_call_constraint(functions, "tool_choice", several)
 
 
 def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Constraint:

@@ -12,7 +12,6 @@ first one's logprob and alternatives null), as `lm-evaluation-harness` reads the
 
 from __future__ import annotations
 
-import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -55,12 +54,13 @@ from app.api.validation import Validated
 from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
 from app.structured.tools import (
+    CallDelta,
     CallStart,
-    StreamedCall,
+    StreamedCalls,
     ToolCallParser,
-    forced_call_as_generated,
+    forced_calls,
+    new_call_id,
     parse_tool_calls,
-    truncated_call,
 )
 
 # Stands for a chunk's text while its halves are rendered: private use, so never escaped, and in no id.
@@ -70,6 +70,13 @@ TEXT_MARK = "\ue000inf2serve-text\ue000"
 def calls_reason(reason: FinishReason | None) -> str:
     """A choice's finish reason where it is tool calls: "length" where the limit cut the last one."""
     return "length" if reason is FinishReason.LENGTH else "tool_calls"
+
+
+def call_delta(sending: CallDelta) -> ToolCallDelta:
+    """A streamed call's delta in OpenAI's chunk: its id, type and name in its first."""
+    head = {} if sending.name is None else {"id": sending.id, "type": "function"}
+    function = ToolCallFunctionDelta(name=sending.name, arguments=sending.arguments)
+    return ToolCallDelta(index=sending.index, function=function, **head)
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -248,7 +255,7 @@ class ChatRenderer(OpenAIRenderer):
         # A forced call's arguments stream as they come (without logprobs, which would need the tokens
         # split at each delta).
         self.streams_call = bool(self.forced) and self.top_logprobs is None
-        self.streamed: dict[int, StreamedCall] = {}
+        self.streamed: dict[int, StreamedCalls] = {}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
         if self.offers_tools and not out.finished and not self.is_text(index, out.text):
@@ -259,18 +266,15 @@ class ChatRenderer(OpenAIRenderer):
         return super().delta(index, out)
 
     def call_so_far(self, index: int) -> bytes:
-        """A forced call's chunk: its id and name with its arguments so far once its name is complete,
-        then the arguments that came since (`StreamedCall`)."""
-        call = self.streamed.setdefault(index, StreamedCall())
-        sending = call.next("".join(self.held[index][0]))
-        if sending is None:
+        """A chunk of forced calls: a call's id and name with its arguments so far once its name is
+        complete, then the arguments that came since (`StreamedCalls`)."""
+        calls = self.streamed.setdefault(index, StreamedCalls())
+        sending = calls.next("".join(self.held[index][0]))
+        if not sending:
             return b""
-        name, arguments = sending
-        function = ToolCallFunctionDelta(name=name, arguments=arguments)
-        head = {} if name is None else {"id": call.id, "type": "function"}
         role = None if index in self.started else "assistant"
         self.started.add(index)
-        delta = ChatDelta(role=role, tool_calls=[ToolCallDelta(index=0, function=function, **head)])
+        delta = ChatDelta(role=role, tool_calls=[call_delta(d) for d in sending])
         choice = ChatChunkChoice(index=index, delta=delta)
         return streaming.sse(self.chunk_type(**self.header, choices=[choice]).model_dump_json())
 
@@ -285,31 +289,37 @@ class ChatRenderer(OpenAIRenderer):
         start = self.starts.get(index)
         return start is not None and start.opens is False
 
-    def tool_calls(self, text: str, reason: FinishReason | None) -> list[ToolCallInfo] | None:
-        """The calls `text` holds in OpenAI's terms, or None (plain content). A forced call cut off by the
-        token limit is the call as far as it got, as OpenAI returns it (`truncated_call`)."""
-        calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
-        if calls is not None and self.forced:  # its arguments as generated, as they were streamed
-            calls = [forced_call_as_generated(text, reason is FinishReason.LENGTH) or calls[0]]
-        if calls is None and self.forced and reason is FinishReason.LENGTH:
-            cut = truncated_call(text, self.forced)
-            calls = None if cut is None else [cut]
+    def tool_calls(
+        self, text: str, reason: FinishReason | None, ids: Sequence[str] = ()
+    ) -> list[ToolCallInfo] | None:
+        """The calls `text` holds in OpenAI's terms, or None (plain content); the first of them keep `ids`
+        (those a stream sent). Forced calls keep their arguments as generated, as they were streamed, and
+        one cut off by the token limit is the call as far as it got, as OpenAI returns it
+        (`forced_calls`)."""
+        if self.forced:
+            calls = forced_calls(text, reason is FinishReason.LENGTH, self.forced)
+        else:
+            calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
         if calls is None:
             return None
         kept = calls[:1] if self.first_call_only else calls
+        given = [*ids, *(new_call_id() for _ in kept[len(ids) :])]
         return [
-            ToolCallInfo(
-                id=f"call_{secrets.token_hex(12)}",
-                function=ToolCallFunction(name=c.name, arguments=c.arguments),
-            )
-            for c in kept
+            ToolCallInfo(id=call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+            for call_id, c in zip(given, kept, strict=False)
         ]
 
-    def rest_of_call(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
-        """The last delta of a streamed call: the arguments still unsent."""
-        call = forced_call_as_generated(text, out.finish_reason is FinishReason.LENGTH)
-        rest = self.streamed[index].rest("" if call is None else call.arguments)
-        return [ToolCallDelta(index=0, function=ToolCallFunctionDelta(arguments=rest))]
+    def rest_of_calls(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
+        """The last deltas of streamed calls: each call's arguments still unsent, and any call not begun."""
+        streamed = self.streamed[index]
+        calls = self.tool_calls(text, out.finish_reason, streamed.ids) or []
+        deltas = []
+        for i, call in enumerate(calls):
+            if i >= len(streamed.ids):
+                deltas.append(ToolCallDelta(index=i, **call.model_dump()))
+            elif rest := streamed.rest(i, call.function.arguments):
+                deltas.append(ToolCallDelta(index=i, function=ToolCallFunctionDelta(arguments=rest)))
+        return deltas
 
     def logprobs(self, samples: Sequence[SampledToken]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
@@ -334,8 +344,8 @@ class ChatRenderer(OpenAIRenderer):
         self.started.add(index)
         texts, samples = self.held.pop(index, ([], []))
         text, samples = "".join(texts) + out.text, [*samples, *out.samples]
-        if index in self.streamed and self.streamed[index].begun:  # the rest of a streamed call
-            delta = ChatDelta(role=role, tool_calls=self.rest_of_call(index, text, out))
+        if index in self.streamed and self.streamed[index].begun:  # the rest of streamed calls
+            delta = ChatDelta(role=role, tool_calls=self.rest_of_calls(index, text, out) or None)
             return ChatChunkChoice(index=index, delta=delta, finish_reason=calls_reason(out.finish_reason))
         calls = (
             self.tool_calls(text, out.finish_reason) if out.finished and not self.known_text(index) else None

@@ -33,7 +33,7 @@ from app.api.responses_protocol import (
 from app.api.serving import Job, Serving, cached_tokens, usage_counts
 from app.api.validation import Validated
 from app.engine.types import FinishReason, RequestOutput
-from app.structured.tools import StreamedCall
+from app.structured.tools import StreamedCalls
 
 
 def usage(job: Job) -> ResponseUsage:
@@ -63,7 +63,8 @@ class ResponsesRenderer:
         self.started = False
         self.held: list[str] = []  # the text while it may still be calls
         self.streams = False  # the message's item is open and its text streams
-        self.call = StreamedCall()  # a forced call, as it streams
+        self.calls = StreamedCalls()  # forced calls, as they stream
+        self.calls_done = 0  # of those, the ones whose items are done
 
     def response(self, status: str, output: list[OutputItem], job: Job | None) -> ResponseObject:
         request = self.request
@@ -100,13 +101,15 @@ class ResponsesRenderer:
     def output(self, job: Job) -> tuple[str, list[OutputItem]]:
         """The status and the output items of a finished job."""
         text, status = job.choices[0].text, self.status(job)
-        calls = self.chat.tool_calls(text, job.choices[0].finish_reason)
+        calls = self.chat.tool_calls(text, job.choices[0].finish_reason, self.calls.ids)
         if calls is None:
             return status, [self.message(status, text)]
-        ids = [self.call.id] if self.call.begun else [call.id for call in calls]  # a streamed one's
-        return status, [  # "incomplete": the token limit cut the last call
-            self.function_call(call_id, call.function.name, call.function.arguments, status)
-            for call_id, call in zip(ids, calls, strict=False)
+        last = len(calls) - 1  # "incomplete": the token limit cut the last call; the ones before are whole
+        return status, [
+            self.function_call(
+                call.id, call.function.name, call.function.arguments, status if i == last else "completed"
+            )
+            for i, call in enumerate(calls)
         ]
 
     def body(self, job: Job) -> bytes:
@@ -139,19 +142,27 @@ class ResponsesRenderer:
 
     def call_so_far(self) -> bytes:
         """A forced call's item once its name is complete, then its arguments as they come (as chat
-        streams them, `StreamedCall`)."""
-        sending = self.call.next("".join(self.held))
-        if sending is None:
-            return b""
-        name, arguments = sending
+        streams them, `StreamedCalls`); the item of each call before it done as the next one opens."""
         events = b""
-        if name is not None:
-            item = self.function_call(self.call.id, name, "", "in_progress").model_dump(mode="json")
-            events += self.event("response.output_item.added", output_index=0, item=item)
-        if arguments:
-            where = self.call_part(self.call.id)
-            events += self.event("response.function_call_arguments.delta", **where, delta=arguments)
+        for sending in self.calls.next("".join(self.held)):
+            if sending.name is not None:
+                events += b"".join(self.call_done(i) for i in range(self.calls_done, sending.index))
+                item = self.function_call(sending.id, sending.name, "", "in_progress").model_dump(mode="json")
+                events += self.event("response.output_item.added", output_index=sending.index, item=item)
+            if arguments := sending.arguments:
+                where = self.call_part(sending.id, sending.index)
+                events += self.event("response.function_call_arguments.delta", **where, delta=arguments)
         return events
+
+    def call_done(self, index: int) -> bytes:
+        """The events that end streamed call `index`, whole and all sent (a call after it began)."""
+        calls = self.calls
+        item = self.function_call(calls.ids[index], calls.names[index], calls.sent[index], "completed")
+        self.calls_done = index + 1
+        where = self.call_part(item.call_id, index)
+        return self.event(
+            "response.function_call_arguments.done", **where, arguments=item.arguments
+        ) + self.item_done(index, item)
 
     @staticmethod
     def function_call(call_id: str, name: str, arguments: str, status: str) -> OutputFunctionCall:
@@ -164,8 +175,8 @@ class ResponsesRenderer:
         )
 
     @staticmethod
-    def call_part(call_id: str) -> dict[str, Any]:
-        return {"item_id": f"fc_{call_id.removeprefix('call_')}", "output_index": 0}
+    def call_part(call_id: str, index: int) -> dict[str, Any]:
+        return {"item_id": f"fc_{call_id.removeprefix('call_')}", "output_index": index}
 
     def created(self) -> bytes:
         started = self.response("in_progress", [], None).model_dump(mode="json")
@@ -189,13 +200,15 @@ class ResponsesRenderer:
     def item_events(self, index: int, item: OutputItem) -> bytes:
         """An item's events from its text's end on (all of them for one that was held)."""
         if isinstance(item, OutputFunctionCall):
+            if index < self.calls_done:  # done as the next call opened
+                return b""
             added = item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump(mode="json")
             where = {"item_id": item.id, "output_index": index}
-            streamed = self.call.begun
+            streamed = index < len(self.calls.ids)
             opened = (
                 b"" if streamed else self.event("response.output_item.added", output_index=index, item=added)
             )
-            rest = self.call.rest(item.arguments)
+            rest = self.calls.rest(index, item.arguments)
             return (
                 opened
                 + (self.event("response.function_call_arguments.delta", **where, delta=rest) if rest else b"")

@@ -137,7 +137,9 @@ FIELDS: dict[str, Field] = {
     "tool_choice": Field(Use.DEVICE, (None, "none", "auto"), "none, auto; required and named: " + GRAMMAR),
     "functions": Field(Use.REFUSED, (None, []), "deprecated: use tools"),
     "function_call": Field(Use.REFUSED, (None, "none"), "deprecated: use tool_choice"),
-    "parallel_tool_calls": Field(Use.HOST, (None, True), "false: the first call only"),
+    "parallel_tool_calls": Field(
+        Use.HOST, (None, True), "false: the first call only; true with `required`: one or more calls"
+    ),
     "reasoning_effort": Field(Use.REFUSED, (None,), "no reasoning models"),
     "include_reasoning": Field(Use.HOST, (True,), "no reasoning parser: the text is the content"),
     # TGI's parameters without an implementation here

@@ -1,6 +1,7 @@
 """Grammars for constrained decoding, on llguidance (`loadtest/grammar_bench.py` says why this engine):
-a request's constraint (a JSON schema, any JSON object, a regex, a list of choices, a Lark/GBNF grammar)
-checked and compiled for one tokenizer, and per-request matchers that give each step's allowed tokens.
+a request's constraint (a JSON schema, any JSON object, one or more JSON values under a schema, a regex,
+a list of choices, a Lark/GBNF grammar) checked and compiled for one tokenizer, and per-request matchers
+that give each step's allowed tokens.
 
 `GrammarCompiler.compile` runs where a request is validated (a worker thread, never the event loop). It
 refuses, with an `InvalidRequestError` naming the field: a source over `MAX_SOURCE_CHARS`, a schema nested
@@ -42,6 +43,7 @@ MAX_SCHEMA_DEPTH = 64  # JSON levels: a schema's nesting counts twice (an object
 COMPILE_TIMEOUT_S = 5.0
 CACHE_SIZE = 256
 MAX_FORCED_START = 512  # tokens a compiled grammar remembers forcing from its start
+SEQUENCE_SEPARATOR = ";"  # between the values of a JSON sequence (Llama 3.1's between its JSON calls)
 # llguidance's defaults are tuned for a GPU server's budget; these halve the per-step and total fuel so
 # one constrained row stays within about 10 ms of host time per step even on an adversarial grammar.
 LIMITS = llguidance.LLParserLimits(
@@ -58,6 +60,7 @@ _EXECUTOR = llguidance.LLExecutor()  # a batch's masks, one call a step
 class Kind(StrEnum):
     JSON_SCHEMA = "json_schema"
     JSON_OBJECT = "json_object"
+    JSON_SEQUENCE = "json_sequence"  # one or more JSON values under a schema, each after a `;` but the first
     REGEX = "regex"
     CHOICE = "choice"
     GRAMMAR = "grammar"  # Lark, or GBNF/EBNF as llama.cpp writes it
@@ -329,11 +332,21 @@ def _source(constraint: Constraint) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 constraint.text, defaults={"whitespace_flexible": False}
             )
+        if kind is Kind.JSON_SEQUENCE:
+            return llguidance.grammar_from("lark", _json_sequence(constraint.value))
         if kind is Kind.CHOICE:
             return llguidance.grammar_from("choice", constraint.value)
         return llguidance.grammar_from("regex" if kind is Kind.REGEX else "grammar", constraint.value)
     except ValueError as error:
         raise InvalidRequestError(f"{param} cannot be compiled: {error}", param=param) from None
+
+
+def _json_sequence(schema: dict[str, Any]) -> str:
+    """Lark for one or more JSON values under `schema` (llguidance's `%json`), `SEQUENCE_SEPARATOR`
+    between them, without whitespace as the JSON kinds are generated."""
+    guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
+    item = json.dumps({**schema, "x-guidance": guidance})
+    return f"start: item ({json.dumps(SEQUENCE_SEPARATOR)} item)*\nitem: %json {item}"
 
 
 def _depth(value: Any, level: int = 0) -> int:

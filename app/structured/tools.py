@@ -11,8 +11,10 @@ With no parser named, both are tried (JSON first): a Llama family artifact may u
 A forced call (`tool_choice` `required` or a named function) is generated under a JSON schema of the
 JSON form whose `parameters` is each function's own schema with its objects closed (an argument the
 schema does not declare would still validate, but a tiny model could ramble in one forever), so the
-arguments always parse and validate. With the choice the model's and a JSON schema for its answer (a
-response format), the reply is a call in that form or the answer (`call_or_answer_constraint`).
+arguments always parse and validate; `required` with `parallel_tool_calls` true allows one or more
+calls, `;` between them, as vLLM's `required` does. With the choice the model's and a JSON schema for
+its answer (a response format), the reply is a call in that form or the answer
+(`call_or_answer_constraint`).
 `app/api` renders the calls in OpenAI's format; `/v1/responses` reuses these.
 """
 
@@ -33,9 +35,10 @@ PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
 # a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
 NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
-CUT_CALL = re.compile(
-    r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(?P<arguments>.*)', re.S
-)
+# a forced call's start, to where its arguments begin, and the brace after them that closes it
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+CALL_CLOSE = re.compile(r"\s*\}")
+_DECODER = json.JSONDecoder()
 
 
 class ToolCallParser(StrEnum):
@@ -59,16 +62,16 @@ class ToolCall:
     arguments: str  # a JSON object, as OpenAI sends it
 
 
-def forced_call_constraint(functions: Sequence[Function], param: str) -> Constraint:
-    """One call of one of `functions`, in the JSON form: `lenient` unless one of them is `strict`."""
+def forced_call_constraint(functions: Sequence[Function], param: str, several: bool = False) -> Constraint:
+    """One call of one of `functions` in the JSON form, or with `several` one or more, `;` between them
+    (Llama 3.1's separator, which the parser reads): `lenient` unless one of them is `strict`."""
     strict = any(f.strict for f in functions)
     if len(functions) == 1:
         schema = _call_schema(functions[0], "#")
     else:
         schema = {"anyOf": [_call_schema(f, f"#/anyOf/{i}") for i, f in enumerate(functions)]}
-    return Constraint(
-        Kind.JSON_SCHEMA, schema if strict else lenient(schema), param, _parts(functions, strict)
-    )
+    kind = Kind.JSON_SEQUENCE if several else Kind.JSON_SCHEMA
+    return Constraint(kind, schema if strict else lenient(schema), param, _parts(functions, strict))
 
 
 def call_or_answer_constraint(functions: Sequence[Function], answer: Constraint) -> Constraint:
@@ -129,81 +132,118 @@ def _relocated_value(key: str, value: Any, at: str) -> Any:
     return value if key in LITERAL_KEYWORDS else _relocated(value, at)
 
 
-def truncated_call(text: str, names: Sequence[str]) -> ToolCall | None:
-    """A forced call of one of the functions `names` cut off by the token limit (its JSON form,
-    `{"name": ..., "parameters": ...`, in that order by its grammar): its name and its arguments as far
-    as they got, as OpenAI returns a cut call. Cut before its arguments began, it is the one function
-    its name so far can be (a named choice's, always), with no arguments yet: a request that forces a
-    call gets one, as clients that read `tool_calls[0]` expect. None where several functions can be."""
-    if (call := forced_call_so_far(text)) is not None:
-        return call
-    begun = NAME_SO_FAR.match(text.strip())
-    if begun is None:
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True, slots=True)
+class CallSoFar:
+    """A forced call being generated: its name, its arguments' text so far, and whether they are whole."""
+
+    name: str
+    arguments: str
+    whole: bool
+
+    @property
+    def settled(self) -> str:
+        """Of its arguments so far, the part no later text can take back: all of them once whole, else
+        without the braces and blanks at their end, any of which may close the call."""
+        return self.arguments if self.whole else self.arguments.rstrip().rstrip("}").rstrip()
+
+
+def forced_calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
+    """The forced calls `text` holds so far (the JSON form in its grammar's order, `;` between calls),
+    each once its name is complete and its arguments have begun, their arguments as the model wrote
+    them; and the text of a call begun after them whose arguments have not ("" where there is none)."""
+    calls: list[CallSoFar] = []
+    at = 0
+    while at < len(text):
+        head = CALL_HEAD.match(text, at)
+        if head is None:
+            return calls, text[at:]
+        name, start = json.loads(head["name"]), head.end()
+        try:
+            end = _DECODER.raw_decode(text, start)[1]
+        except ValueError:
+            calls.append(CallSoFar(name, text[start:], whole=False))
+            break
+        calls.append(CallSoFar(name, text[start:end], whole=True))
+        closed = CALL_CLOSE.match(text, end)
+        if closed is None:
+            break
+        at = BETWEEN_JSON_CALLS.match(text, closed.end()).end()  # type: ignore[union-attr]  # `*`
+    return calls, ""
+
+
+def forced_calls(text: str, cut: bool, names: Sequence[str]) -> list[ToolCall] | None:
+    """The forced calls of a finished reply, of the functions `names`, their arguments as the model wrote
+    them (None where it holds no calls). Where the token limit `cut` it, its last call is as far as it
+    got, as OpenAI returns a cut call; cut before the first call's arguments began, that call is the one
+    function its name so far can be, with no arguments yet: a request that forces a call gets one, as
+    clients that read `tool_calls[0]` expect (None where several functions can be)."""
+    calls, begun = forced_calls_so_far(text)
+    if not cut and parse_tool_calls(text, ToolCallParser.LLAMA3_JSON) is None:
+        return None
+    if calls or not cut:
+        return [ToolCall(call.name, call.arguments) for call in calls] or None
+    name = NAME_SO_FAR.match(begun.strip())
+    if name is None:
         possible = list(names)
-    elif begun["closed"]:
-        possible = [name for name in names if name == begun["name"]]
+    elif name["closed"]:
+        possible = [n for n in names if n == name["name"]]
     else:
-        possible = [name for name in names if name.startswith(begun["name"])]
-    return ToolCall(possible[0], "") if len(possible) == 1 else None
+        possible = [n for n in names if n.startswith(name["name"])]
+    return [ToolCall(possible[0], "")] if len(possible) == 1 else None
 
 
-def forced_call_so_far(text: str) -> ToolCall | None:
-    """A forced call being generated (the JSON form, in its grammar's order), once its name is complete
-    and its arguments have begun: its name and its arguments' text so far, the object's closing brace
-    among them while it is unknown which brace that is."""
-    found = CUT_CALL.match(text.strip())
-    return None if found is None else ToolCall(json.loads(found["name"]), found["arguments"])
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    """What a stream sends of forced call `index`: its name in its first delta (else None), and the
+    arguments that came since the last."""
+
+    index: int
+    id: str
+    name: str | None
+    arguments: str
 
 
-def settled_arguments(arguments: str, complete: bool) -> str:
-    """Of a forced call's arguments so far (`forced_call_so_far`), the part no later text can take
-    back: without the braces and blanks at its end, any of which may close the call, or, for a call
-    that is `complete`, all but the brace that closes it."""
-    if complete:
-        return arguments.rstrip().removesuffix("}").rstrip()
-    return arguments.rstrip().rstrip("}").rstrip()
+class StreamedCalls:
+    """Forced calls as they stream: each one's id, name and arguments sent so far."""
 
-
-def forced_call_as_generated(text: str, cut: bool) -> ToolCall | None:
-    """A forced call with its arguments as the model wrote them: all of them where the token limit `cut`
-    it, else all but the brace that closes the call (None before its arguments begin)."""
-    call = forced_call_so_far(text)
-    if call is None or cut:
-        return call
-    return ToolCall(call.name, settled_arguments(call.arguments, complete=True))
-
-
-class StreamedCall:
-    """A forced call as it streams: its id, and how much of its arguments was sent."""
-
-    __slots__ = ("id", "sent")
+    __slots__ = ("ids", "names", "sent")
 
     def __init__(self) -> None:
-        self.id = f"call_{secrets.token_hex(12)}"
-        self.sent: int | None = None  # None: nothing sent yet
+        self.ids: list[str] = []
+        self.names: list[str] = []
+        self.sent: list[str] = []
 
     @property
     def begun(self) -> bool:
-        """Whether its first delta was sent."""
-        return self.sent is not None
+        """Whether a call's first delta was sent."""
+        return bool(self.ids)
 
-    def next(self, text: str) -> tuple[str | None, str] | None:
-        """What to send of the call `text` holds so far: its name where nothing was sent yet (else None)
-        and the arguments that came since, as soon as no later text can take them back; None where
-        there is nothing new."""
-        call = forced_call_so_far(text)
-        if call is None:
-            return None
-        ready = settled_arguments(call.arguments, complete=False)
-        first, sent = self.sent is None, self.sent or 0
-        if not first and len(ready) <= sent:
-            return None
-        self.sent = len(ready)
-        return (call.name if first else None), ready[sent:]
+    def next(self, text: str) -> list[CallDelta]:
+        """What to send of the calls `text` holds so far: a call's name once it is complete and its
+        arguments have begun, and each call's arguments that came since, as soon as no later text can
+        take them back (`CallSoFar.settled`). A call before the last is whole."""
+        deltas = []
+        for index, call in enumerate(forced_calls_so_far(text)[0]):
+            ready = call.settled
+            first = index == len(self.ids)
+            if first:
+                self.ids.append(new_call_id())
+                self.names.append(call.name)
+                self.sent.append("")
+            elif len(ready) <= len(self.sent[index]):
+                continue
+            name = call.name if first else None
+            deltas.append(CallDelta(index, self.ids[index], name, ready[len(self.sent[index]) :]))
+            self.sent[index] = ready
+        return deltas
 
-    def rest(self, arguments: str) -> str:
-        """The call's final `arguments` not sent yet."""
-        return arguments[self.sent or 0 :]
+    def rest(self, index: int, arguments: str) -> str:
+        """Call `index`'s final `arguments` not sent yet."""
+        return arguments[len(self.sent[index]) :] if index < len(self.sent) else arguments
 
 
 def parse_tool_calls(text: str, parser: ToolCallParser | None = None) -> list[ToolCall] | None:

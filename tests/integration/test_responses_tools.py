@@ -108,3 +108,32 @@ def test_a_conversation_with_a_call_and_its_output_runs(client) -> None:  # noqa
     response = client.responses.create(model="stories260K", input=items, tools=FUNCTIONS, max_output_tokens=4)
     alone = client.responses.create(model="stories260K", input=INPUT, tools=FUNCTIONS, max_output_tokens=4)
     assert response.usage.input_tokens > alone.usage.input_tokens
+
+
+def test_parallel_required_calls_stream_as_items_each_done_before_the_next(client) -> None:  # noqa: F811
+    """With `parallel_tool_calls` true a forced reply may hold several calls: each is its own item, done
+    (its arguments whole) before the next one's item is added, as OpenAI orders them; the completed
+    response holds the same calls, only the last one incomplete where the token limit cut it."""
+    asked = dict(model="stories260K", input=INPUT, tools=FUNCTIONS, tool_choice="required",
+                 parallel_tool_calls=True, max_output_tokens=120, temperature=1.0,
+                 extra_body={"seed": 1})  # fmt: skip
+    events = list(client.responses.create(stream=True, **asked))
+    order = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item")]
+    calls = len(order) // 2
+    assert calls > 1 and order == [
+        (kind, i)
+        for i in range(calls)
+        for kind in ("response.output_item.added", "response.output_item.done")
+    ]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    for item in done:
+        deltas = [e.delta for e in events if e.type.endswith("arguments.delta") and e.item_id == item.id]
+        assert "".join(deltas) == item.arguments
+    final = events[-1].response
+    assert [(i.call_id, i.arguments) for i in final.output] == [(i.call_id, i.arguments) for i in done]
+    for item in final.output[:-1]:
+        assert item.status == "completed"
+        assert_valid(item.name, item.arguments)
+    whole = client.responses.create(**asked)
+    assert [(i.name, i.arguments) for i in whole.output] == [(i.name, i.arguments) for i in done]
+    assert whole.status == final.status

@@ -125,6 +125,40 @@ def test_a_streamed_required_call_arrives_as_tool_call_deltas(client) -> None:
     assert all(not c.choices[0].delta.content for c in chunks)
 
 
+def streamed_calls(chunks) -> dict[int, list[tuple[str, str, str]]]:
+    """Each choice's calls, (id, name, arguments), put together from its tool-call deltas by index."""
+    calls: dict[int, dict[int, list[str]]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(choice.index, {}).setdefault(delta.index, ["", "", ""])
+                call[0] += delta.id or ""
+                call[1] += delta.function.name or ""
+                call[2] += delta.function.arguments or ""
+    return {i: [tuple(call) for _, call in sorted(by.items())] for i, by in calls.items()}
+
+
+def test_required_with_parallel_calls_returns_one_or_more_that_validate(client) -> None:
+    """`parallel_tool_calls` true lets a forced reply hold several calls (vLLM's `required`): each
+    validates (but a last one `max_tokens` cut), and the stream sends the same calls, each under its own
+    index with its own id."""
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                 parallel_tool_calls=True, n=8, temperature=1.0, seed=5, max_tokens=120)  # fmt: skip
+    completion = client.chat.completions.create(**asked)
+    for choice in completion.choices:
+        calls = choice.message.tool_calls
+        for call in calls if choice.finish_reason == "tool_calls" else calls[:-1]:
+            assert_valid(call.function.name, call.function.arguments)
+    assert max(len(choice.message.tool_calls) for choice in completion.choices) > 1
+    streamed = streamed_calls(client.chat.completions.create(stream=True, **asked))
+    for choice in completion.choices:
+        calls = streamed[choice.index]
+        assert [(name, arguments) for _, name, arguments in calls] == [
+            (call.function.name, call.function.arguments) for call in choice.message.tool_calls
+        ]
+        assert len({call_id for call_id, _, _ in calls}) == len(calls)
+
+
 def test_a_streamed_reply_that_is_no_call_streams_as_it_is_generated(client) -> None:
     """With tools offered and the choice the model's, a reply whose start cannot open a call is sent as
     content deltas as it comes, not held to its end (a chat UI with tools on would show nothing until

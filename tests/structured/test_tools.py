@@ -14,15 +14,15 @@ from app.structured.grammar import Constraint, Kind, compiler_for, lenient
 from app.structured.tools import (
     CallStart,
     Function,
+    StreamedCalls,
     ToolCall,
     ToolCallParser,
     call_or_answer_constraint,
     forced_call_constraint,
-    forced_call_so_far,
+    forced_calls,
+    forced_calls_so_far,
     opens_call,
     parse_tool_calls,
-    settled_arguments,
-    truncated_call,
 )
 from app.tokenizer import Tokenizer
 
@@ -82,10 +82,14 @@ NAMES = ["get_weather", "get_time", "get"]
 
 
 def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
-    assert truncated_call('{"name":"get_weather","parameters":{"city":"Par', NAMES) == ToolCall(
-        "get_weather", '{"city":"Par'
+    assert forced_calls('{"name":"get_weather","parameters":{"city":"Par', True, NAMES) == [
+        ToolCall("get_weather", '{"city":"Par')
+    ]
+    assert forced_calls('{"name": "a\\"b", "parameters": ', True, NAMES) == [ToolCall('a"b', "")]
+    whole = '{"name":"get","parameters":{"a":1}}'  # cut just as it closed: its arguments, not the brace
+    assert (
+        forced_calls(whole, True, NAMES) == forced_calls(whole, False, NAMES) == [ToolCall("get", '{"a":1}')]
     )
-    assert truncated_call('{"name": "a\\"b", "parameters": ', NAMES) == ToolCall('a"b', "")
 
 
 @pytest.mark.parametrize(
@@ -101,8 +105,17 @@ def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
     ],
 )
 def test_a_call_cut_before_its_arguments_is_the_one_function_it_can_be(text, names, name) -> None:
-    call = truncated_call(text, names)
-    assert call == (None if name is None else ToolCall(name, ""))
+    calls = forced_calls(text, True, names)
+    assert calls == (None if name is None else [ToolCall(name, "")])
+
+
+def test_forced_calls_are_each_call_with_its_arguments_as_generated() -> None:
+    text = '{"name":"get","parameters":{"a":"}; {"}};{"name":"get_time","parameters":{}}'
+    assert forced_calls(text, False, NAMES) == [ToolCall("get", '{"a":"}; {"}'), ToolCall("get_time", "{}")]
+    cut = text + ';{"name":"get_we'  # a second call whole, a third cut in its name: left out
+    assert forced_calls(cut, True, NAMES) == forced_calls(text, False, NAMES)
+    assert forced_calls(text + ';{"name":"get","parameters":{"b', True, NAMES)[-1] == ToolCall("get", '{"b')
+    assert forced_calls('{"name":"get","parameters":{"a":1', False, NAMES) is None  # ended by a stop string
 
 
 COLOR = {"$defs": {"Color": {"enum": ["red", "blue"]}}, "properties": {"c": {"$ref": "#/$defs/Color"}}}
@@ -124,10 +137,14 @@ TREE = {
         ([Function("t", TREE)], '{"name":"t","parameters":{"kid":{"kid":1}}}', False),
     ],
 )
-def test_a_functions_references_hold_inside_the_forced_call(stories260k, functions, call, valid) -> None:
+@pytest.mark.parametrize("several", [False, True], ids=["one", "several"])
+def test_a_functions_references_hold_inside_the_forced_call(
+    stories260k, functions, call, valid, several
+) -> None:
     tokenizer = Tokenizer.from_dir(stories260k)
     compiler = compiler_for(tokenizer)
-    matcher = compiler.llguidance_matcher(compiler.compile(forced_call_constraint(functions, "tool_choice")))
+    constraint = forced_call_constraint(functions, "tool_choice", several)
+    matcher = compiler.llguidance_matcher(compiler.compile(constraint))
     tokens = tokenizer.encode(call, add_special_tokens=False)[1:]  # past the leading space marker
     assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
 
@@ -182,17 +199,46 @@ CALL = '{"name": "f", "parameters": {"a": "x}", "b": {"c": 1}}} '
 def test_a_forced_call_streams_only_what_no_later_text_can_take_back() -> None:
     """Each prefix of a forced call sends arguments that begin the call's whole arguments: a closing
     brace waits until it is known not to be the call's own."""
-    assert forced_call_so_far(CALL[:18]) is None  # `"parameters"` not yet complete
-    whole = forced_call_so_far(CALL)
-    assert whole is not None and whole.name == "f"
-    arguments = settled_arguments(whole.arguments, complete=True)
-    assert json.loads(arguments) == {"a": "x}", "b": {"c": 1}}
+    assert forced_calls_so_far(CALL[:18]) == ([], CALL[:18])  # `"parameters"` not yet complete
+    whole = forced_calls_so_far(CALL)[0]
+    assert [(call.name, call.whole) for call in whole] == [("f", True)]
+    assert json.loads(whole[0].settled) == {"a": "x}", "b": {"c": 1}}
     for end in range(len('{"name": "f", "parameters": '), len(CALL)):
-        so_far = forced_call_so_far(CALL[:end])
-        assert so_far is not None and arguments.startswith(
-            settled_arguments(so_far.arguments, complete=False)
-        )
-    assert settled_arguments('{"a": "x}', complete=False) == '{"a": "x'
+        so_far = forced_calls_so_far(CALL[:end])[0]
+        assert len(so_far) == 1 and whole[0].settled.startswith(so_far[0].settled)
+
+
+def test_several_forced_calls_stream_each_under_its_own_index() -> None:
+    """Streamed a character at a time, each call's first delta carries its id and name, and its
+    deltas add up to its whole arguments."""
+    text = CALL.strip() + ';{"name": "g", "parameters": {}}'
+    calls = StreamedCalls()
+    sent: dict[int, list[str]] = {}
+    names = {}
+    for end in range(len(text) + 1):
+        for delta in calls.next(text[:end]):
+            assert (delta.name is None) == (delta.index in names)
+            names.setdefault(delta.index, delta.name)
+            sent.setdefault(delta.index, []).append(delta.arguments)
+            assert delta.id == calls.ids[delta.index]
+    assert names == {0: "f", 1: "g"} and len(set(calls.ids)) == 2
+    assert ["".join(parts) for parts in sent.values()] == [json.dumps({"a": "x}", "b": {"c": 1}}), "{}"]
+    assert calls.rest(1, "{}") == "" and calls.rest(2, "{}") == "{}"
+
+
+def test_required_with_parallel_calls_allows_several_and_a_named_choice_one(stories260k) -> None:
+    tokenizer = Tokenizer.from_dir(stories260k)
+    compiler = compiler_for(tokenizer)
+    functions = [
+        Function("f", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+        Function("g", {}),
+    ]
+    two = '{"name":"f","parameters":{"a":1}};{"name":"g","parameters":{}}'
+    for several, valid in ((True, True), (False, False)):
+        grammar = compiler.compile(forced_call_constraint(functions, "tool_choice", several))
+        matcher = compiler.llguidance_matcher(grammar)
+        tokens = tokenizer.encode(two, add_special_tokens=False)[1:]  # past the leading space marker
+        assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
 
 
 @pytest.mark.parametrize(
