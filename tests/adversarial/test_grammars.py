@@ -1,9 +1,9 @@
 """Hostile output constraints against a real server (sim device, stories260K's tokenizer): a schema too
 deep or too large, a grammar or regex that cannot compile, a reference to nothing, two constraints at
-once, a function's parameters that cannot compile beside other functions or an answer's format, each a
-400 naming the field (in the Responses API, as it names it); a pathological pattern that does compile
-is served, bounded by the grammar engine's per-step fuel, while the requests beside it are served too;
-the server stays healthy."""
+once, a function's parameters that cannot compile beside other functions (one forced call or several) or
+an answer's format, each a 400 naming the field (in the Responses API, as it names it); a pathological
+pattern that does compile is served, bounded by the grammar engine's per-step fuel, while the requests
+beside it are served too; the server stays healthy."""
 
 from __future__ import annotations
 
@@ -80,6 +80,15 @@ def wide_schema(properties: int) -> dict:
             "tools.1.function.parameters",
             "cannot be compiled",
         ),
+        (
+            {
+                "tools": tools({"type": "object"}, {"type": "nope"}),
+                "tool_choice": "required",
+                "parallel_tool_calls": True,
+            },
+            "tools.1.function.parameters",
+            "cannot be compiled",
+        ),
     ],
     ids=[
         "deep",
@@ -95,6 +104,7 @@ def wide_schema(properties: int) -> dict:
         "a-bad-function-beside-an-answer",
         "a-bad-answer-beside-a-function",
         "a-bad-forced-function",
+        "a-bad-function-among-parallel-forced-calls",
     ],
 )
 def test_a_hostile_constraint_is_a_400_naming_it(api, fields, param, says) -> None:
