@@ -19,7 +19,7 @@ from typing import Any
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat
 from app.errors import InvalidRequestError
 from app.structured.grammar import Constraint, Kind, closed, lenient
-from app.structured.tools import Function, call_or_answer_constraint, forced_call_constraint
+from app.structured.tools import Function, call_heads, call_or_answer_constraint, forced_call_constraint
 from app.tokenizer import Tokenizer
 
 
@@ -59,6 +59,14 @@ def call_or_answer(body: ChatCompletionRequest, text_format: Constraint) -> Cons
     if text_format.kind is not Kind.JSON_SCHEMA:
         return text_format
     return call_or_answer_constraint(offered_functions(body), text_format)
+
+
+def call_heads_beside_answer(body: ChatCompletionRequest) -> tuple[str, ...]:
+    """Where a JSON schema response format leaves calls open (`call_or_answer`), the text each call
+    begins with (`call_heads`); () elsewhere."""
+    response_format = body.response_format
+    composed = calls_open(body) and response_format is not None and response_format.type == "json_schema"
+    return call_heads(offered_functions(body)) if composed else ()
 
 
 def calls_in_json_form(body: ChatCompletionRequest) -> bool:

@@ -24,7 +24,7 @@ from pydantic_core import to_json
 
 from app.api import streaming
 from app.api.auth import presented_key
-from app.api.constraints import calls_in_json_form, forced_functions, tools_offered
+from app.api.constraints import call_heads_beside_answer, calls_in_json_form, forced_functions, tools_offered
 from app.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -58,8 +58,9 @@ from app.structured.tools import (
     CallStart,
     StreamedCalls,
     ToolCallParser,
-    forced_calls,
+    calls_as_written,
     new_call_id,
+    opens_with,
     parse_tool_calls,
 )
 
@@ -235,7 +236,8 @@ class ChatRenderer(OpenAIRenderer):
     """With tools offered, a choice's text is held while it may still be calls, then sent at its end as
     tool calls where it is (`finish_reason` "tool_calls"), else as content. A reply whose start cannot
     open a call (`opens_call`) streams as content from there on, with what was held before it, as a
-    reply without tools does."""
+    reply without tools does; calls a grammar writes (forced, or beside a JSON answer once the reply
+    begins as one, `opens_with`) stream their arguments as they come."""
 
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk
@@ -252,9 +254,7 @@ class ChatRenderer(OpenAIRenderer):
         self.first_call_only = body.parallel_tool_calls is False
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
         self.starts: dict[int, CallStart] = {}
-        # A forced call's arguments stream as they come (without logprobs, which would need the tokens
-        # split at each delta).
-        self.streams_call = bool(self.forced) and self.top_logprobs is None
+        self.heads = call_heads_beside_answer(body)  # a call's exact start, where a grammar writes it
         self.streamed: dict[int, StreamedCalls] = {}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
@@ -262,8 +262,15 @@ class ChatRenderer(OpenAIRenderer):
             texts, samples = self.held.setdefault(index, ([], []))
             texts.append(out.text)
             samples += out.samples
-            return self.call_so_far(index) if self.streams_call else b""
+            return self.call_so_far(index) if self.streams_calls(index) else b""
         return super().delta(index, out)
+
+    def streams_calls(self, index: int) -> bool:
+        """Whether choice `index` streams its calls' arguments as they come: calls a grammar writes (forced
+        ones, and one beside a JSON answer once it began), without logprobs, which would need the tokens
+        split at each delta."""
+        known_call = bool(self.heads) and self.starts[index].opens is True
+        return (bool(self.forced) or known_call) and self.top_logprobs is None
 
     def call_so_far(self, index: int) -> bytes:
         """A chunk of forced calls: a call's id and name with its arguments so far once its name is
@@ -281,7 +288,7 @@ class ChatRenderer(OpenAIRenderer):
     def is_text(self, index: int, text: str) -> bool:
         """Whether choice `index`, `text` its next delta, is known to be text, not calls."""
         if index not in self.starts:
-            self.starts[index] = CallStart(self.parser, bool(self.forced))
+            self.starts[index] = CallStart(self.parser, bool(self.forced), self.heads)
         return self.starts[index].is_text(text)
 
     def known_text(self, index: int) -> bool:
@@ -295,9 +302,9 @@ class ChatRenderer(OpenAIRenderer):
         """The calls `text` holds in OpenAI's terms, or None (plain content); the first of them keep `ids`
         (those a stream sent). Forced calls keep their arguments as generated, as they were streamed, and
         one cut off by the token limit is the call as far as it got, as OpenAI returns it
-        (`forced_calls`)."""
-        if self.forced:
-            calls = forced_calls(text, reason is FinishReason.LENGTH, self.forced)
+        (`calls_as_written`)."""
+        if self.forced or (self.heads and opens_with(text, self.heads)):  # calls a grammar wrote
+            calls = calls_as_written(text, reason is FinishReason.LENGTH, self.forced)
         else:
             calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
         if calls is None:

@@ -130,7 +130,7 @@ class ResponsesRenderer:
         self.started = True
         if self.chat.offers_tools and not self.chat.is_text(index, out.text):
             self.held.append(out.text)
-            return events + (self.call_so_far() if self.chat.streams_call else b"")
+            return events + (self.call_so_far() if self.chat.streams_calls(index) else b"")
         if not self.streams:
             events += self.message_added()
             self.streams = True

@@ -138,7 +138,8 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class CallSoFar:
-    """A forced call being generated: its name, its arguments' text so far, and whether they are whole."""
+    """A call a grammar writes (forced, or beside a JSON answer), being generated: its name, its
+    arguments' text so far, and whether they are whole."""
 
     name: str
     arguments: str
@@ -151,8 +152,8 @@ class CallSoFar:
         return self.arguments if self.whole else self.arguments.rstrip().rstrip("}").rstrip()
 
 
-def forced_calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
-    """The forced calls `text` holds so far (the JSON form in its grammar's order, `;` between calls),
+def calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
+    """The calls a grammar wrote that `text` holds so far (the JSON form in its order, `;` between calls),
     each once its name is complete and its arguments have begun, their arguments as the model wrote
     them; and the text of a call begun after them whose arguments have not ("" where there is none)."""
     calls: list[CallSoFar] = []
@@ -175,13 +176,13 @@ def forced_calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
     return calls, ""
 
 
-def forced_calls(text: str, cut: bool, names: Sequence[str]) -> list[ToolCall] | None:
-    """The forced calls of a finished reply, of the functions `names`, their arguments as the model wrote
-    them (None where it holds no calls). Where the token limit `cut` it, its last call is as far as it
-    got, as OpenAI returns a cut call; cut before the first call's arguments began, that call is the one
-    function its name so far can be, with no arguments yet: a request that forces a call gets one, as
-    clients that read `tool_calls[0]` expect (None where several functions can be)."""
-    calls, begun = forced_calls_so_far(text)
+def calls_as_written(text: str, cut: bool, names: Sequence[str]) -> list[ToolCall] | None:
+    """The calls a grammar wrote in a finished reply, their arguments as the model wrote them (None where
+    it holds no calls). Where the token limit `cut` it, its last call is as far as it got, as OpenAI
+    returns a cut call; cut before the first call's arguments began, a forced call of the functions
+    `names` is the one function its name so far can be, with no arguments yet: a request that forces a
+    call gets one, as clients that read `tool_calls[0]` expect (None where several functions can be)."""
+    calls, begun = calls_so_far(text)
     if not cut and parse_tool_calls(text, ToolCallParser.LLAMA3_JSON) is None:
         return None
     if calls or not cut:
@@ -198,7 +199,7 @@ def forced_calls(text: str, cut: bool, names: Sequence[str]) -> list[ToolCall] |
 
 @dataclass(frozen=True, slots=True)
 class CallDelta:
-    """What a stream sends of forced call `index`: its name in its first delta (else None), and the
+    """What a stream sends of call `index`: its name in its first delta (else None), and the
     arguments that came since the last."""
 
     index: int
@@ -208,7 +209,7 @@ class CallDelta:
 
 
 class StreamedCalls:
-    """Forced calls as they stream: each one's id, name and arguments sent so far."""
+    """Calls a grammar writes, as they stream: each one's id, name and arguments sent so far."""
 
     __slots__ = ("ids", "names", "sent")
 
@@ -227,7 +228,7 @@ class StreamedCalls:
         arguments have begun, and each call's arguments that came since, as soon as no later text can
         take them back (`CallSoFar.settled`). A call before the last is whole."""
         deltas = []
-        for index, call in enumerate(forced_calls_so_far(text)[0]):
+        for index, call in enumerate(calls_so_far(text)[0]):
             ready = call.settled
             first = index == len(self.ids)
             if first:
@@ -273,14 +274,29 @@ def opens_call(text: str, parser: ToolCallParser | None = None) -> bool | None:
     return body[0] in (CALL_OPENERS[parser] if parser else "".join(CALL_OPENERS.values()))
 
 
+def call_heads(functions: Sequence[Function]) -> tuple[str, ...]:
+    """The text a call of each of `functions` under `call_or_answer_constraint` begins with, to where its
+    arguments do: that grammar writes a call so, its keys in order and no whitespace."""
+    return tuple(f'{{"name":{json.dumps(f.name)},"parameters":' for f in functions)
+
+
+def opens_with(text: str, heads: Sequence[str]) -> bool | None:
+    """Whether a reply whose calls begin with one of `heads` (`call_heads`) is a call, from its start
+    `text`: None while it may still become one."""
+    if any(text.startswith(head) for head in heads):
+        return True
+    return None if any(head.startswith(text) for head in heads) else False
+
+
 class CallStart:
-    """A streamed reply's start, read until it shows whether the reply opens calls (`opens_call`); a
-    forced call always does."""
+    """A streamed reply's start, read until it shows whether the reply opens calls (`opens_call`, or with
+    `heads`, the starts a grammar gives each call, `opens_with`); a forced call always does."""
 
-    __slots__ = ("opens", "parser", "start")
+    __slots__ = ("heads", "opens", "parser", "start")
 
-    def __init__(self, parser: ToolCallParser | None, forced: bool) -> None:
+    def __init__(self, parser: ToolCallParser | None, forced: bool, heads: Sequence[str] = ()) -> None:
         self.parser = parser
+        self.heads = heads
         self.opens: bool | None = True if forced else None
         self.start = ""
 
@@ -288,7 +304,9 @@ class CallStart:
         """Whether the reply, `delta` its next text, is known to be text and never calls."""
         if self.opens is None:
             self.start += delta
-            self.opens = opens_call(self.start, self.parser)
+            self.opens = (
+                opens_with(self.start, self.heads) if self.heads else opens_call(self.start, self.parser)
+            )
         return self.opens is False
 
 

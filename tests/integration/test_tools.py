@@ -260,3 +260,26 @@ def test_a_pydantic_tool_with_definitions_is_called_with_valid_arguments(client)
     )  # fmt: skip
     (call,) = completion.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, Forecast)
+
+
+@pytest.mark.parametrize(("seed", "kind"), [(1, "call"), (2, "answer")])
+def test_beside_a_response_format_the_answer_and_a_call_stream_as_they_come(client, seed, kind) -> None:
+    """With calls open and a JSON response format, the grammar writes a call in one exact form, so a
+    reply shows what it is from its first key: the answer streams as content deltas and a call as
+    argument deltas, not held to the reply's end; each makes what a request without streaming gets."""
+    pet = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0,
+                 seed=seed, response_format=pet)  # fmt: skip
+    whole = client.chat.completions.create(**asked).choices[0].message
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    if kind == "answer":
+        assert whole.tool_calls is None and len(texts) > 1 and not deltas
+        assert "".join(texts) == whole.content
+        jsonschema.validate(json.loads(whole.content), PET)
+    else:
+        (call,) = whole.tool_calls
+        assert not texts and len(deltas) > 1 and deltas[0].function.name == call.function.name
+        assert "".join(delta.function.arguments for delta in deltas) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"

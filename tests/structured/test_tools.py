@@ -17,11 +17,13 @@ from app.structured.tools import (
     StreamedCalls,
     ToolCall,
     ToolCallParser,
+    call_heads,
     call_or_answer_constraint,
+    calls_as_written,
+    calls_so_far,
     forced_call_constraint,
-    forced_calls,
-    forced_calls_so_far,
     opens_call,
+    opens_with,
     parse_tool_calls,
 )
 from app.tokenizer import Tokenizer
@@ -82,14 +84,13 @@ NAMES = ["get_weather", "get_time", "get"]
 
 
 def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
-    assert forced_calls('{"name":"get_weather","parameters":{"city":"Par', True, NAMES) == [
+    assert calls_as_written('{"name":"get_weather","parameters":{"city":"Par', True, NAMES) == [
         ToolCall("get_weather", '{"city":"Par')
     ]
-    assert forced_calls('{"name": "a\\"b", "parameters": ', True, NAMES) == [ToolCall('a"b', "")]
+    assert calls_as_written('{"name": "a\\"b", "parameters": ', True, NAMES) == [ToolCall('a"b', "")]
     whole = '{"name":"get","parameters":{"a":1}}'  # cut just as it closed: its arguments, not the brace
-    assert (
-        forced_calls(whole, True, NAMES) == forced_calls(whole, False, NAMES) == [ToolCall("get", '{"a":1}')]
-    )
+    assert calls_as_written(whole, True, NAMES) == calls_as_written(whole, False, NAMES)
+    assert calls_as_written(whole, True, NAMES) == [ToolCall("get", '{"a":1}')]
 
 
 @pytest.mark.parametrize(
@@ -105,17 +106,20 @@ def test_a_cut_call_keeps_its_name_and_its_arguments_so_far() -> None:
     ],
 )
 def test_a_call_cut_before_its_arguments_is_the_one_function_it_can_be(text, names, name) -> None:
-    calls = forced_calls(text, True, names)
+    calls = calls_as_written(text, True, names)
     assert calls == (None if name is None else [ToolCall(name, "")])
 
 
-def test_forced_calls_are_each_call_with_its_arguments_as_generated() -> None:
+def test_calls_are_each_read_with_their_arguments_as_generated() -> None:
     text = '{"name":"get","parameters":{"a":"}; {"}};{"name":"get_time","parameters":{}}'
-    assert forced_calls(text, False, NAMES) == [ToolCall("get", '{"a":"}; {"}'), ToolCall("get_time", "{}")]
+    two = [ToolCall("get", '{"a":"}; {"}'), ToolCall("get_time", "{}")]
+    assert calls_as_written(text, False, NAMES) == two
     cut = text + ';{"name":"get_we'  # a second call whole, a third cut in its name: left out
-    assert forced_calls(cut, True, NAMES) == forced_calls(text, False, NAMES)
-    assert forced_calls(text + ';{"name":"get","parameters":{"b', True, NAMES)[-1] == ToolCall("get", '{"b')
-    assert forced_calls('{"name":"get","parameters":{"a":1', False, NAMES) is None  # ended by a stop string
+    assert calls_as_written(cut, True, NAMES) == two
+    third = calls_as_written(text + ';{"name":"get","parameters":{"b', True, NAMES)
+    assert third == [*two, ToolCall("get", '{"b')]
+    ended = '{"name":"get","parameters":{"a":1'  # by a stop string, not the token limit: no call
+    assert calls_as_written(ended, False, NAMES) is None
 
 
 COLOR = {"$defs": {"Color": {"enum": ["red", "blue"]}}, "properties": {"c": {"$ref": "#/$defs/Color"}}}
@@ -199,12 +203,12 @@ CALL = '{"name": "f", "parameters": {"a": "x}", "b": {"c": 1}}} '
 def test_a_forced_call_streams_only_what_no_later_text_can_take_back() -> None:
     """Each prefix of a forced call sends arguments that begin the call's whole arguments: a closing
     brace waits until it is known not to be the call's own."""
-    assert forced_calls_so_far(CALL[:18]) == ([], CALL[:18])  # `"parameters"` not yet complete
-    whole = forced_calls_so_far(CALL)[0]
+    assert calls_so_far(CALL[:18]) == ([], CALL[:18])  # `"parameters"` not yet complete
+    whole = calls_so_far(CALL)[0]
     assert [(call.name, call.whole) for call in whole] == [("f", True)]
     assert json.loads(whole[0].settled) == {"a": "x}", "b": {"c": 1}}
     for end in range(len('{"name": "f", "parameters": '), len(CALL)):
-        so_far = forced_calls_so_far(CALL[:end])[0]
+        so_far = calls_so_far(CALL[:end])[0]
         assert len(so_far) == 1 and whole[0].settled.startswith(so_far[0].settled)
 
 
@@ -272,3 +276,15 @@ def test_a_streamed_start_is_read_until_it_shows() -> None:
     assert start.start == " \nHi"  # nothing is kept once it shows
     forced = CallStart(None, forced=True)
     assert not forced.is_text("Hi") and forced.start == ""
+
+
+def test_a_call_a_grammar_writes_beside_an_answer_shows_from_its_first_key() -> None:
+    """A reply under `call_or_answer_constraint` is a call once it begins as one, the answer once it
+    can no longer: `{"name":"get"` may still be `get_time`'s call, `{"name":"Rex"` is an answer."""
+    heads = call_heads([Function("get_time", {}), Function("get", {})])
+    assert heads == ('{"name":"get_time","parameters":', '{"name":"get","parameters":')
+    cases = {'{"na': None, '{"name":"get': None, '{"name":"get","parameters":{': True, '{"name":"Rex': False}
+    for text, shows in cases.items():
+        assert opens_with(text, heads) is shows
+    start = CallStart(None, forced=False, heads=heads)
+    assert [start.is_text(delta) for delta in ('{"', 'name":"', "R", "ex")] == [False, False, True, True]
