@@ -24,7 +24,13 @@ from pydantic_core import to_json
 
 from app.api import streaming
 from app.api.auth import presented_key
-from app.api.constraints import call_heads_beside_answer, calls_in_json_form, forced_functions, tools_offered
+from app.api.constraints import (
+    call_heads_beside_answer,
+    calls_in_json_form,
+    forced_functions,
+    offered_functions,
+    tools_offered,
+)
 from app.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -57,6 +63,7 @@ from app.structured.tools import (
     CallDelta,
     CallStart,
     StreamedCalls,
+    ToolCall,
     ToolCallParser,
     calls_as_written,
     new_call_id,
@@ -255,6 +262,7 @@ class ChatRenderer(OpenAIRenderer):
         self.held: dict[int, tuple[list[str], list[SampledToken]]] = {}
         self.starts: dict[int, CallStart] = {}
         self.heads = call_heads_beside_answer(body)  # a call's exact start, where a grammar writes it
+        self.names = [f.name for f in offered_functions(body)] if self.offers_tools else []
         self.streamed: dict[int, StreamedCalls] = {}
 
     def delta(self, index: int, out: RequestOutput) -> bytes:
@@ -266,16 +274,14 @@ class ChatRenderer(OpenAIRenderer):
         return super().delta(index, out)
 
     def streams_calls(self, index: int) -> bool:
-        """Whether choice `index` streams its calls' arguments as they come: calls a grammar writes (forced
-        ones, and one beside a JSON answer once it began), without logprobs, which would need the tokens
-        split at each delta."""
-        known_call = bool(self.heads) and self.starts[index].opens is True
-        return (bool(self.forced) or known_call) and self.top_logprobs is None
+        """Whether choice `index` streams its calls' arguments as they come (`CallStart.streams`), without
+        logprobs, which would need the tokens split at each delta."""
+        return self.starts[index].streams and self.top_logprobs is None
 
     def call_so_far(self, index: int) -> bytes:
-        """A chunk of forced calls: a call's id and name with its arguments so far once its name is
+        """A chunk of streamed calls: a call's id and name with its arguments so far once its name is
         complete, then the arguments that came since (`StreamedCalls`)."""
-        calls = self.streamed.setdefault(index, StreamedCalls())
+        calls = self.streamed.setdefault(index, StreamedCalls(1 if self.first_call_only else None))
         sending = calls.next("".join(self.held[index][0]))
         if not sending:
             return b""
@@ -288,7 +294,7 @@ class ChatRenderer(OpenAIRenderer):
     def is_text(self, index: int, text: str) -> bool:
         """Whether choice `index`, `text` its next delta, is known to be text, not calls."""
         if index not in self.starts:
-            self.starts[index] = CallStart(self.parser, bool(self.forced), self.heads)
+            self.starts[index] = CallStart(self.parser, bool(self.forced), self.heads, self.names)
         return self.starts[index].is_text(text)
 
     def known_text(self, index: int) -> bool:
@@ -300,13 +306,16 @@ class ChatRenderer(OpenAIRenderer):
         self, text: str, reason: FinishReason | None, ids: Sequence[str] = ()
     ) -> list[ToolCallInfo] | None:
         """The calls `text` holds in OpenAI's terms, or None (plain content); the first of them keep `ids`
-        (those a stream sent). Forced calls keep their arguments as generated, as they were streamed, and
-        one cut off by the token limit is the call as far as it got, as OpenAI returns it
-        (`calls_as_written`)."""
+        (those a stream sent). Calls keep their arguments as generated, as they were streamed; a forced
+        one cut off by the token limit is the call as far as it got, as OpenAI returns it, and so are
+        calls a stream sent as they came, whatever followed them (`calls_as_written`)."""
+        cut = reason is FinishReason.LENGTH
         if self.forced or (self.heads and opens_with(text, self.heads)):  # calls a grammar wrote
-            calls = calls_as_written(text, reason is FinishReason.LENGTH, self.forced)
+            calls = calls_as_written(text, cut, self.forced)
+        elif ids:
+            calls = calls_as_written(text, True, ())
         else:
-            calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
+            calls = self.parsed_calls(text)
         if calls is None:
             return None
         kept = calls[:1] if self.first_call_only else calls
@@ -315,6 +324,13 @@ class ChatRenderer(OpenAIRenderer):
             ToolCallInfo(id=call_id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
             for call_id, c in zip(given, kept, strict=False)
         ]
+
+    def parsed_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls the model chose to write, as the parser reads them; in the JSON form as a grammar
+        writes it, their arguments as written."""
+        calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
+        written = calls_as_written(text, False, ()) if calls else None
+        return written if written and calls and len(written) == len(calls) else calls
 
     def rest_of_calls(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
         """The last deltas of streamed calls: each call's arguments still unsent, and any call not begun."""

@@ -63,7 +63,7 @@ class ResponsesRenderer:
         self.started = False
         self.held: list[str] = []  # the text while it may still be calls
         self.streams = False  # the message's item is open and its text streams
-        self.calls = StreamedCalls()  # forced calls, as they stream
+        self.calls = StreamedCalls(1 if self.chat.first_call_only else None)  # calls, as they stream
         self.calls_done = 0  # of those, the ones whose items are done
 
     def response(self, status: str, output: list[OutputItem], job: Job | None) -> ResponseObject:
@@ -141,7 +141,7 @@ class ResponsesRenderer:
         return events
 
     def call_so_far(self) -> bytes:
-        """A forced call's item once its name is complete, then its arguments as they come (as chat
+        """A streamed call's item once its name is complete, then its arguments as they come (as chat
         streams them, `StreamedCalls`); the item of each call before it done as the next one opens."""
         events = b""
         for sending in self.calls.next("".join(self.held)):

@@ -24,7 +24,7 @@ import ast
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -33,6 +33,7 @@ from app.structured.grammar import LITERAL_KEYWORDS, Constraint, Kind, closed, l
 
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
+BEFORE_CALLS = re.compile(r"\s*(?:<\|python_tag\|>)?")  # what may come before a reply's calls
 # a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
 NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
 # a forced call's start, to where its arguments begin, and the brace after them that closes it
@@ -153,11 +154,12 @@ class CallSoFar:
 
 
 def calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
-    """The calls a grammar wrote that `text` holds so far (the JSON form in its order, `;` between calls),
+    """The calls `text` holds so far (the JSON form as a grammar writes it, `;` between them, after
+    `<|python_tag|>` or not),
     each once its name is complete and its arguments have begun, their arguments as the model wrote
     them; and the text of a call begun after them whose arguments have not ("" where there is none)."""
     calls: list[CallSoFar] = []
-    at = 0
+    at = BEFORE_CALLS.match(text).end()  # type: ignore[union-attr]  # it matches anywhere
     while at < len(text):
         head = CALL_HEAD.match(text, at)
         if head is None:
@@ -211,9 +213,10 @@ class CallDelta:
 class StreamedCalls:
     """Calls a grammar writes, as they stream: each one's id, name and arguments sent so far."""
 
-    __slots__ = ("ids", "names", "sent")
+    __slots__ = ("ids", "most", "names", "sent")
 
-    def __init__(self) -> None:
+    def __init__(self, most: int | None = None) -> None:
+        self.most = most  # the calls a reply may return (`parallel_tool_calls` false: 1); None: all
         self.ids: list[str] = []
         self.names: list[str] = []
         self.sent: list[str] = []
@@ -228,7 +231,7 @@ class StreamedCalls:
         arguments have begun, and each call's arguments that came since, as soon as no later text can
         take them back (`CallSoFar.settled`). A call before the last is whole."""
         deltas = []
-        for index, call in enumerate(calls_so_far(text)[0]):
+        for index, call in enumerate(calls_so_far(text)[0][: self.most]):
             ready = call.settled
             first = index == len(self.ids)
             if first:
@@ -288,25 +291,47 @@ def opens_with(text: str, heads: Sequence[str]) -> bool | None:
     return None if any(head.startswith(text) for head in heads) else False
 
 
+def begins_call_of(text: str, names: Collection[str]) -> bool:
+    """Whether a reply's start `text` begins a call in the JSON form, its name complete and one of
+    `names`, its arguments begun."""
+    head = CALL_HEAD.match(text, BEFORE_CALLS.match(text).end())  # type: ignore[union-attr]
+    return head is not None and json.loads(head["name"]) in names
+
+
 class CallStart:
     """A streamed reply's start, read until it shows whether the reply opens calls (`opens_call`, or with
-    `heads`, the starts a grammar gives each call, `opens_with`); a forced call always does."""
+    `heads`, the starts a grammar gives each call, `opens_with`); a forced call always does. `streams`:
+    its calls stream as they come, as those a grammar writes do from their start, and, where the reply
+    may be in the JSON form, one of the functions `names` does once its name is complete
+    (`begins_call_of`), as vLLM streams it."""
 
-    __slots__ = ("heads", "opens", "parser", "start")
+    __slots__ = ("heads", "names", "opens", "parser", "start", "streams")
 
-    def __init__(self, parser: ToolCallParser | None, forced: bool, heads: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        parser: ToolCallParser | None,
+        forced: bool,
+        heads: Sequence[str] = (),
+        names: Collection[str] = (),
+    ) -> None:
         self.parser = parser
         self.heads = heads
+        self.names = names if parser in (None, ToolCallParser.LLAMA3_JSON) else ()
         self.opens: bool | None = True if forced else None
+        self.streams = forced
         self.start = ""
 
     def is_text(self, delta: str) -> bool:
         """Whether the reply, `delta` its next text, is known to be text and never calls."""
-        if self.opens is None:
+        if self.opens is None or (self.opens and not self.streams and self.names):
             self.start += delta
+        if self.opens is None:
             self.opens = (
                 opens_with(self.start, self.heads) if self.heads else opens_call(self.start, self.parser)
             )
+            self.streams = bool(self.heads) and self.opens is True
+        if self.opens and not self.streams and self.names:
+            self.streams = begins_call_of(self.start, self.names)
         return self.opens is False
 
 

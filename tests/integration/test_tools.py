@@ -283,3 +283,21 @@ def test_beside_a_response_format_the_answer_and_a_call_stream_as_they_come(clie
         assert not texts and len(deltas) > 1 and deltas[0].function.name == call.function.name
         assert "".join(delta.function.arguments for delta in deltas) == call.function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> None:
+    """With the choice the model's, a reply that begins a call of an offered function in the JSON form
+    streams its arguments from there, as vLLM streams them, and they make the call a request without
+    streaming gets, its arguments as generated (stories260K would not choose to call: a `guided_json` of
+    the call's form holds it to one, which leaves the choice to the model as far as the server knows)."""
+    call = {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": TIME},
+            "required": ["name", "parameters"], "additionalProperties": False}  # fmt: skip
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=1.0, seed=1,
+                 extra_body={"guided_json": call})  # fmt: skip
+    (whole,) = client.chat.completions.create(**asked).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert len(deltas) > 1 and deltas[0].function.name == "get_time" and deltas[0].id.startswith("call_")
+    assert "".join(delta.function.arguments for delta in deltas) == whole.function.arguments
+    assert json.loads(whole.function.arguments) and whole.function.arguments.startswith('{"zone":')
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

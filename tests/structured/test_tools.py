@@ -288,3 +288,26 @@ def test_a_call_a_grammar_writes_beside_an_answer_shows_from_its_first_key() -> 
         assert opens_with(text, heads) is shows
     start = CallStart(None, forced=False, heads=heads)
     assert [start.is_text(delta) for delta in ('{"', 'name":"', "R", "ex")] == [False, False, True, True]
+
+
+def test_a_call_the_model_chooses_streams_once_its_name_is_complete() -> None:
+    """Free text in the JSON form streams as calls once a call's name is complete and offered; the
+    pythonic form, and a name not offered, are held to the reply's end."""
+    names = {"get_time"}
+    start = CallStart(None, forced=False, names=names)
+    shown = [
+        start.is_text(delta) or start.streams for delta in ('<|python_tag|>{"', 'name": "get_', 'time", "par')
+    ]
+    assert shown == [False, False, False] and start.opens is True
+    start.is_text('ameters": {')
+    assert start.streams
+    other = CallStart(None, forced=False, names=names)
+    other.is_text('{"name": "rm_rf", "parameters": {')
+    assert other.opens is True and not other.streams
+    pythonic = CallStart(ToolCallParser.PYTHONIC, forced=False, names=names)
+    pythonic.is_text("[get_time(")
+    assert pythonic.opens is True and not pythonic.streams
+    assert (
+        calls_so_far('<|python_tag|>{"name": "get_time", "parameters": {"a": 1}}')[0][0].arguments
+        == '{"a": 1}'
+    )
