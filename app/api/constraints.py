@@ -1,5 +1,6 @@
 """Request fields that constrain or bias the output, read into the host logits path's terms: the one
-grammar constraint a body may set (OpenAI's `response_format` and `tool_choice` `required` or named,
+grammar constraint a body may set (OpenAI's `response_format` and `tool_choice` `required`, named or
+`allowed_tools`,
 vLLM's `guided_*` and `structured_outputs`),
 `logit_bias` as token ids, `bad_words` as token sequences. `app/api/validation.py` calls these; the
 grammar is compiled by `app.structured.grammar`.
@@ -16,7 +17,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ResponseFormat
+from app.api.protocol import (
+    AllowedToolsChoice,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    ResponseFormat,
+)
 from app.errors import InvalidRequestError
 from app.structured.grammar import Constraint, Kind, closed, lenient
 from app.structured.tools import Function, call_heads, call_or_answer_constraint, forced_call_constraint
@@ -39,6 +46,25 @@ def request_constraint(body: CompletionRequest | ChatCompletionRequest) -> Const
         names = ", ".join(c.param for c in found)
         raise InvalidRequestError(f"set one output constraint, not several ({names})", param=found[1].param)
     return found[0] if found else None
+
+
+def with_allowed_tools(body: ChatCompletionRequest) -> ChatCompletionRequest:
+    """OpenAI's `allowed_tools` choice in this server's terms: the tools cut to the allowed ones, which
+    is all the model is shown (the choice restricts what it may call), and `tool_choice` their mode; 400
+    naming an allowed tool that is not among the tools."""
+    choice = body.tool_choice
+    if not isinstance(choice, AllowedToolsChoice):
+        return body
+    names = [t.function.name for t in body.tools or ()]
+    for i, allowed in enumerate(choice.allowed_tools.tools):
+        if allowed.function.name not in names:
+            param = f"tool_choice.allowed_tools.tools.{i}"
+            raise InvalidRequestError(
+                f"{param} names {allowed.function.name!r}, which is not among the tools", param=param
+            )
+    kept = {allowed.function.name for allowed in choice.allowed_tools.tools}
+    tools = [t for t in body.tools or () if t.function.name in kept]
+    return body.model_copy(update={"tools": tools, "tool_choice": choice.allowed_tools.mode})
 
 
 def tools_offered(body: ChatCompletionRequest) -> bool:

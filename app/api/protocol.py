@@ -172,6 +172,19 @@ class NamedToolChoice(RequestModel):
     function: FunctionName
 
 
+class AllowedTools(RequestModel):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(RequestModel):
+    """OpenAI's `allowed_tools` choice: of the request's tools, the model may call only these, as
+    `tool_choice` `mode` would let it call them."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class FunctionCall(RequestModel):
     name: str
     arguments: Text  # a JSON object, as OpenAI writes it
@@ -208,7 +221,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None

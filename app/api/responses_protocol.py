@@ -114,6 +114,14 @@ class NamedFunction(RequestModel):
     name: str
 
 
+class AllowedFunctions(RequestModel):
+    """OpenAI's `allowed_tools` choice, flat as Responses sends it."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction] = Field(min_length=1)
+
+
 class ResponsesRequest(RequestModel):
     model: str | None = None
     input: Text | list[InputItem]
@@ -126,7 +134,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedFunctions | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=MAX_METADATA_KEYS
@@ -171,6 +179,7 @@ RESPONSES_NAMES = {  # prefixes of the chat fields' names, longest first
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
     "messages": "input",
+    "tool_choice.allowed_tools": "tool_choice",
 }
 RESPONSES_TOOL = re.compile(r"\btools\.(\d+)\.function\.")  # a chat tool's field: the Responses tool is flat
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "parallel_tool_calls")
@@ -193,10 +202,17 @@ def chat_body(request: ResponsesRequest) -> dict[str, Any]:
     if request.tools:
         body["tools"] = [{"type": "function", "function": _function(tool)} for tool in request.tools]
     if isinstance(request.tool_choice, NamedFunction):
-        body["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.name}}
+        body["tool_choice"] = _named(request.tool_choice)
+    elif isinstance(request.tool_choice, AllowedFunctions):
+        allowed = {"mode": request.tool_choice.mode, "tools": [_named(t) for t in request.tool_choice.tools]}
+        body["tool_choice"] = {"type": "allowed_tools", "allowed_tools": allowed}
     elif request.tool_choice is not None:
         body["tool_choice"] = request.tool_choice
     return body
+
+
+def _named(function: NamedFunction) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": function.name}}
 
 
 def _response_format(text_format: TextFormat) -> dict[str, Any]:

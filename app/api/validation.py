@@ -26,7 +26,13 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from app.api.body_scan import array_lengths
-from app.api.constraints import bad_words_ids, logit_bias_pairs, request_constraint, tools_offered
+from app.api.constraints import (
+    bad_words_ids,
+    logit_bias_pairs,
+    request_constraint,
+    tools_offered,
+    with_allowed_tools,
+)
 from app.api.errors import from_validation_error
 from app.api.protocol import (
     ChatCompletionRequest,
@@ -134,7 +140,11 @@ FIELDS: dict[str, Field] = {
     "tools": Field(
         Use.HOST, (None, []), "rendered by the chat template's tools; calls parsed from the output"
     ),
-    "tool_choice": Field(Use.DEVICE, (None, "none", "auto"), "none, auto; required and named: " + GRAMMAR),
+    "tool_choice": Field(
+        Use.DEVICE,
+        (None, "none", "auto"),
+        f"none, auto; required and named: {GRAMMAR}; allowed_tools: the tools cut to those, then its mode",
+    ),
     "functions": Field(Use.REFUSED, (None, []), "deprecated: use tools"),
     "function_call": Field(Use.REFUSED, (None, "none"), "deprecated: use tool_choice"),
     "parallel_tool_calls": Field(
@@ -513,6 +523,7 @@ class Validator:
         return Validated(Api.COMPLETION, body, requests, texts, score_only)
 
     def chat(self, body: ChatCompletionRequest) -> Validated:
+        body = with_allowed_tools(body)
         self._check_common(body)
         if body.echo:
             raise InvalidRequestError("echo is not supported for chat completions", param="echo")

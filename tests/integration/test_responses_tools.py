@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from tests.integration.test_tools import SCHEMAS, TOOLS, client  # noqa: F401 (the server fixture)
@@ -137,3 +138,24 @@ def test_parallel_required_calls_stream_as_items_each_done_before_the_next(clien
     whole = client.responses.create(**asked)
     assert [(i.name, i.arguments) for i in whole.output] == [(i.name, i.arguments) for i in done]
     assert whole.status == final.status
+
+
+def test_allowed_tools_in_the_responses_api_force_one_of_them(client) -> None:  # noqa: F811
+    choice = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_time"}],
+    }
+    response = client.responses.create(
+        model="stories260K", input=INPUT, tools=FUNCTIONS, tool_choice=choice, max_output_tokens=60,
+        extra_body={"seed": 4},
+    )  # fmt: skip
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_time"
+    assert_valid("get_time", call.arguments)
+    assert response.tool_choice.type == "allowed_tools"
+    choice["tools"] = [*choice["tools"], {"type": "function", "name": "rm"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="stories260K", input=INPUT, tools=FUNCTIONS, tool_choice=choice)
+    error = refused.value.body
+    assert error["param"] == "tool_choice" and "tool_choice.tools.1 names 'rm'" in error["message"]

@@ -301,3 +301,35 @@ def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> N
     assert "".join(delta.function.arguments for delta in deltas) == whole.function.arguments
     assert json.loads(whole.function.arguments) and whole.function.arguments.startswith('{"zone":')
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def allowed(mode: str, *names: str) -> dict:
+    """OpenAI's `allowed_tools` choice of the functions `names`."""
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+def test_allowed_tools_restrict_the_calls_to_those_tools(client) -> None:
+    """`tool_choice` `allowed_tools` (OpenAI's): `required` forces a call of one of them, each call
+    validating; the model is shown only them, as `auto` is; naming a tool not offered is a 400."""
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, tools=TOOLS, tool_choice=allowed("required", "get_time"),
+        n=6, temperature=1.0, seed=4, max_tokens=60,
+    )  # fmt: skip
+    for choice in completion.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_time"
+        assert_valid("get_time", call.function.arguments)
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=1)
+    shown = client.chat.completions.create(tool_choice=allowed("auto", "get_time"), **asked).usage
+    alone = client.chat.completions.create(
+        tools=TOOLS[1:], model="stories260K", messages=MESSAGES, max_tokens=1
+    )
+    assert (
+        shown.prompt_tokens
+        == alone.usage.prompt_tokens
+        < client.chat.completions.create(**asked).usage.prompt_tokens
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(tool_choice=allowed("auto", "get_time", "rm"), **asked)
+    assert refused.value.body["param"] == "tool_choice.allowed_tools.tools.1"
