@@ -743,7 +743,7 @@ def _template_arguments(arguments: str) -> Any:
         return {}
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past what Python's parser takes
         return arguments
 
 

@@ -164,10 +164,12 @@ def calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
         head = CALL_HEAD.match(text, at)
         if head is None:
             return calls, text[at:]
-        name, start = json.loads(head["name"]), head.end()
+        name, start = _name(head["name"]), head.end()
+        if name is None:
+            return calls, text[at:]
         try:
             end = _DECODER.raw_decode(text, start)[1]
-        except ValueError:
+        except (ValueError, RecursionError):  # not whole yet, or nested past what Python's parser takes
             calls.append(CallSoFar(name, text[start:], whole=False))
             break
         calls.append(CallSoFar(name, text[start:end], whole=True))
@@ -295,7 +297,15 @@ def begins_call_of(text: str, names: Collection[str]) -> bool:
     """Whether a reply's start `text` begins a call in the JSON form, its name complete and one of
     `names`, its arguments begun."""
     head = CALL_HEAD.match(text, BEFORE_CALLS.match(text).end())  # type: ignore[union-attr]
-    return head is not None and json.loads(head["name"]) in names
+    return head is not None and _name(head["name"]) in names
+
+
+def _name(quoted: str) -> str | None:
+    """A call's name as the model quoted it, or None where the quoting is not JSON's."""
+    try:
+        return str(json.loads(quoted))
+    except ValueError:
+        return None
 
 
 class CallStart:
@@ -345,7 +355,7 @@ def _json_calls(body: str) -> list[ToolCall] | None:
         # One call at a time, not split at `;`: a `;` may sit inside a string argument.
         try:
             call, end = decoder.raw_decode(body, end)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past what Python's parser takes
             return None
         end = BETWEEN_JSON_CALLS.match(body, end).end()  # type: ignore[union-attr]  # `*` matches anywhere
         tool_call = _json_call(call)

@@ -1,9 +1,10 @@
-"""Hostile output constraints against a real server (sim device, stories260K's tokenizer): a schema too
-deep or too large, a grammar or regex that cannot compile, a reference to nothing, two constraints at
-once, a function's parameters that cannot compile beside other functions (one forced call or several) or
-an answer's format, each a 400 naming the field (in the Responses API, as it names it); a pathological
-pattern that does compile is served, bounded by the grammar engine's per-step fuel, while the requests
-beside it are served too; the server stays healthy."""
+"""Hostile output constraints against a real server (sim device, stories260K's tokenizer): a schema too deep
+or too large (a schema string nested past Python's JSON parser too), a grammar or regex that cannot
+compile, a reference to nothing, two constraints at once, a function's parameters that cannot compile
+beside other functions (one forced call or several) or an answer's format, each a 400 naming the field (in
+the Responses API, as it names it); a pathological pattern that does compile is served, bounded by the
+grammar engine's per-step fuel, while the requests beside it are served too; a replayed call's arguments
+nested past Python's parser reach the template; the server stays healthy."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def wide_schema(properties: int) -> dict:
         ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "cannot be compiled"),
         ({"guided_json": {"$ref": "#/$defs/nothing"}}, "guided_json", "cannot be compiled"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "deeper"),
         ({"guided_choice": []}, "guided_choice", "at least one"),
         (
             {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
@@ -98,6 +100,7 @@ def wide_schema(properties: int) -> dict:
         "bad-grammar",
         "dangling-ref",
         "not-json",
+        "nested-past-pythons-parser",
         "no-choice",
         "two",
         "no-schema",
@@ -155,3 +158,20 @@ def test_a_keyword_the_engine_lacks_is_ignored_unless_the_schema_is_strict(api) 
     served = asking(False)
     assert served.status_code == 200
     assert served.json()["choices"][0]["message"]["content"].startswith('{"c":[')
+
+
+def test_a_replayed_call_nested_past_pythons_parser_reaches_the_template(api) -> None:
+    """An earlier call's arguments come back as the client sends them: nested deeper than Python's JSON
+    parser goes, they reach the template as the string they are, as arguments that are not JSON do
+    (here too long for the server's context, which only a rendered prompt can tell)."""
+    deep = "[" * 5000 + "]" * 5000
+    call = {"id": "c1", "type": "function", "function": {"name": "f0", "arguments": deep}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]
+    response = api.post(
+        CHAT, json={"messages": messages, "tools": tools({"type": "object"}), "max_tokens": 2}
+    )
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"

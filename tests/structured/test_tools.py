@@ -17,6 +17,7 @@ from app.structured.tools import (
     StreamedCalls,
     ToolCall,
     ToolCallParser,
+    begins_call_of,
     call_heads,
     call_or_answer_constraint,
     calls_as_written,
@@ -311,3 +312,18 @@ def test_a_call_the_model_chooses_streams_once_its_name_is_complete() -> None:
         calls_so_far('<|python_tag|>{"name": "get_time", "parameters": {"a": 1}}')[0][0].arguments
         == '{"a": 1}'
     )
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past the nesting Python's JSON parser takes (RecursionError)
+
+
+def test_a_reply_nested_past_pythons_parser_or_misquoted_is_no_call() -> None:
+    """The parser reads what a model writes, which may nest deeper than Python's JSON parser goes or
+    quote a name in a way JSON does not: neither raises (an error here would be a 500)."""
+    deep = '{"name": "f", "parameters": {"a": ' + DEEP + "}}"
+    assert parse_tool_calls(deep) is None
+    assert calls_as_written(deep, False, ["f"]) is None
+    calls, _ = calls_so_far(deep)
+    assert [(call.name, call.whole) for call in calls] == [("f", False)]
+    misquoted = '{"name": "\\q", "parameters": {}}'
+    assert calls_so_far(misquoted) == ([], misquoted) and not begins_call_of(misquoted, {"q"})
