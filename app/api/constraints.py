@@ -25,7 +25,7 @@ from app.api.protocol import (
     ResponseFormat,
 )
 from app.errors import InvalidRequestError
-from app.structured.grammar import MAX_SCHEMA_DEPTH, Constraint, Kind, closed, lenient
+from app.structured.grammar import Constraint, Kind, check_depth, closed, lenient, nested_too_deep
 from app.structured.tools import Function, call_heads, call_or_answer_constraint, forced_call_constraint
 from app.tokenizer import Tokenizer
 
@@ -155,9 +155,9 @@ def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Con
             schema = json.loads(schema)
         except ValueError as error:
             raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
-        except RecursionError:
-            too_deep = f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels"
-            raise InvalidRequestError(too_deep, param=param) from None
+        except RecursionError:  # nested past Python's parser, far past the limit
+            raise nested_too_deep(param) from None
+    check_depth(schema, param)
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
     return Constraint(Kind.JSON_SCHEMA, closed(schema) if strict else lenient(closed(schema)), param)

@@ -139,8 +139,7 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"{param} is {len(text)} characters; the limit is {MAX_SOURCE_CHARS}", param=param
             )
-        if isinstance(constraint.value, dict | list) and _depth(constraint.value) > MAX_SCHEMA_DEPTH:
-            raise InvalidRequestError(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
+        check_depth(constraint.value, param)
         source = _source(constraint)
         if self._cached(source) is None:
             future = _POOL.submit(self._build, source, param)
@@ -347,6 +346,17 @@ def _json_sequence(schema: dict[str, Any]) -> str:
     guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
     item = json.dumps({**schema, "x-guidance": guidance})
     return f"start: item ({json.dumps(SEQUENCE_SEPARATOR)} item)*\nitem: %json {item}"
+
+
+def check_depth(value: Any, param: str) -> None:
+    """400 naming `param` where the JSON `value` nests deeper than `MAX_SCHEMA_DEPTH` (before anything
+    walks it: Python's recursion would end far deeper than the limit, in a 500)."""
+    if isinstance(value, dict | list) and _depth(value) > MAX_SCHEMA_DEPTH:
+        raise nested_too_deep(param)
+
+
+def nested_too_deep(param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
 
 
 def _depth(value: Any, level: int = 0) -> int:

@@ -8,6 +8,7 @@ nested past Python's parser reach the template; the server stays healthy."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -57,6 +58,7 @@ def wide_schema(properties: int) -> dict:
         ({"guided_json": {"$ref": "#/$defs/nothing"}}, "guided_json", "cannot be compiled"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "deeper"),
+        ({"structured_outputs": {"json": json.dumps(deep_schema(300))}}, "structured_outputs.json", "deeper"),
         ({"guided_choice": []}, "guided_choice", "at least one"),
         (
             {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
@@ -101,6 +103,7 @@ def wide_schema(properties: int) -> dict:
         "dangling-ref",
         "not-json",
         "nested-past-pythons-parser",
+        "a-string-nested-past-pythons-recursion",
         "no-choice",
         "two",
         "no-schema",
