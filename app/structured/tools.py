@@ -355,10 +355,10 @@ def _json_calls(body: str) -> list[ToolCall] | None:
         # One call at a time, not split at `;`: a `;` may sit inside a string argument.
         try:
             call, end = decoder.raw_decode(body, end)
+            tool_call = _json_call(call)  # its arguments written again, as deep as they were read
         except (ValueError, RecursionError):  # RecursionError: nested past what Python's parser takes
             return None
         end = BETWEEN_JSON_CALLS.match(body, end).end()  # type: ignore[union-attr]  # `*` matches anywhere
-        tool_call = _json_call(call)
         if tool_call is None:
             return None
         calls.append(tool_call)
