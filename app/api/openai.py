@@ -243,8 +243,9 @@ class ChatRenderer(OpenAIRenderer):
     """With tools offered, a choice's text is held while it may still be calls, then sent at its end as
     tool calls where it is (`finish_reason` "tool_calls"), else as content. A reply whose start cannot
     open a call (`opens_call`) streams as content from there on, with what was held before it, as a
-    reply without tools does; calls a grammar writes (forced, or beside a JSON answer once the reply
-    begins as one, `opens_with`) stream their arguments as they come."""
+    reply without tools does; calls stream their arguments as they come where a grammar writes them
+    (forced, or beside a JSON answer once the reply begins as one) or, in the JSON form, once a call's
+    name is complete and offered (`CallStart.streams`)."""
 
     id_prefix = "chatcmpl-"
     chunk_type = ChatCompletionChunk

@@ -36,7 +36,7 @@ BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
 BEFORE_CALLS = re.compile(r"\s*(?:<\|python_tag\|>)?")  # what may come before a reply's calls
 # a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
 NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
-# a forced call's start, to where its arguments begin, and the brace after them that closes it
+# a call's start in the JSON form, to where its arguments begin, and the brace after them that closes it
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 CALL_CLOSE = re.compile(r"\s*\}")
 _DECODER = json.JSONDecoder()
@@ -139,8 +139,8 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class CallSoFar:
-    """A call a grammar writes (forced, or beside a JSON answer), being generated: its name, its
-    arguments' text so far, and whether they are whole."""
+    """A call in the JSON form being generated: its name, its arguments' text so far, and whether they
+    are whole."""
 
     name: str
     arguments: str
@@ -154,10 +154,10 @@ class CallSoFar:
 
 
 def calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
-    """The calls `text` holds so far (the JSON form as a grammar writes it, `;` between them, after
-    `<|python_tag|>` or not),
-    each once its name is complete and its arguments have begun, their arguments as the model wrote
-    them; and the text of a call begun after them whose arguments have not ("" where there is none)."""
+    """The calls `text` holds so far (the JSON form with `name` first, as a grammar writes it, `;`
+    between calls, after `<|python_tag|>` or not), each once its name is complete and its arguments
+    have begun, their arguments as the model wrote them; and the text of a call begun after them whose
+    arguments have not ("" where there is none)."""
     calls: list[CallSoFar] = []
     at = BEFORE_CALLS.match(text).end()  # type: ignore[union-attr]  # it matches anywhere
     while at < len(text):
@@ -181,11 +181,12 @@ def calls_so_far(text: str) -> tuple[list[CallSoFar], str]:
 
 
 def calls_as_written(text: str, cut: bool, names: Sequence[str]) -> list[ToolCall] | None:
-    """The calls a grammar wrote in a finished reply, their arguments as the model wrote them (None where
-    it holds no calls). Where the token limit `cut` it, its last call is as far as it got, as OpenAI
-    returns a cut call; cut before the first call's arguments began, a forced call of the functions
-    `names` is the one function its name so far can be, with no arguments yet: a request that forces a
-    call gets one, as clients that read `tool_calls[0]` expect (None where several functions can be)."""
+    """The calls of a finished reply in the JSON form (`calls_so_far`), their arguments as the model wrote
+    them (None where it holds no calls). Where the token limit `cut` it, its last call is as far as it
+    got, as OpenAI returns a cut call; cut before the first call's arguments began, a forced call of the
+    functions `names` is the one function its name so far can be, with no arguments yet: a request that
+    forces a call gets one, as clients that read `tool_calls[0]` expect (None where several functions can
+    be)."""
     calls, begun = calls_so_far(text)
     if not cut and parse_tool_calls(text, ToolCallParser.LLAMA3_JSON) is None:
         return None
@@ -213,7 +214,7 @@ class CallDelta:
 
 
 class StreamedCalls:
-    """Calls a grammar writes, as they stream: each one's id, name and arguments sent so far."""
+    """Calls as they stream: each one's id, name and arguments sent so far."""
 
     __slots__ = ("ids", "most", "names", "sent")
 
