@@ -133,13 +133,9 @@ class GrammarCompiler:
 
     def compile(self, constraint: Constraint) -> Grammar:
         """Check and compile `constraint` (cached), or raise InvalidRequestError naming its field."""
-        text = constraint.text
         param = constraint.param
-        if len(text) > MAX_SOURCE_CHARS:
-            raise InvalidRequestError(
-                f"{param} is {len(text)} characters; the limit is {MAX_SOURCE_CHARS}", param=param
-            )
-        check_depth(constraint.value, param)
+        for checked in (*constraint.parts, constraint):  # a part over a limit names its own field
+            _check_limits(checked)
         source = _source(constraint)
         if self._cached(source) is None:
             future = _POOL.submit(self._build, source, param)
@@ -346,6 +342,17 @@ def _json_sequence(schema: dict[str, Any]) -> str:
     guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
     item = json.dumps({**schema, "x-guidance": guidance})
     return f"start: item ({json.dumps(SEQUENCE_SEPARATOR)} item)*\nitem: %json {item}"
+
+
+def _check_limits(constraint: Constraint) -> None:
+    """400 naming the constraint's field where its source is over `MAX_SOURCE_CHARS` characters or it
+    nests deeper than `MAX_SCHEMA_DEPTH`."""
+    text, param = constraint.text, constraint.param
+    if len(text) > MAX_SOURCE_CHARS:
+        raise InvalidRequestError(
+            f"{param} is {len(text)} characters; the limit is {MAX_SOURCE_CHARS}", param=param
+        )
+    check_depth(constraint.value, param)
 
 
 def check_depth(value: Any, param: str) -> None:

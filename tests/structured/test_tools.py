@@ -188,6 +188,37 @@ def test_a_keyword_the_engine_lacks_is_ignored_unless_a_function_is_strict(stori
         compiler.compile(forced_call_constraint(functions, "tool_choice"))
 
 
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("parameters", "says"),
+    [
+        (nested(40), "deeper"),
+        ({"properties": {f"p{i:05d}": {"type": "string"} for i in range(4000)}}, "limit"),
+    ],
+    ids=["too-deep", "too-large"],
+)
+def test_a_function_over_a_limit_is_named_by_its_field(stories260k, parameters, says) -> None:
+    """A function's parameters too deep or too large are blamed on that function, as a compile error in
+    them is, in a forced call and beside an answer; the whole is blamed only where no part alone is over."""
+    compiler = compiler_for(Tokenizer.from_dir(stories260k))
+    functions = [Function("g", {}, param="tools.0.function.parameters"),
+                 Function("f", parameters, param="tools.1.function.parameters")]  # fmt: skip
+    answer = Constraint(Kind.JSON_SCHEMA, {"type": "object"}, "response_format.json_schema.schema")
+    for constraint in (
+        forced_call_constraint(functions, "tool_choice"),
+        call_or_answer_constraint(functions, answer),
+    ):
+        with pytest.raises(InvalidRequestError, match=says) as refused:
+            compiler.compile(constraint)
+        assert refused.value.param == "tools.1.function.parameters"
+
+
 def test_a_call_or_an_answer_is_strict_only_where_every_part_is(stories260k) -> None:
     """A strict answer beside a function that is not strict: the function's keyword the engine lacks is
     ignored, as it is for that function alone (before calls were open, it was not compiled at all)."""
