@@ -17,12 +17,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import pydantic
+
 from app.api.protocol import (
     AllowedToolsChoice,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
     ResponseFormat,
+    StructuralTag,
 )
 from app.errors import InvalidRequestError
 from app.structured.grammar import Constraint, Kind, check_depth, closed, lenient, nested_too_deep
@@ -151,12 +154,7 @@ def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Con
     """A JSON schema (a dict, or a string holding one) as a constraint, its open objects closed; unless
     `strict`, the keywords the grammar engine does not implement ignored (`lenient`), not refused."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as error:
-            raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
-        except RecursionError:  # nested past Python's parser, far past the limit
-            raise nested_too_deep(param) from None
+        schema = _json_value(schema, param)
     check_depth(schema, param)
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
@@ -194,9 +192,12 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
     if response_format.type == "json_object":
         return Constraint(Kind.JSON_OBJECT, None, "response_format")
     if response_format.type == "structural_tag":
-        raise InvalidRequestError(
-            "response_format structural_tag is not supported by this server", param="response_format"
-        )
+        if not response_format.structures or not response_format.triggers:
+            raise InvalidRequestError(
+                "response_format structural_tag needs its structures and triggers", param="response_format"
+            )
+        tag = StructuralTag(structures=response_format.structures, triggers=response_format.triggers)
+        return structural_tag_constraint(tag, "response_format")
     spec = response_format.json_schema
     if spec is None:
         raise InvalidRequestError(
@@ -226,8 +227,48 @@ def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint 
             Constraint(Kind.JSON_OBJECT, None, "structured_outputs.json_object")
             if outputs.json_object
             else None,
+            _structural_tag_text(outputs.structural_tag, "structured_outputs.structural_tag"),
         ]
+    if isinstance(body, ChatCompletionRequest):
+        found.append(_structural_tag_text(body.structural_tag, "structural_tag"))
     return found
+
+
+def structural_tag_constraint(tag: StructuralTag, param: str) -> Constraint:
+    """vLLM's structural tag as a constraint, each structure's schema as a JSON schema's (its open
+    objects closed, the keywords the grammar engine does not implement ignored)."""
+    structures = [
+        {"begin": s.begin, "schema": lenient(closed(s.schema_)), "end": s.end} for s in tag.structures
+    ]
+    return Constraint(Kind.STRUCTURAL_TAG, {"structures": structures, "triggers": tag.triggers}, param)
+
+
+def _structural_tag_text(text: str | None, param: str) -> Constraint | None:
+    """A structural tag sent as JSON text (vLLM's `structural_tag` fields), or None."""
+    if text is None:
+        return None
+    value = _json_value(text, param)
+    check_depth(value, param)
+    try:
+        tag = StructuralTag.model_validate(value, strict=False)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidRequestError(
+            f"{param} is not a structural tag: {where}: {first['msg']}", param=param
+        ) from None
+    return structural_tag_constraint(tag, param)
+
+
+def _json_value(text: str, param: str) -> Any:
+    """JSON text a field holds, parsed; 400 naming the field where it is not JSON or nests past Python's
+    parser (far past the depth limit)."""
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise InvalidRequestError(f"{param} is not valid JSON: {error}", param=param) from None
+    except RecursionError:
+        raise nested_too_deep(param) from None
 
 
 def _text(kind: Kind, value: str | None, param: str) -> Constraint | None:

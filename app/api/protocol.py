@@ -65,6 +65,24 @@ class StructuredOutputs(RequestModel):
     choice: list[Text] | None = None
     grammar: Text | None = None
     json_object: bool | None = None
+    structural_tag: Text | None = None  # a `StructuralTag` as JSON text
+
+
+class TagStructure(RequestModel):
+    """One of a structural tag's structures: text between `begin` and `end` under a JSON `schema`."""
+
+    begin: str = Field(min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")  # BaseModel has a `schema` method
+    end: str
+
+
+class StructuralTag(RequestModel):
+    """vLLM's structural tag: free text, where a trigger starts one of the structures (its `begin` starts
+    with the trigger), written under the structure's schema up to its `end`."""
+
+    type: Literal["structural_tag"] = "structural_tag"
+    structures: list[TagStructure] = Field(min_length=1)
+    triggers: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
 
 
 class SamplingFields(RequestModel):
@@ -126,7 +144,7 @@ class SamplingFields(RequestModel):
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
-    structures: list[Any] | None = None
+    structures: list[TagStructure] | None = None  # structural_tag's (`StructuralTag`)
     triggers: list[str] | None = None
 
 

@@ -120,10 +120,12 @@ FIELDS: dict[str, Field] = {
     "guided_regex": Field(Use.DEVICE, (None,), GRAMMAR),
     "guided_choice": Field(Use.DEVICE, (None,), GRAMMAR),
     "guided_grammar": Field(Use.DEVICE, (None,), "Lark or GBNF; " + GRAMMAR),
-    "structured_outputs": Field(Use.DEVICE, (None,), "json, regex, choice, grammar, json_object; " + GRAMMAR),
+    "structured_outputs": Field(
+        Use.DEVICE, (None,), "json, regex, choice, grammar, json_object, structural_tag; " + GRAMMAR
+    ),
     "guided_decoding_backend": Field(Use.HOST, (None,), "ignored: one grammar engine (llguidance)"),
     "guided_whitespace_pattern": Field(Use.REFUSED, (None,), "JSON is generated without whitespace"),
-    "structural_tag": Field(Use.REFUSED, (None,), "not implemented"),
+    "structural_tag": Field(Use.DEVICE, (None,), "vLLM's structural tag, as JSON text; " + GRAMMAR),
     "priority": Field(Use.REFUSED, (0,), "one priority"),
     "logits_processors": Field(Use.REFUSED, (None, []), "no user code"),
     "kv_transfer_params": Field(Use.REFUSED, (None,), "no disaggregated serving"),

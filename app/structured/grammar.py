@@ -1,7 +1,7 @@
 """Grammars for constrained decoding, on llguidance (`loadtest/grammar_bench.py` says why this engine):
 a request's constraint (a JSON schema, any JSON object, one or more JSON values under a schema, a regex,
-a list of choices, a Lark/GBNF grammar) checked and compiled for one tokenizer, and per-request matchers
-that give each step's allowed tokens.
+a list of choices, a Lark/GBNF grammar, vLLM's structural tag) checked and compiled for one tokenizer, and
+per-request matchers that give each step's allowed tokens.
 
 `GrammarCompiler.compile` runs where a request is validated (a worker thread, never the event loop). It
 refuses, with an `InvalidRequestError` naming the field: a source over `MAX_SOURCE_CHARS`, a schema nested
@@ -61,6 +61,7 @@ class Kind(StrEnum):
     JSON_SCHEMA = "json_schema"
     JSON_OBJECT = "json_object"
     JSON_SEQUENCE = "json_sequence"  # one or more JSON values under a schema, each after a `;` but the first
+    STRUCTURAL_TAG = "structural_tag"  # vLLM's: free text, tagged structures under their schemas
     REGEX = "regex"
     CHOICE = "choice"
     GRAMMAR = "grammar"  # Lark, or GBNF/EBNF as llama.cpp writes it
@@ -329,11 +330,31 @@ def _source(constraint: Constraint) -> str:
             )
         if kind is Kind.JSON_SEQUENCE:
             return llguidance.grammar_from("lark", _json_sequence(constraint.value))
+        if kind is Kind.STRUCTURAL_TAG:
+            return llguidance.grammar_from("lark", _structural_tag(constraint.value, param))
         if kind is Kind.CHOICE:
             return llguidance.grammar_from("choice", constraint.value)
         return llguidance.grammar_from("regex" if kind is Kind.REGEX else "grammar", constraint.value)
     except ValueError as error:
         raise InvalidRequestError(f"{param} cannot be compiled: {error}", param=param) from None
+
+
+def _structural_tag(tag: dict[str, Any], param: str) -> str:
+    """Lark for vLLM's structural tag (llguidance's `StructTag`): free text, where each structure's
+    trigger (the one its `begin` starts with) starts it, its JSON under its schema (without whitespace,
+    as the JSON kinds are generated) up to its `end`."""
+    tags = []
+    for i, structure in enumerate(tag["structures"]):
+        begin = structure["begin"]
+        trigger = next((t for t in tag["triggers"] if begin.startswith(t)), None)
+        if trigger is None:
+            at = f"{param}.structures.{i}.begin"
+            raise InvalidRequestError(f"{at} {begin!r} starts with none of the triggers", param=at)
+        schema = structure["schema"]
+        guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
+        grammar = {**schema, "x-guidance": guidance}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=grammar, end=structure["end"]))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 def _json_sequence(schema: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ compile, a reference to nothing, two constraints at once, a function's parameter
 beside other functions (one forced call or several) or an answer's format, each a 400 naming the field (in
 the Responses API, as it names it); a pathological pattern that does compile is served, bounded by the
 grammar engine's per-step fuel, while the requests beside it are served too; a replayed call's arguments
-nested past Python's parser reach the template; the server stays healthy."""
+nested past Python's parser reach the template; vLLM's structural tag is served in each of its
+spellings, and a structure no trigger starts is named; the server stays healthy."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ PET = {
 }
 
 
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TAG = {
+    "structures": [{"begin": "<function=get_time>", "schema": TIME, "end": "</function>"}],
+    "triggers": ["<function="],
+}
+
+
 def tools(*parameters: dict) -> list[dict]:
     return [
         {"type": "function", "function": {"name": f"f{i}", "parameters": p}} for i, p in enumerate(parameters)
@@ -60,6 +68,17 @@ def wide_schema(properties: int) -> dict:
         ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", "deeper"),
         ({"structured_outputs": {"json": json.dumps(deep_schema(300))}}, "structured_outputs.json", "deeper"),
         ({"guided_choice": []}, "guided_choice", "at least one"),
+        (
+            {"response_format": {"type": "structural_tag", **TAG, "triggers": ["<tool>"]}},
+            "response_format.structures.0.begin",
+            "none of the triggers",
+        ),
+        ({"structural_tag": "{not json"}, "structural_tag", "not valid JSON"),
+        (
+            {"structured_outputs": {"structural_tag": '{"triggers": ["<f"]}'}},
+            "structured_outputs.structural_tag",
+            "structures",
+        ),
         (
             {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
             "structured_outputs.regex",
@@ -105,6 +124,9 @@ def wide_schema(properties: int) -> dict:
         "nested-past-pythons-parser",
         "a-string-nested-past-pythons-recursion",
         "no-choice",
+        "a-structure-no-trigger-starts",
+        "a-structural-tag-not-json",
+        "a-structural-tag-without-structures",
         "two",
         "no-schema",
         "a-bad-function-beside-an-answer",
@@ -178,3 +200,17 @@ def test_a_replayed_call_nested_past_pythons_parser_reaches_the_template(api) ->
         CHAT, json={"messages": messages, "tools": tools({"type": "object"}), "max_tokens": 2}
     )
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "structural_tag", **TAG}},
+        {"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+        {"structural_tag": json.dumps({"type": "structural_tag", **TAG})},
+    ],
+    ids=["response_format", "structured_outputs", "structural_tag"],
+)
+def test_a_structural_tag_is_served_in_each_of_vllms_spellings(api, fields) -> None:
+    response = api.post(CHAT, json={"messages": MESSAGES, "max_tokens": 8, "temperature": 1.0, **fields})
+    assert response.status_code == 200, response.text

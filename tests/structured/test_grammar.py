@@ -1,6 +1,7 @@
 """A compiled grammar's forced start (`ForcedStart`): what its first matcher finds forced, the matchers
 after it take without a mask computation, and get the masks llguidance would compute. Which objects a
-schema's closing leaves open."""
+schema's closing leaves open. vLLM's structural tag: free text, its tagged structures held to their
+schemas."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy
 import pytest
 import torch
 
+from app.errors import InvalidRequestError
 from app.structured import grammar
 from app.structured.grammar import Constraint, ForcedStart, GrammarMatcher, Kind, compiler_for
 from app.tokenizer import Tokenizer
@@ -166,3 +168,38 @@ def test_objects_elsewhere_are_closed_and_literal_values_kept() -> None:
     literals = {"const": {"properties": 1}, "enum": [{"type": "object"}], "default": {"allOf": []}}
     assert grammar.closed(literals) == literals  # values to match, not schemas: nothing added
     assert grammar.closed({**part("a"), **literals})["additionalProperties"] is False  # "allOf" a value
+
+
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TAG = {
+    "structures": [{"begin": "<function=get_time>", "schema": TIME, "end": "</function>"}],
+    "triggers": ["<function="],
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        ("It is late.", True),
+        ('Let me see. <function=get_time>{"zone":"UTC"}</function> Done.', True),
+        ('<function=get_time>{"zone":"PST"}</function>', False),  # the schema holds inside the tag
+        ('<function=get_time>{"zone":"UTC"} and more', False),  # the tag ends as it says
+        ('<function=rm>{"zone":"UTC"}</function>', False),  # the trigger starts a known structure only
+    ],
+)
+def test_a_structural_tag_holds_its_structures_and_leaves_the_text(
+    compiler, stories260k, text, valid
+) -> None:
+    tokenizer = Tokenizer.from_dir(stories260k)
+    matcher = compiler.llguidance_matcher(
+        compiler.compile(Constraint(Kind.STRUCTURAL_TAG, TAG, "response_format"))
+    )
+    tokens = tokenizer.encode(text, add_special_tokens=False)[1:]  # past the leading space marker
+    assert (matcher.validate_tokens(tokens) == len(tokens)) is valid
+
+
+def test_a_structure_whose_begin_no_trigger_starts_is_named(compiler) -> None:
+    tag = {**TAG, "triggers": ["<tool>"]}
+    with pytest.raises(InvalidRequestError, match="starts with none of the triggers") as refused:
+        compiler.compile(Constraint(Kind.STRUCTURAL_TAG, tag, "response_format"))
+    assert refused.value.param == "response_format.structures.0.begin"
