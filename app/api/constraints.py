@@ -26,6 +26,7 @@ from app.api.protocol import (
     NamedToolChoice,
     ResponseFormat,
     StructuralTag,
+    TagStructure,
 )
 from app.errors import InvalidRequestError
 from app.structured.grammar import Constraint, Kind, check_depth, closed, lenient, nested_too_deep
@@ -196,8 +197,9 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
             raise InvalidRequestError(
                 "response_format structural_tag needs its structures and triggers", param="response_format"
             )
-        tag = StructuralTag(structures=response_format.structures, triggers=response_format.triggers)
-        return structural_tag_constraint(tag, "response_format")
+        return structural_tag_constraint(
+            response_format.structures, response_format.triggers, "response_format"
+        )
     spec = response_format.json_schema
     if spec is None:
         raise InvalidRequestError(
@@ -234,13 +236,18 @@ def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint 
     return found
 
 
-def structural_tag_constraint(tag: StructuralTag, param: str) -> Constraint:
+def structural_tag_constraint(
+    structures: Sequence[TagStructure], triggers: Sequence[str], param: str
+) -> Constraint:
     """vLLM's structural tag as a constraint, each structure's schema as a JSON schema's (its open
     objects closed, the keywords the grammar engine does not implement ignored)."""
-    structures = [
-        {"begin": s.begin, "schema": lenient(closed(s.schema_)), "end": s.end} for s in tag.structures
-    ]
-    return Constraint(Kind.STRUCTURAL_TAG, {"structures": structures, "triggers": tag.triggers}, param)
+    value = {
+        "structures": [
+            {"begin": s.begin, "schema": lenient(closed(s.schema_)), "end": s.end} for s in structures
+        ],
+        "triggers": list(triggers),
+    }
+    return Constraint(Kind.STRUCTURAL_TAG, value, param)
 
 
 def _structural_tag_text(text: str | None, param: str) -> Constraint | None:
@@ -257,7 +264,7 @@ def _structural_tag_text(text: str | None, param: str) -> Constraint | None:
         raise InvalidRequestError(
             f"{param} is not a structural tag: {where}: {first['msg']}", param=param
         ) from None
-    return structural_tag_constraint(tag, param)
+    return structural_tag_constraint(tag.structures, tag.triggers, param)
 
 
 def _json_value(text: str, param: str) -> Any:

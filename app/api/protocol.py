@@ -68,6 +68,9 @@ class StructuredOutputs(RequestModel):
     structural_tag: Text | None = None  # a `StructuralTag` as JSON text
 
 
+Trigger = Annotated[str, Field(min_length=1)]
+
+
 class TagStructure(RequestModel):
     """One of a structural tag's structures: text between `begin` and `end` under a JSON `schema`."""
 
@@ -82,7 +85,7 @@ class StructuralTag(RequestModel):
 
     type: Literal["structural_tag"] = "structural_tag"
     structures: list[TagStructure] = Field(min_length=1)
-    triggers: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    triggers: list[Trigger] = Field(min_length=1)
 
 
 class SamplingFields(RequestModel):
@@ -145,7 +148,7 @@ class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
     structures: list[TagStructure] | None = None  # structural_tag's (`StructuralTag`)
-    triggers: list[str] | None = None
+    triggers: list[Trigger] | None = None
 
 
 class CompletionRequest(SamplingFields):

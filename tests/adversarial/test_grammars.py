@@ -75,6 +75,11 @@ def wide_schema(properties: int) -> dict:
         ),
         ({"structural_tag": "{not json"}, "structural_tag", "not valid JSON"),
         (
+            {"response_format": {"type": "structural_tag", **TAG, "triggers": [""]}},
+            "response_format.triggers.0",
+            "at least 1",
+        ),
+        (
             {"structured_outputs": {"structural_tag": '{"triggers": ["<f"]}'}},
             "structured_outputs.structural_tag",
             "structures",
@@ -126,6 +131,7 @@ def wide_schema(properties: int) -> dict:
         "no-choice",
         "a-structure-no-trigger-starts",
         "a-structural-tag-not-json",
+        "an-empty-trigger",
         "a-structural-tag-without-structures",
         "two",
         "no-schema",
