@@ -350,9 +350,7 @@ def _structural_tag(tag: dict[str, Any], param: str) -> str:
         if trigger is None:
             at = f"{param}.structures.{i}.begin"
             raise InvalidRequestError(f"{at} {begin!r} starts with none of the triggers", param=at)
-        schema = structure["schema"]
-        guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
-        grammar = {**schema, "x-guidance": guidance}
+        grammar = _compact(structure["schema"])
         tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=grammar, end=structure["end"]))
     return llguidance.StructTag.to_grammar(tags)
 
@@ -360,9 +358,13 @@ def _structural_tag(tag: dict[str, Any], param: str) -> str:
 def _json_sequence(schema: dict[str, Any]) -> str:
     """Lark for one or more JSON values under `schema` (llguidance's `%json`), `SEQUENCE_SEPARATOR`
     between them, without whitespace as the JSON kinds are generated."""
-    guidance = {"whitespace_flexible": False, **schema.get("x-guidance", {})}
-    item = json.dumps({**schema, "x-guidance": guidance})
+    item = json.dumps(_compact(schema))
     return f"start: item ({json.dumps(SEQUENCE_SEPARATOR)} item)*\nitem: %json {item}"
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` generated without whitespace, as the JSON kinds are (its own `x-guidance` kept)."""
+    return {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
 
 
 def _check_limits(constraint: Constraint) -> None:
