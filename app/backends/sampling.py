@@ -415,7 +415,9 @@ def _host_draws(logits: np.ndarray, params: Sequence[SamplingParams], positions:
     `logits` [len(params), vocab], not written: a copy, the host rows adjusted in it."""
     values = logits[: len(params)].copy()
     host = [i for i, p in enumerate(params) if p.host is not None]
-    if host:
+    if len(host) == len(params):  # every row (a backend's host rows alone): adjusted where they are
+        adjust_rows(values, [p.host for p in params])  # type: ignore[misc]
+    elif host:
         rows = values[host]
         adjust_rows(rows, [params[i].host for i in host])  # type: ignore[misc]
         values[host] = rows
