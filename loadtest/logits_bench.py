@@ -45,7 +45,9 @@ rest of the step at k = 8.
   draws from them made before the timed steps): what `NxdiBackend` runs for host rows, the device's
   rows costing nothing here; `nxdi_host_vocab128256_top_p` gives the rows top_p 0.9, so every step
   takes the whole host path (mask, the masked row's nucleus, a draw), on peaked logits (`PEAKED`: the
-  unit normal's nucleus would be three quarters of the vocabulary, no model's).
+  unit normal's nucleus would be three quarters of the vocabulary, no model's);
+  `nxdi_host_vocab128256_penalty_only` gives k rows `frequency_penalty` 0.5 and no grammar, the host
+  draw each step (`penalty_only_figures`: us a row, nothing of llguidance's to compare).
 
 - `--device cuda` (a CUDA machine; nothing else is run): the torch backend on one GPU, whole steps, for
   stories260K and a random 100M-parameter Llama with Llama 3's vocabulary, `cuda_*` through CUDA graphs
@@ -462,6 +464,32 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0
     return lambda k, replay_first: measured(rows, k, host_steps, apply, replay_first, known)
 
 
+def penalty_only_figures(steps: int, rounds: int) -> dict[str, float]:
+    """Microseconds of host time a row a step for k NxD Inference host rows with `frequency_penalty` 0.5
+    and no grammar (`with_host_rows` on seeded peaked logits [32, 128,256], tokens fed back), the least
+    mean over `rounds`: what such a row costs the host, with no grammar engine's cost to set beside it."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(BATCH, LLAMA3_VOCAB, generator=generator) * PEAKED
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    report: dict[str, float] = {}
+    for k in CONSTRAINED[1:]:
+        best = float("inf")
+        for _ in range(rounds):
+            rules = [SamplingParams(temperature=1.0, seed=i, frequency_penalty=0.5) for i in range(k)]
+            params = [HostLogits.start(rule, PROMPT, (2,), None) for rule in rules]
+            seconds = []
+            for step in range(steps):
+                device = device_tokens(torch.zeros(k, dtype=torch.long), all_logprobs[:k], params)
+                start = time.perf_counter()
+                drawn = with_host_rows(device, logits, all_logprobs, params, [len(PROMPT) + step] * k)
+                for p, token in zip(params, drawn, strict=True):
+                    p.host.accept(token.token_id)  # type: ignore[union-attr]
+                seconds.append(time.perf_counter() - start)
+            best = min(best, statistics.fmean(seconds) * 1e6 / k)
+        report[f"k={k}_per_row_us"] = round(best, 1)
+    return report
+
+
 def exp_pass_us(vocab_size: int) -> float:
     """Microseconds a row of one numpy exp over fp32 logits [BATCH, vocab_size] in place, the least of
     20 tries: the floor under any exact draw from a row allowed much of the vocabulary (its
@@ -513,6 +541,7 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p"] = figures(
         nxdi_run(replace(llama3, top_p=0.9), steps, apply, PEAKED), rounds
     )
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}_penalty_only"] = penalty_only_figures(steps, rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     report[f"exp_pass_per_row_us_vocab{LLAMA3_VOCAB}"] = exp_pass_us(LLAMA3_VOCAB)
     return report
