@@ -197,7 +197,7 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
             raise InvalidRequestError(
                 "response_format structural_tag needs its structures and triggers", param="response_format"
             )
-        return structural_tag_constraint(
+        return _structural_tag_constraint(
             response_format.structures, response_format.triggers, "response_format"
         )
     spec = response_format.json_schema
@@ -236,7 +236,7 @@ def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint 
     return found
 
 
-def structural_tag_constraint(
+def _structural_tag_constraint(
     structures: Sequence[TagStructure], triggers: Sequence[str], param: str
 ) -> Constraint:
     """vLLM's structural tag as a constraint, each structure's schema as a JSON schema's (its open
@@ -264,7 +264,7 @@ def _structural_tag_text(text: str | None, param: str) -> Constraint | None:
         raise InvalidRequestError(
             f"{param} is not a structural tag: {where}: {first['msg']}", param=param
         ) from None
-    return structural_tag_constraint(tag.structures, tag.triggers, param)
+    return _structural_tag_constraint(tag.structures, tag.triggers, param)
 
 
 def _json_value(text: str, param: str) -> Any:

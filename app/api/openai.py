@@ -66,6 +66,7 @@ from app.structured.tools import (
     ToolCall,
     ToolCallParser,
     calls_as_written,
+    calls_so_far,
     new_call_id,
     opens_with,
     parse_tool_calls,
@@ -330,8 +331,10 @@ class ChatRenderer(OpenAIRenderer):
         """The calls the model chose to write, as the parser reads them; in the JSON form as a grammar
         writes it, their arguments as written."""
         calls = parse_tool_calls(text, self.parser) if self.offers_tools else None
-        written = calls_as_written(text, False, ()) if calls else None
-        return written if written and calls and len(written) == len(calls) else calls
+        if not calls:
+            return calls
+        written = [ToolCall(call.name, call.arguments) for call in calls_so_far(text)[0] if call.whole]
+        return written if len(written) == len(calls) else calls
 
     def rest_of_calls(self, index: int, text: str, out: RequestOutput) -> list[ToolCallDelta]:
         """The last deltas of streamed calls: each call's arguments still unsent, and any call not begun."""

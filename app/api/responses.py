@@ -36,6 +36,11 @@ from app.engine.types import FinishReason, RequestOutput
 from app.structured.tools import StreamedCalls
 
 
+def item_id(call_id: str) -> str:
+    """A function call item's id, from its call's."""
+    return f"fc_{call_id.removeprefix('call_')}"
+
+
 def usage(job: Job) -> ResponseUsage:
     input_tokens, output_tokens = usage_counts(job.choices)
     return ResponseUsage(
@@ -167,16 +172,12 @@ class ResponsesRenderer:
     @staticmethod
     def function_call(call_id: str, name: str, arguments: str, status: str) -> OutputFunctionCall:
         return OutputFunctionCall(
-            id=f"fc_{call_id.removeprefix('call_')}",
-            call_id=call_id,
-            name=name,
-            arguments=arguments,
-            status=status,
+            id=item_id(call_id), call_id=call_id, name=name, arguments=arguments, status=status
         )
 
     @staticmethod
     def call_part(call_id: str, index: int) -> dict[str, Any]:
-        return {"item_id": f"fc_{call_id.removeprefix('call_')}", "output_index": index}
+        return {"item_id": item_id(call_id), "output_index": index}
 
     def created(self) -> bytes:
         started = self.response("in_progress", [], None).model_dump(mode="json")
@@ -203,7 +204,7 @@ class ResponsesRenderer:
             if index < self.calls_done:  # done as the next call opened
                 return b""
             added = item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump(mode="json")
-            where = {"item_id": item.id, "output_index": index}
+            where = self.call_part(item.call_id, index)
             streamed = index < len(self.calls.ids)
             opened = (
                 b"" if streamed else self.event("response.output_item.added", output_index=index, item=added)

@@ -34,6 +34,7 @@ from app.structured.grammar import LITERAL_KEYWORDS, Constraint, Kind, closed, l
 PYTHON_TAG = "<|python_tag|>"
 BETWEEN_JSON_CALLS = re.compile(r"[;\s]*")
 BEFORE_CALLS = re.compile(r"\s*(?:<\|python_tag\|>)?")  # what may come before a reply's calls
+MAX_CALL_HEAD = 256  # characters a reply reads before giving up on a call head (a 64-character name, keys)
 # a call's name as far as it got: a function's name has only these characters (`app/api/protocol.py`)
 NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<closed>")?')
 # a call's start in the JSON form, to where its arguments begin, and the brace after them that closes it
@@ -187,9 +188,9 @@ def calls_as_written(text: str, cut: bool, names: Sequence[str]) -> list[ToolCal
     functions `names` is the one function its name so far can be, with no arguments yet: a request that
     forces a call gets one, as clients that read `tool_calls[0]` expect (None where several functions can
     be)."""
-    calls, begun = calls_so_far(text)
     if not cut and parse_tool_calls(text, ToolCallParser.LLAMA3_JSON) is None:
         return None
+    calls, begun = calls_so_far(text)
     if calls or not cut:
         return [ToolCall(call.name, call.arguments) for call in calls] or None
     name = NAME_SO_FAR.match(begun.strip())
@@ -343,6 +344,8 @@ class CallStart:
             self.streams = bool(self.heads) and self.opens is True
         if self.opens and not self.streams and self.names:
             self.streams = begins_call_of(self.start, self.names)
+            if not self.streams and len(self.start) > MAX_CALL_HEAD:
+                self.names = ()  # no call head this long: held to its end, its start no longer read
         return self.opens is False
 
 

@@ -358,3 +358,13 @@ def test_a_reply_nested_past_pythons_parser_or_misquoted_is_no_call() -> None:
     assert [(call.name, call.whole) for call in calls] == [("f", False)]
     misquoted = '{"name": "\\q", "parameters": {}}'
     assert calls_so_far(misquoted) == ([], misquoted) and not begins_call_of(misquoted, {"q"})
+
+
+def test_a_reply_that_shows_no_call_head_is_no_longer_read() -> None:
+    """A JSON reply that is not a call of an offered function (an answer under `json_object`) is held
+    to its end as before, but its start is read only as far as a call head can go, not for every
+    delta of the reply."""
+    start = CallStart(None, forced=False, names={"get_time"})
+    for delta in ['{"answer": "', *["word "] * 200]:
+        start.is_text(delta)
+    assert start.opens is True and not start.streams and len(start.start) < 300
