@@ -27,6 +27,7 @@ error state), the first stop id is, with logit 0, so the request ends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -79,11 +80,12 @@ class HostLogits:
         "_bias_tokens",
         "_bias_values",
         "_counts",
-        "_grammar_only",
         "_keep",
         "_only",
         "_seen",
         "_tail",
+        "_touches_some",
+        "checks_first",
         "mask",
         "num_output",
         "params",
@@ -113,17 +115,20 @@ class HostLogits:
         self._banned_tokens = [word[0] for word in params.bad_words if len(word) == 1]
         self._bias_tokens = [token for token, _ in params.logit_bias]
         self._bias_values = [bias for _, bias in params.logit_bias]
-        # a grammar the only change to the row's logits, and no filter that must see the masked row
-        self._grammar_only = (
-            mask is not None
-            and self._only is None
-            and not params.bad_words
-            and not params.logit_bias
-            and params.repetition_penalty == 1.0
-            and params.presence_penalty == params.frequency_penalty == 0.0
+        self._touches_some = self._seen is not None or self._counts is not None or bool(self._bias_tokens)
+        # Whether a draw from its raw logits (a device's, or the sampler's before it adjusts the row) may be
+        # its token, kept with probability `known_chance` or `weighed_chance` (`app/backends/sampling.py`,
+        # `keeps_draw`): every change to its logits lowers them (a grammar, bans, penalties, negative
+        # biases) and no filter reads the changed row.
+        self.checks_first = (
+            self._only is None
             and params.top_k == 0
             and params.top_p == 1.0
             and params.min_p == 0.0
+            and params.repetition_penalty >= 1.0
+            and params.frequency_penalty >= 0.0
+            and params.presence_penalty >= 0.0
+            and all(bias <= 0.0 for bias in self._bias_values)
         )
 
     @classmethod
@@ -136,15 +141,55 @@ class HostLogits:
         return replace(params, host=cls(params, prompt, stop_ids, mask))
 
     @property
-    def checks_first(self) -> bool:
-        """Whether the row's next token may be drawn as if unconstrained and kept if its grammar allows it
-        (`app/backends/sampling.py`, `pick_tokens`): the grammar is the only change to its logits now
-        (min_tokens no longer holds its stop ids back) and no filter reads the masked row."""
-        return self._grammar_only and self.num_output >= self.params.min_tokens
+    def adjusts(self) -> bool:
+        """Whether it changes its row's logits other than by its restriction (penalties, biases, bans)."""
+        return self._touches_some or bool(self.params.bad_words) or self.num_output < self.params.min_tokens
 
-    def allows(self, token_id: int) -> bool:
-        """Whether its grammar allows `token_id` next (for a row that `checks_first`)."""
-        return self.mask is not None and self.mask.allows(token_id)
+    def known_chance(self, token_id: int) -> float | None:
+        """The probability of keeping `token_id`, drawn from the row's raw logits (a row that
+        `checks_first`), where no logit is needed: 0 where it is banned or its grammar refuses it, 1 where
+        nothing changes its logit; None where a penalty or a bias does (`weighed_chance`)."""
+        if self.mask is not None and not self.mask.allows(token_id):
+            return 0.0
+        if self.num_output < self.params.min_tokens and token_id in self.stop_ids:
+            return 0.0
+        if self.params.bad_words and (token_id in self._banned_tokens or token_id in self._word_ends()):
+            return 0.0
+        if self._touches_some and self._touches(token_id):
+            return None
+        return 1.0
+
+    def weighed_chance(self, token_id: int, logit: float) -> float:
+        """The probability of keeping `token_id`, drawn from the row's raw logits at its temperature, where
+        a penalty or a bias changes its raw `logit` (`known_chance` None): its adjusted weight over its raw
+        one, exp((adjusted - raw) / temperature), at most 1 in a row that `checks_first`. Keeping a draw
+        with that probability, else drawing from the adjusted row, samples the adjusted row exactly
+        (rejection sampling). A greedy row keeps its raw argmax only where its logit is unchanged: every
+        other logit went down."""
+        change = self._adjusted(token_id, logit) - logit
+        temperature = self.params.temperature
+        if not temperature:
+            return 1.0 if change >= 0.0 else 0.0
+        return min(1.0, math.exp(change / temperature))
+
+    def _touches(self, token_id: int) -> bool:
+        """Whether a penalty or a bias changes `token_id`'s logit."""
+        return (
+            (self._seen is not None and token_id in self._seen)
+            or (self._counts is not None and token_id in self._counts)
+            or token_id in self._bias_tokens
+        )
+
+    def _adjusted(self, token_id: int, logit: float) -> float:
+        """`logit`, `token_id`'s raw logit, adjusted as `_add_edits` adjusts its row."""
+        params = self.params
+        if self._seen is not None and token_id in self._seen:
+            factor = params.repetition_penalty
+            logit = logit * factor if logit < 0 else logit / factor
+        count = self._counts.get(token_id, 0) if self._counts is not None else 0
+        if count:
+            logit -= params.frequency_penalty * count + params.presence_penalty
+        return logit + sum(bias for token, bias in params.logit_bias if token == token_id)
 
     def known_next(self) -> int | None:
         """The one token allowed next, where its grammar, the only restriction, knows it without a mask."""
@@ -520,7 +565,7 @@ class Restricted:
     def _whole(
         cls, states: Sequence[HostLogits], rows: np.ndarray, allowed: Allowed, vocab_size: int, gather: Gather
     ) -> Restricted:
-        ids = _vocabulary(vocab_size)
+        ids = vocabulary_ids(vocab_size)
         logits = gather(rows, ids[None, :])
         _Edits.of([states[i] for i in rows]).apply(logits, _dense_columns(vocab_size))
         np.copyto(logits, -np.inf, where=allowed.refused(rows, vocab_size))
@@ -528,7 +573,7 @@ class Restricted:
 
 
 @lru_cache(maxsize=4)
-def _vocabulary(vocab_size: int) -> np.ndarray:
+def vocabulary_ids(vocab_size: int) -> np.ndarray:
     """The ids 0 .. vocab_size - 1, made once (at 128k a megabyte a step otherwise), read-only."""
     ids = np.arange(vocab_size)
     ids.flags.writeable = False

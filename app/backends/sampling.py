@@ -12,9 +12,10 @@ numpy for fp32 logits on the host (`_inverse_cdf`, a third of torch's CPU cost a
 to the same tokens. A row whose tokens are
 restricted (a grammar, `allowed_token_ids`) inverts the same distribution over its allowed ids only
 (`app.backends.logits.Restricted`): the same token, at the cost of those ids rather than the vocabulary.
-A row whose grammar is all that changes it draws first as if unconstrained and keeps that token where
-the grammar allows it, else draws among its allowed ids with a second uniform (`pick_tokens`: exact
-rejection sampling, a mask computed only for the rows refused).
+A row whose changes all lower its logits (a grammar, penalties, bans, negative biases) draws first as
+if unconstrained and keeps that token with its adjusted weight over its raw one (1 where its grammar
+allows it and no penalty touches it), else draws from its adjusted row with a second uniform
+(`pick_tokens`: exact rejection sampling, a mask or an adjusted row computed only for the rows refused).
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ import numpy as np
 import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
-from app.backends.logits import Allowed, Gather, HostLogits, Restricted, adjust_rows, apply_host_logits
+from app.backends.logits import (
+    Allowed,
+    Gather,
+    HostLogits,
+    Restricted,
+    adjust_rows,
+    apply_host_logits,
+    vocabulary_ids,
+)
 
 MASK32 = 0xFFFFFFFF
 HOST = torch.device("cpu")
@@ -165,6 +174,11 @@ def gather_rows(logits: torch.Tensor, rows: Sequence[int] | np.ndarray, vocab_si
     return lambda of, ids: _gathered(logits, np.asarray(rows, np.int64)[of], ids, vocab_size)
 
 
+def _gathered_logit(gather: Gather) -> RowLogit:
+    """Row i's raw logit at a token, read by `gather`."""
+    return lambda row, token: float(gather(np.array([row], np.int64), np.array([[token]], np.int64))[0, 0])
+
+
 def _gathered(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
     """fp32 `logits` of rows[i] at ids[i, j] on the host (a copy), whole rows for ids [1, vocab]."""
     whole = ids.shape == (1, vocab_size)
@@ -183,6 +197,7 @@ def _on_host(logits: torch.Tensor) -> bool:
 
 Propose = Callable[[list[int]], Sequence[int]]
 REDRAW = 1 << 31  # added to a row's position for its second, independent uniform (`pick_tokens`)
+ACCEPT = 1 << 30  # added to a row's position for the uniform that keeps its first draw (`keeps_draw`)
 
 
 def pick_tokens(
@@ -199,18 +214,20 @@ def pick_tokens(
     (`Restricted`: over its whole row, masked, where it allows much of the vocabulary); the others draw
     from their whole rows, adjusted where they use the host logits path.
 
-    A restricted row whose grammar is all that changes its logits (`HostLogits.checks_first`) is first
-    drawn as if unconstrained, from its whole row (or `propose(index)`: tokens a device drew for those
-    rows), and keeps that token where its grammar allows it; only the others pay for a mask, and draw
-    among their allowed ids with a second uniform (position + REDRAW), independent of the first. That is
-    rejection sampling with one proposal: a token the grammar allows is drawn with its probability
-    under the masked row either way, so an exact proposal gives exactly the masked row's distribution,
-    at the cost of one check of one token where it is allowed (inside a JSON string, most steps)."""
+    A row whose changes all lower its logits (`HostLogits.checks_first`: a grammar, penalties, bans) is
+    first drawn as if unconstrained, from its raw row (or `propose(index)`: tokens a device drew for
+    those rows), and keeps that token with its chance of keeping it (`keeps_draw`: 1 where
+    its grammar allows it and no penalty touches it); only the others pay for a mask or an adjusted
+    row, and draw from their adjusted rows with a second uniform (position + REDRAW), independent of
+    the first (`redrawn`). That is rejection sampling with one proposal, exact where the proposal is:
+    the adjusted row's distribution either way, at the cost of one check of one token where it is kept
+    (inside a JSON string, most steps). Every backend follows this rule, so a device's draw checked
+    here (`with_host_rows`) gives the tokens the host's own draw gives."""
     states = [p.host for p in params]
-    if not any(state is not None and state.restricts for state in states):
-        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
     checked = [i for i, state in enumerate(states) if state is not None and state.checks_first]
-    drawn = _free_rows(states, propose is None)
+    if not checked and not any(state is not None and state.restricts for state in states):
+        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
+    drawn = _free_rows(states, set(checked), propose is None)
     tokens: torch.Tensor | None = None
     if drawn:
         raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
@@ -219,61 +236,116 @@ def pick_tokens(
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
     merged[checked] = proposed = _proposals(checked, merged, propose)
-    refused = {i for i, token in zip(checked, proposed, strict=True) if not _keeps_draw(params[i], token)}
+    logit = _gathered_logit(gather)
+    refused = {
+        i
+        for i, token in zip(checked, proposed, strict=True)
+        if not keeps_draw(params[i], token, positions[i], logit, i)
+    }
     again = [
         i
         for i, state in enumerate(states)
-        if state is not None and state.restricts and (i in refused or not state.checks_first)
+        if i in refused or (state is not None and state.restricts and i not in checked)
     ]
     if again:
-        at = [positions[i] + REDRAW if i in refused else positions[i] for i in again]
         index = np.array(again, np.int64)
-        merged[index] = _pick_allowed(
-            [params[i] for i in again], at, vocab_size, lambda r, ids: gather(index[r], ids)
+        merged[index] = _adjusted_draws(
+            [params[i] for i in again],
+            [positions[i] + REDRAW if i in refused else positions[i] for i in again],
+            vocab_size,
+            lambda r, ids: gather(index[r], ids),
         )
     result = torch.from_numpy(merged)
     return result if tokens is None else result.to(tokens.device)
 
 
 def checks_first(params: SamplingParams) -> bool:
-    """Whether a row is drawn as if unconstrained first (`pick_tokens`; `HostLogits.checks_first`)."""
+    """Whether a row's draw from its raw logits may be its token (`keeps_draw`)."""
     return params.host is not None and params.host.checks_first
 
 
+RowLogit = Callable[[int, int], float]  # (row, token) -> that row's raw logit at the token
+
+
+def keeps_draw(params: SamplingParams, token: int, position: int, logit: RowLogit, row: int) -> bool:
+    """Whether a row (`row` of `logit`'s rows) keeps `token`, drawn from its raw logits (a device's draw,
+    or the sampler's before adjusting): it `checks_first`, and its chance of keeping it is 1, or its
+    third uniform (position + ACCEPT) falls under that chance (`HostLogits.weighed_chance`, where a
+    penalty or a bias changes the token's logit)."""
+    state = params.host
+    if state is None or not state.checks_first:
+        return False
+    chance = state.known_chance(token)
+    if chance is None:
+        chance = state.weighed_chance(token, logit(row, token))
+        return chance > 0.0 and draw(params, position + ACCEPT) < chance
+    return chance == 1.0
+
+
 def checked_tokens(
-    params: Sequence[SamplingParams], proposed: Sequence[int | None], vocab_size: int
+    params: Sequence[SamplingParams],
+    proposed: Sequence[int | None],
+    positions: Sequence[int],
+    vocab_size: int,
+    logit: RowLogit,
 ) -> tuple[dict[int, int], list[int]]:
-    """For a backend holding a device's draws (`proposed[i]`, None: none for that row): the rows that
-    check their grammar first whose token needs no draw, with that token as `pick_tokens` takes it, and
-    the rows refused with several ids allowed (`redrawn`). A row keeps its proposal where its grammar
-    allows it; refused, it takes the one id its grammar allows where there is only one, known without a
-    mask (`HostLogits.known_next`) or from its mask (`Allowed.forced`: the refused rows' masks in one
-    call). Rows asking for top logprobs are left to the sampler, which reads their whole rows."""
+    """For a backend holding a device's draws (`proposed[i]`, None: none for that row; `logit(i, token)`:
+    row i's raw logit): the rows that check their draw first whose token needs no draw, with that token
+    as `pick_tokens` takes it, and the rows refused (`redrawn`). A row keeps its proposal as
+    `keeps_draw` decides; refused, a restricted row takes the one id it allows where there is only
+    one, known without a mask (`HostLogits.known_next`) or from its mask (`Allowed.forced`: the refused
+    rows' masks in one call). Rows asking for top logprobs are left to the sampler, which reads their
+    whole rows."""
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
         state = row.host
         if token is None or state is None or not state.checks_first or row.num_top_logprobs:
             continue
-        if state.allows(token):
+        if keeps_draw(row, token, positions[i], logit, i):
             settled[i] = token
-        elif (known := state.known_next()) is not None:
+        elif state.restricts and (known := state.known_next()) is not None:
             settled[i] = known
         else:
             refused.append(i)
-    if not refused:
+    restricted = [i for i in refused if params[i].host.restricts]  # type: ignore[union-attr]
+    if not restricted:
         return settled, refused
-    rows, ids = Allowed.of([params[i].host for i in refused], vocab_size).forced()  # type: ignore[misc]
-    settled |= {refused[j]: token for j, token in zip(rows.tolist(), ids.tolist(), strict=True)}
+    rows, ids = Allowed.of([params[i].host for i in restricted], vocab_size).forced()  # type: ignore[misc]
+    settled |= {restricted[j]: token for j, token in zip(rows.tolist(), ids.tolist(), strict=True)}
     return settled, [i for i in refused if i not in settled]
 
 
 def redrawn(
     params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int, gather: Gather
 ) -> list[int]:
-    """The tokens of rows whose device's draw their grammar refused (`checked_tokens`), drawn among their
-    allowed ids with their second uniform, as `pick_tokens` draws them (`gather`: their logits)."""
-    return _pick_allowed(params, [p + REDRAW for p in positions], vocab_size, gather).tolist()
+    """The tokens of rows that did not keep their first draw (`keeps_draw`), drawn from their adjusted
+    rows with their second uniform (position + REDRAW), as `pick_tokens` draws them (`gather`: their
+    raw logits)."""
+    return _adjusted_draws(params, [p + REDRAW for p in positions], vocab_size, gather).tolist()
+
+
+def _adjusted_draws(
+    params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int, gather: Gather
+) -> np.ndarray:
+    """Each host row's token (int64) from its adjusted row (`gather`: their raw logits): among its allowed
+    ids where restricted (every restricted row's mask in one call), else over its whole row."""
+    whole = [j for j, p in enumerate(params) if not p.host.restricts]  # type: ignore[union-attr]
+    if not whole:
+        return _pick_allowed(params, positions, vocab_size, gather)
+    chosen = np.empty(len(params), np.int64)
+    restricted = [j for j in range(len(params)) if j not in whole]
+    if restricted:
+        index = np.array(restricted, np.int64)
+        chosen[index] = _pick_allowed(
+            [params[j] for j in restricted],
+            [positions[j] for j in restricted],
+            vocab_size,
+            lambda r, ids: gather(index[r], ids),
+        )
+    values = gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :])
+    chosen[whole] = _host_draws(values, [params[j] for j in whole], [positions[j] for j in whole])
+    return chosen
 
 
 def uses_host_state(params: SamplingParams) -> bool:
@@ -291,9 +363,15 @@ def with_host_rows(
 ) -> list[SampledToken]:
     """The device's `tokens` with each host row's (`on_host`: those the device's sampler cannot draw)
     drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row. A
-    row only its grammar changes keeps the device's token where its grammar allows it (most steps inside
-    a JSON string: nothing else is done for it); the others are checked first (`_checked_rows`)."""
-    host = [i for i, p in enumerate(params) if on_host(p) and not _keeps_draw(p, tokens[i].token_id)]
+    row whose changes all lower its logits keeps the device's token as `keeps_draw` decides (where its
+    grammar allows it and no penalty touches it, most steps: nothing else is done for it); the others
+    are checked first (`_checked_rows`)."""
+    logit = logit_reader(logits)
+    host = [
+        i
+        for i, p in enumerate(params)
+        if on_host(p) and not keeps_draw(p, tokens[i].token_id, positions[i], logit, i)
+    ]
     if not host:
         return tokens
     settled = _checked_rows(host, tokens, logits, params, positions)
@@ -329,12 +407,19 @@ def _checked_rows(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
 ) -> dict[int, int]:
-    """The host rows (j: row host[j]) whose token needs no batch sampler, with that token: a row only its
-    grammar changes keeps the device's draw where its grammar allows it, else takes the one id it
-    allows, else draws among them (`checked_tokens`, then `redrawn`, or `redrawn_on_device` where the
-    logits are on CUDA)."""
+    """The host rows (j: row host[j]) whose token needs no batch sampler, with that token: a row whose
+    changes all lower its logits keeps the device's draw as `keeps_draw` decides, else takes the one id
+    it allows, else draws from its adjusted row (`checked_tokens`, then `redrawn`, or
+    `redrawn_on_device` where the logits are on CUDA)."""
     vocab = logits.shape[-1]
-    settled, refused = checked_tokens([params[i] for i in host], [tokens[i].token_id for i in host], vocab)
+    logit = logit_reader(logits)
+    settled, refused = checked_tokens(
+        [params[i] for i in host],
+        [tokens[i].token_id for i in host],
+        [positions[i] for i in host],
+        vocab,
+        lambda j, token: logit(host[j], token),
+    )
     if refused:
         again = [host[j] for j in refused]
         rows, at = [params[i] for i in again], [positions[i] for i in again]
@@ -345,6 +430,12 @@ def _checked_rows(
         )
         settled |= dict(zip(refused, drawn, strict=True))
     return settled
+
+
+def logit_reader(logits: torch.Tensor) -> RowLogit:
+    """Row i's raw logit at a token, read from fp32 `logits` [rows, vocab] when asked (numpy's scalar read
+    on the host, a device's otherwise)."""
+    return lambda row, token: float((logits.numpy() if _on_host(logits) else logits)[row, token])
 
 
 def compute_masks(params: Sequence[SamplingParams], vocab_size: int) -> None:
@@ -361,32 +452,31 @@ def redrawn_on_device(
 ) -> list[int]:
     """`redrawn` where `logits` stay on a CUDA device: rows `rows` of `logits` masked there (their masks,
     which `checked_tokens` computed, are what crosses, a bit per token, not a row of logits) and drawn
-    by `pick`, the rule the host's draw follows, with their second uniform. Not for other devices: an
-    XLA device would compile a graph for each new shape."""
+    by `pick`, the rule the host's draw follows, with their second uniform; rows with other changes
+    (penalties, biases, bans) are adjusted on a host copy first (`apply_host_logits`). Not for other
+    devices: an XLA device would compile a graph for each new shape."""
     vocab = logits.shape[-1]
-    words = Allowed.of([p.host for p in params], vocab).words  # type: ignore[misc]
-    on_device = torch.from_numpy(np.ascontiguousarray(words).view(np.int32)).to(logits.device)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allows = ((on_device[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
-    masked = logits[torch.tensor(rows, device=logits.device)].masked_fill(~allows, float("-inf"))
+    selected = logits[torch.tensor(rows, device=logits.device)]
+    states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
+    if any(state.adjusts or not state.restricts for state in states):
+        masked = apply_host_logits(selected, params)
+    else:
+        words = Allowed.of(states, vocab).words
+        on_device = torch.from_numpy(np.ascontiguousarray(words).view(np.int32)).to(logits.device)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allows = ((on_device[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+        masked = selected.masked_fill(~allows, float("-inf"))
     tensors = SamplingTensors.build(params, [p + REDRAW for p in positions], len(rows), vocab, logits.device)
     return pick(masked, tensors, random=_random(params), filtered=_filtered(params)).tolist()
 
 
-def _keeps_draw(params: SamplingParams, token: int) -> bool:
-    """Whether a row keeps `token`, drawn for it as if unconstrained: its grammar is all that changes it,
-    and allows the token."""
-    state = params.host
-    return state is not None and state.checks_first and state.allows(token)
-
-
-def _free_rows(states: Sequence[HostLogits | None], checked_from_rows: bool) -> list[int]:
-    """The rows drawn from their whole rows: every row not restricted, and the checked ones where no
-    device proposes their tokens."""
+def _free_rows(states: Sequence[HostLogits | None], checked: set[int], checked_from_rows: bool) -> list[int]:
+    """The rows drawn from their whole rows: every row neither restricted nor checked, and the checked
+    ones where no device proposes their tokens."""
     return [
         i
         for i, state in enumerate(states)
-        if state is None or not state.restricts or (checked_from_rows and state.checks_first)
+        if state is None or (i in checked and checked_from_rows) or (not state.restricts and i not in checked)
     ]
 
 

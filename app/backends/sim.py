@@ -419,7 +419,14 @@ class SimBackend(Backend):
         at = [positions[i] for i in rows]
         # each row's roll of the made-up logits: a hash of its seed, position and previous token
         shifts = [sim_hash(sampling[i].seed, positions[i], previous[i]) % vocab for i in rows]
-        settled, refused = checked_tokens(params, self._first_draws(params, at, shifts), vocab)
+        made_up = self._made_up_logits
+        settled, refused = checked_tokens(
+            params,
+            self._first_draws(params, at, shifts),
+            at,
+            vocab,
+            lambda j, token: float(made_up[(token - shifts[j]) % vocab]),
+        )
         if refused:
             settled |= self._redrawn(refused, params, at, shifts)
         for j, token in settled.items():
@@ -436,7 +443,7 @@ class SimBackend(Backend):
     def _redrawn(
         self, rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int], shifts: list[int]
     ) -> dict[int, int]:
-        """The tokens of `rows` (of `params`) whose made-up draw their grammar refused (`redrawn`)."""
+        """The tokens of `rows` (of `params`) that did not keep their made-up draw (`redrawn`)."""
         at = [positions[j] for j in rows]
         gather = self._gather(np.array([shifts[j] for j in rows], np.int64))
         drawn = redrawn([params[j] for j in rows], at, self.model.vocab_size, gather)

@@ -143,12 +143,14 @@ class Allows(FixedTokens):
 
 def batch(seed: int, top_p: float = 0.7) -> list[SamplingParams]:
     """Rows of every kind, each with its own history: restricted by a grammar, by allowed ids, by both,
-    and unrestricted with penalties, sampled at temperatures 1 and 0.5, one of them with `top_p`."""
+    and unrestricted with penalties, sampled at temperatures 1 and 0.5, one of them with `top_p`. The
+    penalties raise logits, so no row is drawn first as if unconstrained (`checks_first`): each draws from
+    its adjusted row at once."""
     rows = [
-        (SamplingParams(repetition_penalty=1.3, grammar=object()), Allows((5, 9, 31, 40, 63))),  # type: ignore[arg-type]
+        (SamplingParams(repetition_penalty=0.8, grammar=object()), Allows((5, 9, 31, 40, 63))),  # type: ignore[arg-type]
         (SamplingParams(allowed_token_ids=(3, 8, 9, 40), logit_bias=((8, 2.0),), top_p=top_p), None),
         (SamplingParams(allowed_token_ids=(9, 31, 50), grammar=object(), min_tokens=9), Allows((9, 31, 2))),  # type: ignore[arg-type]
-        (SamplingParams(frequency_penalty=0.5, bad_words=((7, 50),)), None),
+        (SamplingParams(frequency_penalty=-0.5, bad_words=((7, 50),)), None),
         (SamplingParams(), None),
     ]
     params = []
@@ -462,7 +464,9 @@ def test_a_refused_row_redrawn_by_its_backend_draws_what_the_sampler_draws() -> 
         for seed in (4, 5, 6)
     ]
     proposed = [12, ALLOWED[1], 13]
-    settled, refused = sampling.checked_tokens(rows, proposed, VOCAB)
+    settled, refused = sampling.checked_tokens(
+        rows, proposed, [5, 6, 7], VOCAB, sampling.logit_reader(logits)
+    )
     assert settled == {1: ALLOWED[1]} and refused == [0, 2]
     gather = sampling.gather_rows(logits, refused, VOCAB)
     settled |= dict(zip(refused, sampling.redrawn([rows[0], rows[2]], [5, 7], VOCAB, gather), strict=True))
@@ -500,6 +504,10 @@ class KnowsNext(CountedAllows):
         return self.tokens[0]
 
 
+def unread_logit(row: int, token: int) -> float:
+    raise AssertionError("a row only its grammar changes reads no logit to check a draw")
+
+
 def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask() -> None:
     mask = KnowsNext((40,))
     row = HostLogits.start(
@@ -508,6 +516,112 @@ def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask
         (EOS,),
         mask,  # type: ignore[arg-type]
     )
-    assert sampling.checked_tokens([row], [12], VOCAB) == ({0: 40}, [])
-    assert sampling.checked_tokens([row], [40], VOCAB) == ({0: 40}, [])  # allowed: kept
+    never = unread_logit
+    assert sampling.checked_tokens([row], [12], [5], VOCAB, never) == ({0: 40}, [])
+    assert sampling.checked_tokens([row], [40], [5], VOCAB, never) == ({0: 40}, [])  # allowed: kept
     assert mask.rows == 0
+
+
+def lowering_row(seed: int, temperature: float = 1.0, grammar: bool = True) -> SamplingParams:
+    """A row whose every change lowers its logits (a repetition penalty, frequency and presence penalties,
+    a negative bias, a bad word; a grammar where asked), with OUTPUT generated after PROMPT."""
+    row = SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        repetition_penalty=1.4,
+        frequency_penalty=0.6,
+        presence_penalty=0.3,
+        logit_bias=((40, -1.5), (3, -0.5)),
+        bad_words=((41,),),
+        grammar=object() if grammar else None,  # type: ignore[arg-type]
+    )
+    params = HostLogits.start(row, PROMPT, (EOS,), Allows(ALLOWED) if grammar else None)
+    for token in OUTPUT:
+        params.host.accept(token)  # type: ignore[union-attr]
+    return params
+
+
+@pytest.mark.parametrize("grammar", [True, False], ids=["grammar", "penalties-only"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_a_row_s_chance_of_keeping_a_draw_is_its_adjusted_weight_over_its_raw_one(
+    grammar: bool, temperature: float
+) -> None:
+    """For every token, the chance is exp((adjusted - raw) / temperature) with the adjusted logits of
+    `apply_host_logits` (`weighed_chance`, its one-token form, agrees with the row's), read without a
+    logit where it is 0 (the row takes the token out) or 1 (nothing changes it): `known_chance`."""
+    logits = torch.randn(1, VOCAB) * 3
+    row = lowering_row(0, temperature, grammar)
+    state = row.host
+    assert state is not None and state.checks_first
+    weights = torch.exp((apply_host_logits(logits, [row]) - logits) / temperature)[0]
+    known = [state.known_chance(t) for t in range(VOCAB)]
+    chances = [state.weighed_chance(t, float(logits[0, t])) if c is None else c for t, c in enumerate(known)]
+    assert chances == pytest.approx(weights.tolist(), abs=1e-5)
+    assert known[41] == 0.0 and known[50] == 1.0 and known[40] is None and known[9] is None
+    assert 0.0 < chances[40] < 1.0 and chances[9] < 1.0
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"repetition_penalty": 0.8},
+        {"frequency_penalty": -0.2},
+        {"presence_penalty": -0.2},
+        {"logit_bias": ((4, 0.5),)},
+        {"top_k": 5, "frequency_penalty": 0.2},
+        {"allowed_token_ids": (3, 4)},
+    ],
+)
+def test_a_row_with_a_change_that_raises_logits_or_a_filter_is_not_drawn_first(changes: dict) -> None:
+    row = HostLogits.start(SamplingParams(temperature=1.0, **changes), PROMPT, (EOS,), None)
+    assert row.host is not None and not row.host.checks_first
+
+
+@pytest.mark.parametrize("grammar", [True, False], ids=["grammar", "penalties-only"])
+@pytest.mark.parametrize("proposals", ["sampler", "device"])
+def test_a_penalised_row_drawn_first_samples_its_adjusted_distribution(grammar: bool, proposals: str) -> None:
+    """Over 20,000 seeds the tokens' frequencies are the adjusted row's probabilities, whether the first
+    draw is the sampler's own or a device's (here numpy's generator, independent of our uniforms): a draw
+    kept with its keep chance, else an independent draw from the adjusted row, is exact."""
+    logits = torch.randn(1, VOCAB) * 2
+    draws, chunk = 20_000, 2000
+    generator = numpy.random.default_rng(7)
+    raw = torch.softmax(logits[0], dim=0).double().numpy()
+    tokens: list[int] = []
+    for start in range(0, draws, chunk):
+        rows = [lowering_row(seed, grammar=grammar) for seed in range(start, start + chunk)]
+        device = generator.choice(VOCAB, size=chunk, p=raw / raw.sum()).tolist()
+        whole = logits.expand(chunk, VOCAB).contiguous()
+        tokens += sampling.pick_tokens(
+            rows,
+            [3] * chunk,
+            VOCAB,
+            rows=lambda index, whole=whole: whole[index],
+            gather=sampling.gather_rows(whole, numpy.arange(chunk), VOCAB),
+            propose=(lambda index, device=device: [device[i] for i in index])
+            if proposals == "device"
+            else None,
+        ).tolist()
+    frequency = numpy.bincount(tokens, minlength=VOCAB) / draws
+    expected = torch.softmax(apply_host_logits(logits, [lowering_row(0, grammar=grammar)])[0], dim=0).numpy()
+    assert set(numpy.flatnonzero(frequency)) <= set(numpy.flatnonzero(expected))
+    assert numpy.abs(frequency - expected).sum() / 2 < 0.02  # total variation
+
+
+def test_a_greedy_penalised_row_takes_its_adjusted_argmax_whichever_token_was_drawn_first() -> None:
+    """Kept where nothing lowered the raw argmax (every other logit only went down), else the adjusted
+    row's argmax: what the adjusted row's greedy draw takes, from any proposal."""
+    for seed in range(30):
+        logits = torch.randn(1, VOCAB) * 2
+        row = lowering_row(seed, temperature=0.0, grammar=False)
+        best = int(apply_host_logits(logits, [row])[0].argmax())
+        for proposal in (int(logits[0].argmax()), best):
+            token = sampling.pick_tokens(
+                [row],
+                [5],
+                VOCAB,
+                rows=lambda index, logits=logits: logits[index],
+                gather=sampling.gather_rows(logits, [0], VOCAB),
+                propose=lambda index, proposal=proposal: [proposal],
+            ).item()
+            assert token == best

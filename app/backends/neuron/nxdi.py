@@ -375,10 +375,11 @@ class NxdiBackend(NeuronBackend):
     Host rows: the device's sampler takes no mask, bias or penalty, so a row on the host logits path
     (`SamplingParams.host`: a grammar, penalties, ...) or with min_p is drawn on the host by the portable
     sampler from the logits the step returns anyway (`output_logits`), seeds honoured; every other row of
-    the same call keeps the device's token. A row whose grammar is all that changes it
-    (`HostLogits.checks_first`) keeps the device's token too where the grammar allows it, and is drawn on
-    the host only where it does not: the device's draw is the proposal of `pick_tokens`' rejection
-    sampling, with the device's global top-k and its seeds on greedy rows only, as every device row. In
+    the same call keeps the device's token. A row whose changes all lower its logits (a grammar,
+    penalties, bans: `HostLogits.checks_first`) keeps the device's token too where its grammar allows it
+    and no penalty touches it (else with its adjusted weight over its raw one), and is drawn on the host
+    only where it does not: the device's draw is the proposal of `pick_tokens`' rejection sampling, with
+    the device's global top-k and its seeds on greedy rows only, as every device row. In
     async mode the device feeds its own tokens back, so such a request is refused at admission."""
 
     name = "neuron-nxdi"

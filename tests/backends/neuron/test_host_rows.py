@@ -95,6 +95,26 @@ def test_a_grammar_row_refused_a_forced_token_takes_it_without_the_sampler(
     assert tokens[1].logprob < 0 and host_draws == []
 
 
+def test_a_penalised_row_keeps_the_device_s_token_where_no_penalty_touches_it(
+    nxdi_fresh: NxdiBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows with a presence penalty (it lowers the logits of tokens generated before): row 1 has
+    generated nothing, so it keeps the device's token and nothing is drawn on the host; row 2 has
+    generated the device's token, which its penalty lowers, so it alone is drawn again on the host."""
+    device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
+    host_draws: list[tuple[str, int]] = []
+    monkeypatch.setattr(sampling, "_host_draws", spy(sampling._host_draws, "_host_draws", host_draws))
+
+    def penalised(prompt: int, generated: tuple[int, ...]) -> SamplingParams:
+        row = HostLogits.start(SamplingParams(presence_penalty=1.5), PROMPTS[prompt], (2,), None)
+        for token in generated:
+            row.host.accept(token)  # type: ignore[union-attr]
+        return row
+
+    mixed = decode_all(nxdi_fresh, [GREEDY, penalised(1, ()), penalised(2, (device_only[2],))])
+    assert mixed[:2] == device_only[:2] and host_draws == [("_host_draws", 1)]
+
+
 def spy(function: Callable[..., Any], name: str, calls: list[tuple[str, int]]) -> Callable[..., Any]:
     """`function`, recording (name, rows) per call (its first argument: the rows' logits or params)."""
 
