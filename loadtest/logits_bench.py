@@ -5,8 +5,10 @@ Inference's host, each next to the grammar engine's own cost for the same rows.
 A constrained row carries a JSON-schema grammar (llguidance), and advances its state by each token as
 the engine does. Such a row is first drawn as if unconstrained and keeps that token where its grammar
 allows it (`app/backends/sampling.py`, `pick_tokens`); `k=K_kept_share` is the share of its steps that
-did. `sim_vocab128256_with_penalty` gives its rows a repetition penalty too: every step then takes the
-whole host path (mask, adjustments, a draw among the allowed ids). Each configuration runs the same
+did. `sim_vocab128256_with_penalty` gives its rows a repetition penalty too, which lowers the logits of
+the tokens seen: such a row's draw is kept with its adjusted weight over its raw one where its grammar
+allows it, else it takes the whole host path (mask, adjustments, a draw among the allowed ids); its
+k=0 row is plain, so its figures hold the penalty's cost too. Each configuration runs the same
 steps in turn within one process, several rounds, its replays of the grammar engine's own work (below)
 before our steps in half of them and after in the others (`figures`); a step's figure is the wall time of
 `Backend.decode` plus the applying of its tokens to the rows' states (`HostLogits.accept`, as the
@@ -46,8 +48,9 @@ rest of the step at k = 8.
   rows costing nothing here; `nxdi_host_vocab128256_top_p` gives the rows top_p 0.9, so every step
   takes the whole host path (mask, the masked row's nucleus, a draw), on peaked logits (`PEAKED`: the
   unit normal's nucleus would be three quarters of the vocabulary, no model's);
-  `nxdi_host_vocab128256_penalty_only` gives k rows `frequency_penalty` 0.5 and no grammar, the host
-  draw each step (`penalty_only_figures`: us a row, nothing of llguidance's to compare).
+  `nxdi_host_vocab128256_penalty_only` gives k rows `frequency_penalty` 0.5 and no grammar
+  (`penalty_only_figures`: us a row, nothing of llguidance's to compare, and the share of steps that
+  kept the device's draw).
 
 - `--device cuda` (a CUDA machine; nothing else is run): the torch backend on one GPU, whole steps, for
   stories260K and a random 100M-parameter Llama with Llama 3's vocabulary, `cuda_*` through CUDA graphs
@@ -163,7 +166,7 @@ class Rows:
     compiler: GrammarCompiler
     grammar: Grammar
     vocab_size: int
-    repetition_penalty: float = 1.0  # 1.1: each grammar row also carries a penalty (the whole host path)
+    repetition_penalty: float = 1.0  # 1.1: each grammar row also carries a penalty
     top_p: float = 1.0  # 0.9: each grammar row keeps its masked row's nucleus (the whole host path)
 
     def params(self, k: int, clock: Clock | None = None) -> list[SamplingParams]:
@@ -466,27 +469,32 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0
 
 def penalty_only_figures(steps: int, rounds: int) -> dict[str, float]:
     """Microseconds of host time a row a step for k NxD Inference host rows with `frequency_penalty` 0.5
-    and no grammar (`with_host_rows` on seeded peaked logits [32, 128,256], tokens fed back), the least
-    mean over `rounds`: what such a row costs the host, with no grammar engine's cost to set beside it."""
+    and no grammar (`with_host_rows` on seeded peaked logits [32, 128,256], the device's draws made from
+    them before the timed steps, tokens fed back), the least mean over `rounds`: what such a row costs
+    the host, with no grammar engine's cost to set beside it; and the share of its steps that kept the
+    device's token (a penalty touches only the tokens generated before, and lowers what it touches)."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(BATCH, LLAMA3_VOCAB, generator=generator) * PEAKED
     all_logprobs = torch.log_softmax(logits, dim=-1)
+    draws = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T
     report: dict[str, float] = {}
     for k in CONSTRAINED[1:]:
-        best = float("inf")
+        best, kept = float("inf"), 0
         for _ in range(rounds):
             rules = [SamplingParams(temperature=1.0, seed=i, frequency_penalty=0.5) for i in range(k)]
             params = [HostLogits.start(rule, PROMPT, (2,), None) for rule in rules]
-            seconds = []
+            seconds, kept = [], 0
             for step in range(steps):
-                device = device_tokens(torch.zeros(k, dtype=torch.long), all_logprobs[:k], params)
+                device = device_tokens(draws[step, :k], all_logprobs[:k], params)
                 start = time.perf_counter()
                 drawn = with_host_rows(device, logits, all_logprobs, params, [len(PROMPT) + step] * k)
                 for p, token in zip(params, drawn, strict=True):
                     p.host.accept(token.token_id)  # type: ignore[union-attr]
                 seconds.append(time.perf_counter() - start)
+                kept += sum(t.token_id == d for t, d in zip(drawn, draws[step, :k].tolist(), strict=True))
             best = min(best, statistics.fmean(seconds) * 1e6 / k)
         report[f"k={k}_per_row_us"] = round(best, 1)
+        report[f"k={k}_device_token_share"] = round(kept / (steps * k), 3)
     return report
 
 
