@@ -497,6 +497,21 @@ def test_refused_rows_redrawn_on_their_device_draw_what_the_host_draws(allowed: 
         assert sampling.redrawn_on_device(logits, which, rows, positions) == on_host
 
 
+def test_penalised_rows_redrawn_on_their_device_draw_what_the_host_draws() -> None:
+    """`redrawn_on_device` for rows with penalties, with a grammar and without one (adjusted on a host copy
+    of their rows, then `pick` on the device), run here on CPU tensors, takes the tokens `redrawn` takes
+    on the host, greedy and at three temperatures."""
+    logits = torch.randn(6, VOCAB) * 3
+    for seed in range(40):
+        rows = [
+            lowering_row(seed * 10 + row, temperature, grammar=bool(row % 2))
+            for row, temperature in enumerate((1.0, 0.5, 0.0, 1.7))
+        ]
+        which, positions = [5, 0, 3, 2], [seed + i for i in range(4)]
+        on_host = sampling.redrawn(rows, positions, VOCAB, sampling.gather_rows(logits, which, VOCAB))
+        assert sampling.redrawn_on_device(logits, which, rows, positions) == on_host
+
+
 class KnowsNext(CountedAllows):
     """A grammar that knows the one token it allows next without computing its mask."""
 
