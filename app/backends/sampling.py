@@ -214,20 +214,20 @@ def pick_tokens(
     (`Restricted`: over its whole row, masked, where it allows much of the vocabulary); the others draw
     from their whole rows, adjusted where they use the host logits path.
 
-    A row whose changes all lower its logits (`HostLogits.checks_first`: a grammar, penalties, bans) is
-    first drawn as if unconstrained, from its raw row (or `propose(index)`: tokens a device drew for
-    those rows), and keeps that token with its chance of keeping it (`keeps_draw`: 1 where
-    its grammar allows it and no penalty touches it); only the others pay for a mask or an adjusted
-    row, and draw from their adjusted rows with a second uniform (position + REDRAW), independent of
-    the first (`redrawn`). That is rejection sampling with one proposal, exact where the proposal is:
-    the adjusted row's distribution either way, at the cost of one check of one token where it is kept
-    (inside a JSON string, most steps). Every backend follows this rule, so a device's draw checked
-    here (`with_host_rows`) gives the tokens the host's own draw gives."""
+    A restricted row whose changes all lower its logits (`HostLogits.checks_first`: a grammar, with or
+    without penalties and bans) is first drawn as if unconstrained, from its raw row (or
+    `propose(index)`: tokens a device drew for those rows), and keeps that token with its chance of
+    keeping it (`keeps_draw`: 1 where its grammar allows it and no penalty touches it); only the others
+    pay for a mask, and draw from their adjusted rows with a second uniform (position + REDRAW),
+    independent of the first (`redrawn`). That is rejection sampling with one proposal, exact where the
+    proposal is: the adjusted row's distribution either way, at the cost of one check of one token
+    where it is kept (inside a JSON string, most steps). A device whose draws follow this rule (CUDA
+    graphs) checks them the same way (`with_host_rows`), so both give the same tokens."""
     states = [p.host for p in params]
-    checked = [i for i, state in enumerate(states) if state is not None and state.checks_first]
-    if not checked and not any(state is not None and state.restricts for state in states):
+    if not any(state is not None and state.restricts for state in states):
         return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
-    drawn = _free_rows(states, set(checked), propose is None)
+    checked = [i for i, state in enumerate(states) if _weighs(state, own_draws=False)]
+    drawn = _free_rows(states, propose is None)
     tokens: torch.Tensor | None = None
     if drawn:
         raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
@@ -267,13 +267,25 @@ def checks_first(params: SamplingParams) -> bool:
 RowLogit = Callable[[int, int], float]  # (row, token) -> that row's raw logit at the token
 
 
-def keeps_draw(params: SamplingParams, token: int, position: int, logit: RowLogit, row: int) -> bool:
+def _weighs(state: HostLogits | None, own_draws: bool) -> bool:
+    """Whether a row may keep a draw from its raw logits: its changes all lower them, and it is restricted
+    (the draw saves its mask) or the draw is a device's own (`own_draws`: NxD Inference's generator, whose
+    draw saves a host draw over the whole row). Where the draw follows the host's rule (the sampler's
+    own, CUDA graphs'), a row without a restriction gains nothing from drawing twice: it is drawn from
+    its adjusted row at once, the same token on every such path."""
+    return state is not None and state.checks_first and (own_draws or state.restricts)
+
+
+def keeps_draw(
+    params: SamplingParams, token: int, position: int, logit: RowLogit, row: int, *, own_draws: bool = False
+) -> bool:
     """Whether a row (`row` of `logit`'s rows) keeps `token`, drawn from its raw logits (a device's draw,
-    or the sampler's before adjusting): it `checks_first`, and its chance of keeping it is 1, or its
+    or the sampler's before adjusting): it may (`_weighs`), and its chance of keeping it is 1, or its
     third uniform (position + ACCEPT) falls under that chance (`HostLogits.weighed_chance`, where a
     penalty or a bias changes the token's logit)."""
     state = params.host
-    if state is None or not state.checks_first:
+    # `_weighs`, written out: this runs for every host row every step
+    if state is None or not state.checks_first or not (own_draws or state.restricts):
         return False
     chance = state.known_chance(token)
     if chance is None:
@@ -288,6 +300,8 @@ def checked_tokens(
     positions: Sequence[int],
     vocab_size: int,
     logit: RowLogit,
+    *,
+    own_draws: bool = False,
 ) -> tuple[dict[int, int], list[int]]:
     """For a backend holding a device's draws (`proposed[i]`, None: none for that row; `logit(i, token)`:
     row i's raw logit): the rows that check their draw first whose token needs no draw, with that token
@@ -295,14 +309,14 @@ def checked_tokens(
     `keeps_draw` decides; refused, a restricted row takes the one id it allows where there is only
     one, known without a mask (`HostLogits.known_next`) or from its mask (`Allowed.forced`: the refused
     rows' masks in one call). Rows asking for top logprobs are left to the sampler, which reads their
-    whole rows."""
+    whole rows. `own_draws`: the draws are the device's own (`_weighs`)."""
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
-        state = row.host
-        if token is None or state is None or not state.checks_first or row.num_top_logprobs:
+        if token is None or not _weighs(row.host, own_draws) or row.num_top_logprobs:
             continue
-        if keeps_draw(row, token, positions[i], logit, i):
+        state: HostLogits = row.host  # type: ignore[assignment]
+        if keeps_draw(row, token, positions[i], logit, i, own_draws=own_draws):
             settled[i] = token
         elif state.restricts and (known := state.known_next()) is not None:
             settled[i] = known
@@ -334,7 +348,7 @@ def _adjusted_draws(
     if not whole:
         return _pick_allowed(params, positions, vocab_size, gather)
     chosen = np.empty(len(params), np.int64)
-    restricted = [j for j in range(len(params)) if j not in whole]
+    restricted = [j for j, p in enumerate(params) if p.host.restricts]  # type: ignore[union-attr]
     if restricted:
         index = np.array(restricted, np.int64)
         chosen[index] = _pick_allowed(
@@ -343,8 +357,9 @@ def _adjusted_draws(
             vocab_size,
             lambda r, ids: gather(index[r], ids),
         )
-    values = gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :])
-    chosen[whole] = _host_draws(values, [params[j] for j in whole], [positions[j] for j in whole])
+    values = gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :])  # a copy: adjusted here
+    adjust_rows(values, [params[j].host for j in whole])  # type: ignore[misc]
+    chosen[whole] = _inverse_cdf(values, [params[j] for j in whole], [positions[j] for j in whole])
     return chosen
 
 
@@ -360,21 +375,24 @@ def with_host_rows(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     on_host: Callable[[SamplingParams], bool] = uses_host_state,
+    *,
+    own_draws: bool = False,
 ) -> list[SampledToken]:
     """The device's `tokens` with each host row's (`on_host`: those the device's sampler cannot draw)
     drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row. A
     row whose changes all lower its logits keeps the device's token as `keeps_draw` decides (where its
     grammar allows it and no penalty touches it, most steps: nothing else is done for it); the others
-    are checked first (`_checked_rows`)."""
+    are checked first (`_checked_rows`). `own_draws`: the device draws with its own generator, so a row
+    without a restriction may keep its draw too (`_weighs`)."""
     logit = logit_reader(logits)
     host = [
         i
         for i, p in enumerate(params)
-        if on_host(p) and not keeps_draw(p, tokens[i].token_id, positions[i], logit, i)
+        if on_host(p) and not keeps_draw(p, tokens[i].token_id, positions[i], logit, i, own_draws=own_draws)
     ]
     if not host:
         return tokens
-    settled = _checked_rows(host, tokens, logits, params, positions)
+    settled = _checked_rows(host, tokens, logits, params, positions, own_draws)
     left: list[int] = []
     logprobs: np.ndarray | torch.Tensor | None = None
     for j, i in enumerate(host):
@@ -406,6 +424,7 @@ def _checked_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
+    own_draws: bool,
 ) -> dict[int, int]:
     """The host rows (j: row host[j]) whose token needs no batch sampler, with that token: a row whose
     changes all lower its logits keeps the device's draw as `keeps_draw` decides, else takes the one id
@@ -419,6 +438,7 @@ def _checked_rows(
         [positions[i] for i in host],
         vocab,
         lambda j, token: logit(host[j], token),
+        own_draws=own_draws,
     )
     if refused:
         again = [host[j] for j in refused]
@@ -453,12 +473,12 @@ def redrawn_on_device(
     """`redrawn` where `logits` stay on a CUDA device: rows `rows` of `logits` masked there (their masks,
     which `checked_tokens` computed, are what crosses, a bit per token, not a row of logits) and drawn
     by `pick`, the rule the host's draw follows, with their second uniform; rows with other changes
-    (penalties, biases, bans) are adjusted on a host copy first (`apply_host_logits`). Not for other
-    devices: an XLA device would compile a graph for each new shape."""
+    (penalties, bans) are adjusted on a host copy first (`apply_host_logits`). Not for other devices: an
+    XLA device would compile a graph for each new shape."""
     vocab = logits.shape[-1]
     selected = logits[torch.tensor(rows, device=logits.device)]
     states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
-    if any(state.adjusts or not state.restricts for state in states):
+    if any(state.adjusts for state in states):
         masked = apply_host_logits(selected, params)
     else:
         words = Allowed.of(states, vocab).words
@@ -470,13 +490,13 @@ def redrawn_on_device(
     return pick(masked, tensors, random=_random(params), filtered=_filtered(params)).tolist()
 
 
-def _free_rows(states: Sequence[HostLogits | None], checked: set[int], checked_from_rows: bool) -> list[int]:
-    """The rows drawn from their whole rows: every row neither restricted nor checked, and the checked
-    ones where no device proposes their tokens."""
+def _free_rows(states: Sequence[HostLogits | None], checked_from_rows: bool) -> list[int]:
+    """The rows drawn from their whole rows: every row not restricted, and the checked ones where no
+    device proposes their tokens."""
     return [
         i
         for i, state in enumerate(states)
-        if state is None or (i in checked and checked_from_rows) or (not state.restricts and i not in checked)
+        if state is None or not state.restricts or (checked_from_rows and _weighs(state, own_draws=False))
     ]
 
 

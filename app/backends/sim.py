@@ -426,6 +426,7 @@ class SimBackend(Backend):
             at,
             vocab,
             lambda j, token: float(made_up[(token - shifts[j]) % vocab]),
+            own_draws=True,  # as NxD Inference's device, whose draws the sim's stand for
         )
         if refused:
             settled |= self._redrawn(refused, params, at, shifts)
@@ -452,8 +453,8 @@ class SimBackend(Backend):
     def _first_draws(
         self, params: Sequence[SamplingParams], positions: Sequence[int], shifts: list[int]
     ) -> list[int | None]:
-        """The made-up draw of each row that checks its grammar first, as a device's would be (None for
-        the others): a binary search each, not a pass over the vocabulary."""
+        """The made-up draw of each row that may keep a draw from its raw logits, as a device's would be
+        (None for the others): a binary search each, not a pass over the vocabulary."""
         return [
             self._made_up_draw(p, position, shift) if checks_first(p) else None
             for p, position, shift in zip(params, positions, shifts, strict=True)

@@ -498,14 +498,13 @@ def test_refused_rows_redrawn_on_their_device_draw_what_the_host_draws(allowed: 
 
 
 def test_penalised_rows_redrawn_on_their_device_draw_what_the_host_draws() -> None:
-    """`redrawn_on_device` for rows with penalties, with a grammar and without one (adjusted on a host copy
-    of their rows, then `pick` on the device), run here on CPU tensors, takes the tokens `redrawn` takes
-    on the host, greedy and at three temperatures."""
+    """`redrawn_on_device` for grammar rows with penalties (adjusted on a host copy of their rows, then
+    `pick` on the device), run here on CPU tensors, takes the tokens `redrawn` takes on the host, greedy
+    and at three temperatures."""
     logits = torch.randn(6, VOCAB) * 3
     for seed in range(40):
         rows = [
-            lowering_row(seed * 10 + row, temperature, grammar=bool(row % 2))
-            for row, temperature in enumerate((1.0, 0.5, 0.0, 1.7))
+            lowering_row(seed * 10 + row, temperature) for row, temperature in enumerate((1.0, 0.5, 0.0, 1.7))
         ]
         which, positions = [5, 0, 3, 2], [seed + i for i in range(4)]
         on_host = sampling.redrawn(rows, positions, VOCAB, sampling.gather_rows(logits, which, VOCAB))
@@ -592,12 +591,28 @@ def test_a_row_with_a_change_that_raises_logits_or_a_filter_is_not_drawn_first(c
     assert row.host is not None and not row.host.checks_first
 
 
+def device_tokens(rows: list, device: list[int], logits: torch.Tensor) -> list[int]:
+    """The tokens a backend holding a device's own draws (`device`, NxD Inference's) takes for `rows`, one
+    per row of `logits`: `checked_tokens`, then `redrawn` for the rows that did not keep theirs."""
+    positions = [3] * len(rows)
+    settled, refused = sampling.checked_tokens(
+        rows, device, positions, VOCAB, sampling.logit_reader(logits), own_draws=True
+    )
+    if refused:
+        gather = sampling.gather_rows(logits, refused, VOCAB)
+        again = sampling.redrawn([rows[i] for i in refused], [3] * len(refused), VOCAB, gather)
+        settled |= dict(zip(refused, again, strict=True))
+    return [settled[i] for i in range(len(rows))]
+
+
 @pytest.mark.parametrize("grammar", [True, False], ids=["grammar", "penalties-only"])
 @pytest.mark.parametrize("proposals", ["sampler", "device"])
 def test_a_penalised_row_drawn_first_samples_its_adjusted_distribution(grammar: bool, proposals: str) -> None:
     """Over 20,000 seeds the tokens' frequencies are the adjusted row's probabilities, whether the first
-    draw is the sampler's own or a device's (here numpy's generator, independent of our uniforms): a draw
-    kept with its keep chance, else an independent draw from the adjusted row, is exact."""
+    draw is the sampler's own (a grammar row: `pick_tokens`; a row without one is drawn from its adjusted
+    row at once) or a device's own (here numpy's generator, independent of our uniforms, checked as NxD
+    Inference's host checks it): a draw kept with its chance, else an independent draw from the
+    adjusted row, is exact."""
     logits = torch.randn(1, VOCAB) * 2
     draws, chunk = 20_000, 2000
     generator = numpy.random.default_rng(7)
@@ -605,38 +620,38 @@ def test_a_penalised_row_drawn_first_samples_its_adjusted_distribution(grammar: 
     tokens: list[int] = []
     for start in range(0, draws, chunk):
         rows = [lowering_row(seed, grammar=grammar) for seed in range(start, start + chunk)]
-        device = generator.choice(VOCAB, size=chunk, p=raw / raw.sum()).tolist()
         whole = logits.expand(chunk, VOCAB).contiguous()
-        tokens += sampling.pick_tokens(
-            rows,
-            [3] * chunk,
-            VOCAB,
-            rows=lambda index, whole=whole: whole[index],
-            gather=sampling.gather_rows(whole, numpy.arange(chunk), VOCAB),
-            propose=(lambda index, device=device: [device[i] for i in index])
-            if proposals == "device"
-            else None,
-        ).tolist()
+        if proposals == "device":
+            tokens += device_tokens(
+                rows, generator.choice(VOCAB, size=chunk, p=raw / raw.sum()).tolist(), whole
+            )
+        else:
+            tokens += [t.token_id for t in sample_tokens(whole, rows, [3] * chunk, VOCAB)]
     frequency = numpy.bincount(tokens, minlength=VOCAB) / draws
     expected = torch.softmax(apply_host_logits(logits, [lowering_row(0, grammar=grammar)])[0], dim=0).numpy()
     assert set(numpy.flatnonzero(frequency)) <= set(numpy.flatnonzero(expected))
     assert numpy.abs(frequency - expected).sum() / 2 < 0.02  # total variation
 
 
-def test_a_greedy_penalised_row_takes_its_adjusted_argmax_whichever_token_was_drawn_first() -> None:
+@pytest.mark.parametrize("grammar", [True, False], ids=["grammar", "penalties-only"])
+def test_a_greedy_penalised_row_takes_its_adjusted_argmax_whichever_token_was_drawn_first(
+    grammar: bool,
+) -> None:
     """Kept where nothing lowered the raw argmax (every other logit only went down), else the adjusted
-    row's argmax: what the adjusted row's greedy draw takes, from any proposal."""
+    row's argmax: what the adjusted row's greedy draw takes, from any device's proposal."""
     for seed in range(30):
         logits = torch.randn(1, VOCAB) * 2
-        row = lowering_row(seed, temperature=0.0, grammar=False)
+        row = lowering_row(seed, temperature=0.0, grammar=grammar)
         best = int(apply_host_logits(logits, [row])[0].argmax())
         for proposal in (int(logits[0].argmax()), best):
-            token = sampling.pick_tokens(
-                [row],
-                [5],
-                VOCAB,
-                rows=lambda index, logits=logits: logits[index],
-                gather=sampling.gather_rows(logits, [0], VOCAB),
-                propose=lambda index, proposal=proposal: [proposal],
-            ).item()
-            assert token == best
+            assert device_tokens([row], [proposal], logits) == [best]
+
+
+def test_a_row_without_a_restriction_keeps_only_a_device_s_own_draw() -> None:
+    """Where a draw follows the host's rule (the sampler's, CUDA graphs'), a penalised row without a
+    grammar is drawn from its adjusted row at once; a device's own draw it may keep."""
+    logits = torch.randn(1, VOCAB) * 2
+    row = lowering_row(0, grammar=False)
+    untouched = 50  # no penalty, bias or ban touches it: a chance of 1
+    args = (row, untouched, 3, sampling.logit_reader(logits), 0)
+    assert sampling.keeps_draw(*args, own_draws=True) and not sampling.keeps_draw(*args)

@@ -509,7 +509,9 @@ class NxdiBackend(NeuronBackend):
         logits = output.logits[rows, -1, : self.model.vocab_size].float()
         all_logprobs = torch.log_softmax(logits, dim=-1)
         tokens = device_tokens(output.tokens[rows], all_logprobs, params)
-        return with_host_rows(tokens, logits, all_logprobs, params, positions, on_host=_on_host)
+        return with_host_rows(
+            tokens, logits, all_logprobs, params, positions, on_host=_on_host, own_draws=True
+        )
 
 
 def _on_host(params: SamplingParams) -> bool:

@@ -103,7 +103,7 @@ def test_a_penalised_row_keeps_the_device_s_token_where_no_penalty_touches_it(
     generated the device's token, which its penalty lowers, so it alone is drawn again on the host."""
     device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
     host_draws: list[tuple[str, int]] = []
-    monkeypatch.setattr(sampling, "_host_draws", spy(sampling._host_draws, "_host_draws", host_draws))
+    monkeypatch.setattr(sampling, "_inverse_cdf", spy(sampling._inverse_cdf, "_inverse_cdf", host_draws))
 
     def penalised(prompt: int, generated: tuple[int, ...]) -> SamplingParams:
         row = HostLogits.start(SamplingParams(presence_penalty=1.5), PROMPTS[prompt], (2,), None)
@@ -112,7 +112,7 @@ def test_a_penalised_row_keeps_the_device_s_token_where_no_penalty_touches_it(
         return row
 
     mixed = decode_all(nxdi_fresh, [GREEDY, penalised(1, ()), penalised(2, (device_only[2],))])
-    assert mixed[:2] == device_only[:2] and host_draws == [("_host_draws", 1)]
+    assert mixed[:2] == device_only[:2] and host_draws == [("_inverse_cdf", 1)]
 
 
 def spy(function: Callable[..., Any], name: str, calls: list[tuple[str, int]]) -> Callable[..., Any]:
