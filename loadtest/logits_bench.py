@@ -436,8 +436,8 @@ def cuda_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
 
 def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0) -> Run:
     """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
-    log-softmax of every row and the device's tokens are there whatever k; `with_host_rows` is what k
-    adds), tokens fed back as the engine does. The logits are normal with standard deviation `scale`,
+    log-softmax of every row and the device's tokens are there whatever k; `with_host_rows` with the
+    device's own draws is what k adds), tokens fed back as the engine does. The logits are normal with standard deviation `scale`,
     seeded; the device's draws come from them, made before the timed steps."""
     generator = torch.Generator().manual_seed(0)  # the same logits and draws in every run of the bench
     logits = torch.randn(BATCH, rows.vocab_size, generator=generator) * scale
@@ -455,7 +455,9 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0
             device = device_tokens(draws[step, :k], all_logprobs[:k], params[:k])
             before = clock.seconds
             start = time.perf_counter()
-            drawn = with_host_rows(device, logits, all_logprobs, params[:k], [len(PROMPT) + step] * k)
+            drawn = with_host_rows(
+                device, logits, all_logprobs, params[:k], [len(PROMPT) + step] * k, own_draws=True
+            )
             for p, token in zip(params, drawn, strict=False):
                 p.host.accept(token.token_id)  # type: ignore[union-attr]
             seconds.append(time.perf_counter() - start)
@@ -487,7 +489,9 @@ def penalty_only_figures(steps: int, rounds: int) -> dict[str, float]:
             for step in range(steps):
                 device = device_tokens(draws[step, :k], all_logprobs[:k], params)
                 start = time.perf_counter()
-                drawn = with_host_rows(device, logits, all_logprobs, params, [len(PROMPT) + step] * k)
+                drawn = with_host_rows(
+                    device, logits, all_logprobs, params, [len(PROMPT) + step] * k, own_draws=True
+                )
                 for p, token in zip(params, drawn, strict=True):
                     p.host.accept(token.token_id)  # type: ignore[union-attr]
                 seconds.append(time.perf_counter() - start)
