@@ -55,7 +55,9 @@ def on_cuda(stories_artifact: Path) -> Iterator[dict[str, TorchBackend]]:
 def mixed_rows(tokenizer: Tokenizer, group: int) -> Rows:
     """Fresh rows (their states start anew per run), one per slot: regex rows at temperature 1, one with
     top_p too (so it is masked before its draw rather than checked after it), allowed ids, a repetition
-    penalty, and plain rows, greedy and seeded."""
+    penalty, and plain rows, greedy and seeded; the third group's regex rows carry penalties or negative
+    biases too (the regex refuses their raw draws at nearly every step: redrawn from their adjusted
+    rows, on CUDA from a copy adjusted by `apply_host_logits`)."""
     grammar = compiler_for(tokenizer).compile(Constraint(Kind.REGEX, REGEX, "guided_regex"))
     eos = tuple(tokenizer.eos_token_ids)
     groups = (
@@ -70,6 +72,14 @@ def mixed_rows(tokenizer: Tokenizer, group: int) -> Rows:
             GREEDY,
             SamplingParams(temperature=1.0, seed=6, grammar=grammar),
             SamplingParams(temperature=1.0, top_k=20, seed=7),
+        ],
+        [
+            SamplingParams(temperature=1.0, seed=8, grammar=grammar, repetition_penalty=1.3),
+            SamplingParams(
+                temperature=0.9, seed=9, grammar=grammar, frequency_penalty=0.5, presence_penalty=1
+            ),
+            SamplingParams(temperature=1.0, seed=10, frequency_penalty=0.4),
+            SamplingParams(temperature=1.0, seed=11, grammar=grammar, logit_bias=((280, -2.0), (400, -1.0))),
         ],
     )
 
@@ -110,7 +120,7 @@ def decode_together(backend: TorchBackend, rows: list[SamplingParams], steps: in
     return tokens
 
 
-@pytest.mark.parametrize("group", [0, 1])
+@pytest.mark.parametrize("group", [0, 1, 2])
 def test_a_mixed_batch_gives_the_cpu_tokens_eagerly_and_through_graphs(
     stories_backend: TorchBackend, on_cuda: dict[str, TorchBackend], tokenizer: Tokenizer, group: int
 ) -> None:
@@ -133,7 +143,7 @@ def assert_restricted(tokenizer: Tokenizer, rows: list[SamplingParams], tokens: 
             assert set(generated) <= set(ALLOWED)
 
 
-@pytest.mark.parametrize("group", [0, 1])
+@pytest.mark.parametrize("group", [0, 1, 2])
 def test_a_mixed_batch_of_a_bf16_model_gives_its_eager_tokens_through_graphs(
     stories260k: Path, tokenizer: Tokenizer, tmp_path: Path, group: int
 ) -> None:
@@ -150,7 +160,7 @@ def test_a_mixed_batch_of_a_bf16_model_gives_its_eager_tokens_through_graphs(
     graphed.close()
 
 
-@pytest.mark.parametrize("group", [0, 1])
+@pytest.mark.parametrize("group", [0, 1])  # the third group has no plain row
 def test_plain_rows_keep_their_tokens_beside_host_rows_through_graphs(
     on_cuda: dict[str, TorchBackend], tokenizer: Tokenizer, group: int
 ) -> None:
