@@ -437,8 +437,8 @@ def cuda_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
 def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0) -> Run:
     """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
     log-softmax of every row and the device's tokens are there whatever k; `with_host_rows` with the
-    device's own draws is what k adds), tokens fed back as the engine does. The logits are normal with standard deviation `scale`,
-    seeded; the device's draws come from them, made before the timed steps."""
+    device's own draws is what k adds), tokens fed back as the engine does. The logits are normal with
+    standard deviation `scale`, seeded; the device's draws come from them, made before the timed steps."""
     generator = torch.Generator().manual_seed(0)  # the same logits and draws in every run of the bench
     logits = torch.randn(BATCH, rows.vocab_size, generator=generator) * scale
     all_logprobs = torch.log_softmax(logits, dim=-1)
