@@ -310,10 +310,13 @@ class ChatRenderer(OpenAIRenderer):
         """The calls `text` holds in OpenAI's terms, or None (plain content); the first of them keep `ids`
         (those a stream sent). Calls keep their arguments as generated, as they were streamed; a forced
         one cut off by the token limit is the call as far as it got, as OpenAI returns it, and so are
-        calls a stream sent as they came, whatever followed them (`calls_as_written`)."""
+        calls a stream sent as they came, whatever followed them (`calls_as_written`). Beside a JSON
+        answer, a reply that does not begin as a grammar writes a call is the answer, whatever its keys."""
         cut = reason is FinishReason.LENGTH
         if self.forced or (self.heads and opens_with(text, self.heads)):  # calls a grammar wrote
             calls = calls_as_written(text, cut, self.forced)
+        elif self.heads:
+            return None
         elif ids:
             calls = calls_as_written(text, True, ())
         else:

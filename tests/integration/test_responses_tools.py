@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.test_tools import SCHEMAS, TOOLS, client  # noqa: F401 (the server fixture)
+from tests.integration.test_tools import NAMED_PET, SCHEMAS, TOOLS, client  # noqa: F401 (the server fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -98,6 +98,24 @@ def test_a_json_schema_text_format_is_honoured(client, stream) -> None:  # noqa:
     else:
         text = client.responses.create(**kwargs, temperature=1.0, extra_body={"seed": 3}).output_text
     jsonschema.validate(json.loads(text), PET)
+
+
+def test_beside_function_tools_an_answer_with_a_name_key_is_a_message(client) -> None:  # noqa: F811
+    """A `text.format` answer with a `name` key, the function tools open, is a message item, not a call
+    of a function named after its value: each output is an offered function's call or the answer."""
+    text = {"format": {"type": "json_schema", "name": "pet", "schema": NAMED_PET}}
+    answers = 0
+    for seed in range(8):
+        response = client.responses.create(
+            model="stories260K", input=INPUT, tools=FUNCTIONS, text=text, max_output_tokens=40,
+            temperature=1.0, extra_body={"seed": seed},
+        )  # fmt: skip
+        calls = {item.name for item in response.output if item.type == "function_call"}
+        assert calls <= set(SCHEMAS)
+        if not calls:
+            answers += 1
+            assert json.loads(response.output_text)["name"] in ("Rex", "Tom")
+    assert answers > 0
 
 
 def test_a_conversation_with_a_call_and_its_output_runs(client) -> None:  # noqa: F811

@@ -285,6 +285,35 @@ def test_beside_a_response_format_the_answer_and_a_call_stream_as_they_come(clie
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+NAMED_PET = {
+    "type": "object",
+    "properties": {"legs": {"enum": [2, 4]}, "name": {"enum": ["Rex", "Tom"]}},
+    "required": ["legs", "name"],
+    "additionalProperties": False,
+}
+
+
+def test_beside_a_response_format_an_answer_with_a_name_key_is_content(client) -> None:
+    """An answer with a `name` key (an agent's output model with a `name` field, sent on every turn beside
+    its tools) is the answer, streamed or not: only a reply that begins as the grammar writes a call is
+    one. Each choice is an offered function's call or the answer; these seeds give both."""
+    pet = {"type": "json_schema", "json_schema": {"name": "pet", "schema": NAMED_PET}}
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=1.0,
+                 response_format=pet)  # fmt: skip
+    answers = 0
+    for seed in range(8):
+        message = client.chat.completions.create(seed=seed, **asked).choices[0].message
+        if message.tool_calls is not None:
+            assert {call.function.name for call in message.tool_calls} <= set(SCHEMAS)
+            continue
+        answers += 1
+        assert json.loads(message.content)["name"] in ("Rex", "Tom")
+        chunks = list(client.chat.completions.create(stream=True, seed=seed, **asked))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    assert answers > 0
+
+
 def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> None:
     """With the choice the model's, a reply that begins a call of an offered function in the JSON form
     streams its arguments from there, as vLLM streams them, and they make the call a request without
