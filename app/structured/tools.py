@@ -40,6 +40,7 @@ NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<close
 # a call's start in the JSON form, to where its arguments begin, and the brace after them that closes it
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 CALL_CLOSE = re.compile(r"\s*\}")
+CALL_KEYS = frozenset({"name", "parameters", "arguments", "type"})  # a JSON-form call's keys (Llama 3.1-3.3)
 _DECODER = json.JSONDecoder()
 
 
@@ -370,10 +371,13 @@ def _json_calls(body: str) -> list[ToolCall] | None:
 
 
 def _json_call(call: Any) -> ToolCall | None:
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    """A call in the JSON form: an object of a string `name` and an object of `parameters` (or
+    `arguments`), and at most `"type": "function"` beside them. Any other object is data, such as a JSON
+    answer with a `name` key, not a call."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call.keys() <= CALL_KEYS:
         return None
-    arguments = call.get("parameters", call.get("arguments", {}))
-    if not isinstance(arguments, dict):
+    arguments = call.get("parameters", call.get("arguments"))
+    if not isinstance(arguments, dict) or call.get("type", "function") != "function":
         return None
     return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 

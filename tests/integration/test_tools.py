@@ -314,6 +314,22 @@ def test_beside_a_response_format_an_answer_with_a_name_key_is_content(client) -
     assert answers > 0
 
 
+def test_with_tools_offered_a_json_reply_with_a_name_key_is_content(client) -> None:
+    """A reply the model chooses to write as JSON data with a `name` key (held to one here by a
+    `guided_json`, as `json_object` or a prompt asking for JSON leaves it to the model) is content, not a
+    call of a function named after its value: a call's object holds `name` and `parameters` alone."""
+    tom = {"type": "object", "properties": {"name": {"const": "Tom"}, "legs": {"const": 4}},
+           "required": ["name", "legs"], "additionalProperties": False}  # fmt: skip
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=30, temperature=0,
+                 extra_body={"guided_json": tom})  # fmt: skip
+    choice = client.chat.completions.create(**asked).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert json.loads(choice.message.content) == {"name": "Tom", "legs": 4}
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+
+
 def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> None:
     """With the choice the model's, a reply that begins a call of an offered function in the JSON form
     streams its arguments from there, as vLLM streams them, and they make the call a request without

@@ -40,8 +40,9 @@ from app.tokenizer import Tokenizer
         ('{"name": "f", "parameters": {"q": "a;b"}}', [ToolCall("f", '{"q": "a;b"}')]),
         ('[get_weather(city="Paris", days=3), now()]',
          [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
+        ('{"type": "function", "name": "f", "parameters": {"a": 1}}', [ToolCall("f", '{"a": 1}')]),
     ],
-    ids=["json", "python-tag", "two-json", "semicolon-in-string", "pythonic"],
+    ids=["json", "python-tag", "two-json", "semicolon-in-string", "pythonic", "typed-json"],
 )  # fmt: skip
 def test_calls_are_read(text: str, calls: list[ToolCall]) -> None:
     assert parse_tool_calls(text) == calls
@@ -58,6 +59,10 @@ def test_calls_are_read(text: str, calls: list[ToolCall]) -> None:
         "[]",
         "{",
         '{"name": "f", "parameters": {}}; Hello',
+        '{"name": "Tom", "legs": 4}',  # a JSON answer with a `name` key
+        '{"name": "f"}',
+        '{"name": "f", "parameters": {}, "legs": 4}',
+        '{"type": "object", "name": "f", "parameters": {}}',
     ],
 )
 def test_other_text_is_no_call(text: str) -> None:
