@@ -41,6 +41,7 @@ NAME_SO_FAR = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]*)(?P<close
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 CALL_CLOSE = re.compile(r"\s*\}")
 CALL_KEYS = frozenset({"name", "parameters", "arguments", "type"})  # a JSON-form call's keys (Llama 3.1-3.3)
+FIRST_KEY = re.compile(r'\{\s*(?:"(?P<key>(?:[^"\\]|\\.)*)"|[^\s"])')  # an object's first key, or other
 _DECODER = json.JSONDecoder()
 
 
@@ -271,15 +272,29 @@ CALL_OPENERS = {ToolCallParser.LLAMA3_JSON: "{", ToolCallParser.PYTHONIC: "["}
 
 def opens_call(text: str, parser: ToolCallParser | None = None) -> bool | None:
     """Whether the start of a reply, `text`, opens calls in a form `parse_tool_calls` reads: None while
-    it is blank or `<|python_tag|>` so far, then whether its first character after them opens one. A
-    reply that does not can never be read as calls, whatever follows: a stream may send it as text."""
+    it is blank or `<|python_tag|>` so far, then whether its first character after them opens one, and
+    in the JSON form whether its first key, once complete, is a call's (`CALL_KEYS`). A reply that does
+    not can never be read as calls, whatever follows: a stream may send it as text (JSON data with
+    tools offered streams from its first key)."""
     start = text.lstrip()
     if PYTHON_TAG.startswith(start):
         return None
     body = start.removeprefix(PYTHON_TAG).lstrip()
     if not body:
         return None
-    return body[0] in (CALL_OPENERS[parser] if parser else "".join(CALL_OPENERS.values()))
+    if body[0] not in (CALL_OPENERS[parser] if parser else "".join(CALL_OPENERS.values())):
+        return False
+    return _first_key_of_a_call(body) if body[0] == "{" else True
+
+
+def _first_key_of_a_call(body: str) -> bool | None:
+    """Whether a JSON object's start, `body`, may be a call from its first key: None until it is
+    complete (or the object's first character other than a blank is not a key's quote, False)."""
+    first = FIRST_KEY.match(body)
+    if first is None:
+        return None
+    key = first["key"]
+    return key is not None and _name(f'"{key}"') in CALL_KEYS
 
 
 def call_heads(functions: Sequence[Function]) -> tuple[str, ...]:

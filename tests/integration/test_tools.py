@@ -330,6 +330,19 @@ def test_with_tools_offered_a_json_reply_with_a_name_key_is_content(client) -> N
     assert not any(c.choices[0].delta.tool_calls for c in chunks)
 
 
+def test_with_tools_offered_json_data_streams_from_its_first_key(client) -> None:
+    """JSON data whose first key is no call's (`legs`) streams as content deltas from that key on, as a
+    reply without tools does, rather than arriving whole at its end."""
+    legs_first = {"type": "object", "properties": {"legs": {"enum": [2, 4]}, "name": {"type": "string"}},
+                  "required": ["legs", "name"], "additionalProperties": False}  # fmt: skip
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=30, temperature=0,
+                 extra_body={"guided_json": legs_first})  # fmt: skip
+    whole = client.chat.completions.create(**asked).choices[0].message
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert whole.tool_calls is None and len(texts) > 3 and "".join(texts) == whole.content
+
+
 def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> None:
     """With the choice the model's, a reply that begins a call of an offered function in the JSON form
     streams its arguments from there, as vLLM streams them, and they make the call a request without

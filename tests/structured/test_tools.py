@@ -290,7 +290,11 @@ def test_required_with_parallel_calls_allows_several_and_a_named_choice_one(stor
         ("<|python", None, None),  # `<|python_tag|>` so far
         (" <|python_tag|> ", None, None),
         ('{"name"', None, True),
-        ("\n <|python_tag|>{", None, True),
+        ("\n <|python_tag|>{", None, None),  # its first key to come
+        ('<|python_tag|>{"type"', None, True),
+        ('{"na', None, None),
+        ('{"legs"', None, False),  # JSON data: no call's key
+        ("{}", None, False),
         ("[get_weather(", None, True),
         ("[get_weather(", ToolCallParser.LLAMA3_JSON, False),
         ('{"name"', ToolCallParser.PYTHONIC, False),
@@ -366,10 +370,17 @@ def test_a_reply_nested_past_pythons_parser_or_misquoted_is_no_call() -> None:
 
 
 def test_a_reply_that_shows_no_call_head_is_no_longer_read() -> None:
-    """A JSON reply that is not a call of an offered function (an answer under `json_object`) is held
-    to its end as before, but its start is read only as far as a call head can go, not for every
+    """A JSON reply that begins as a call but shows no offered function's head (a `name` that is none of
+    them) is held to its end, but its start is read only as far as a call head can go, not for every
     delta of the reply."""
     start = CallStart(None, forced=False, names={"get_time"})
-    for delta in ['{"answer": "', *["word "] * 200]:
+    for delta in ['{"name": "', *["word "] * 200]:
         start.is_text(delta)
     assert start.opens is True and not start.streams and len(start.start) < 300
+
+
+def test_json_data_with_tools_offered_shows_it_is_text_from_its_first_key() -> None:
+    """A JSON reply whose first key is no call's (an answer under `json_object`) is text once that key
+    is complete: it streams from there instead of being held to its end."""
+    start = CallStart(None, forced=False, names={"get_time"})
+    assert [start.is_text(delta) for delta in ("{", '"ans', 'wer":', ' "yes"}')] == [False, False, True, True]
