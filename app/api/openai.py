@@ -65,8 +65,10 @@ from app.structured.tools import (
     StreamedCalls,
     ToolCall,
     ToolCallParser,
+    begins_call_of,
     calls_as_written,
     calls_so_far,
+    json_form_names,
     new_call_id,
     opens_with,
     parse_tool_calls,
@@ -310,14 +312,15 @@ class ChatRenderer(OpenAIRenderer):
         """The calls `text` holds in OpenAI's terms, or None (plain content); the first of them keep `ids`
         (those a stream sent). Calls keep their arguments as generated, as they were streamed; a forced
         one cut off by the token limit is the call as far as it got, as OpenAI returns it, and so are
-        calls a stream sent as they came, whatever followed them (`calls_as_written`). Beside a JSON
+        calls a stream sent as they came, whatever followed them (`calls_as_written`), and a call of an
+        offered function in the JSON form that the token limit cut, as a stream sends it. Beside a JSON
         answer, a reply that does not begin as a grammar writes a call is the answer, whatever its keys."""
         cut = reason is FinishReason.LENGTH
         if self.forced or (self.heads and opens_with(text, self.heads)):  # calls a grammar wrote
             calls = calls_as_written(text, cut, self.forced)
         elif self.heads:
             return None
-        elif ids:
+        elif ids or (cut and begins_call_of(text, json_form_names(self.parser, self.names))):
             calls = calls_as_written(text, True, ())
         else:
             calls = self.parsed_calls(text)

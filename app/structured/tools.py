@@ -318,6 +318,12 @@ def begins_call_of(text: str, names: Collection[str]) -> bool:
     return head is not None and _name(head["name"]) in names
 
 
+def json_form_names(parser: ToolCallParser | None, names: Collection[str]) -> Collection[str]:
+    """`names`, the offered functions, where a reply may hold calls in the JSON form (`parser` None or
+    llama3_json); none where it may not."""
+    return names if parser in (None, ToolCallParser.LLAMA3_JSON) else ()
+
+
 def _name(quoted: str) -> str | None:
     """A call's name as the model quoted it, or None where the quoting is not JSON's."""
     try:
@@ -344,7 +350,7 @@ class CallStart:
     ) -> None:
         self.parser = parser
         self.heads = heads
-        self.names = names if parser in (None, ToolCallParser.LLAMA3_JSON) else ()
+        self.names = json_form_names(parser, names)
         self.opens: bool | None = True if forced else None
         self.streams = forced
         self.start = ""

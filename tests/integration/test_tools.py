@@ -361,6 +361,23 @@ def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> N
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_call_the_model_chooses_cut_by_max_tokens_is_the_call_as_far_as_it_got(client) -> None:
+    """Cut inside its arguments, a call the model chose is returned as OpenAI returns a cut call, its
+    arguments as far as they got and finish_reason "length": not streamed as streamed (where its deltas
+    had gone out already), not as content."""
+    call = {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER},
+            "required": ["name", "parameters"], "additionalProperties": False}  # fmt: skip
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=36, temperature=0,
+                 extra_body={"guided_json": call})  # fmt: skip
+    choice = client.chat.completions.create(**asked).choices[0]
+    (whole,) = choice.message.tool_calls
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert whole.function.name == "get_weather" and whole.function.arguments.startswith('{"city":')
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    deltas = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert "".join(delta.function.arguments for delta in deltas) == whole.function.arguments
+
+
 def allowed(mode: str, *names: str) -> dict:
     """OpenAI's `allowed_tools` choice of the functions `names`."""
     tools = [{"type": "function", "function": {"name": name}} for name in names]
