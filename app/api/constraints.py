@@ -23,6 +23,7 @@ from app.api.protocol import (
     AllowedToolsChoice,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerateGrammar,
     NamedToolChoice,
     ResponseFormat,
     StructuralTag,
@@ -160,6 +161,24 @@ def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Con
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON schema object", param=param)
     return Constraint(Kind.JSON_SCHEMA, closed(schema) if strict else lenient(closed(schema)), param)
+
+
+def tgi_constraint(grammar: GenerateGrammar | None) -> Constraint | None:
+    """TGI's `parameters.grammar` as a constraint: a JSON schema (`json`, `json_object`, or `json_schema`'s
+    `schema`, `strict` honoured) or a regular expression."""
+    param = "parameters.grammar.value"
+    if grammar is None:
+        return None
+    if grammar.type == "regex":
+        if not isinstance(grammar.value, str):
+            raise InvalidRequestError(f"{param} must be a regular expression string", param=param)
+        return _text(Kind.REGEX, grammar.value, param)
+    if grammar.type != "json_schema":
+        return json_schema_constraint(grammar.value, param)
+    if not isinstance(grammar.value, dict) or "schema" not in grammar.value:
+        raise InvalidRequestError(f"{param} must be an object with a schema", param=param)
+    spec = grammar.value
+    return json_schema_constraint(spec["schema"], param + ".schema", strict=spec.get("strict") is True)
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -268,6 +268,14 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
+class GenerateGrammar(RequestModel):
+    """TGI's `parameters.grammar`: `json` (a JSON schema, or JSON text holding one; `json_object` is
+    TGI's alias), `regex` (a regular expression), or `json_schema` (`{"name", "schema"}`)."""
+
+    type: Literal["json", "json_object", "regex", "json_schema"]
+    value: Any
+
+
 class GenerateParameters(RequestModel):
     """TGI's `parameters` object."""
 
@@ -289,7 +297,7 @@ class GenerateParameters(RequestModel):
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     decoder_input_details: bool = False
     top_n_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
-    grammar: Any = None
+    grammar: GenerateGrammar | None = None
     adapter_id: str | None = None
 
 

@@ -30,6 +30,7 @@ from app.api.constraints import (
     bad_words_ids,
     logit_bias_pairs,
     request_constraint,
+    tgi_constraint,
     tools_offered,
     with_allowed_tools,
 )
@@ -46,11 +47,12 @@ from app.api.protocol import (
 from app.api.responses_protocol import REFUSED as RESPONSES_REFUSED
 from app.api.responses_protocol import RESPONSES_NAMES, RESPONSES_TOOL, ResponsesRequest, chat_body
 from app.backends.base import SamplingParams
+from app.backends.logits import Grammar
 from app.engine.types import EngineClient, GenerationParams
 from app.errors import ContextLengthError, InvalidRequestError, NotFoundError
 from app.settings import ServerSettings
 from app.shapes import ShapeGrid
-from app.structured.grammar import compiler_for
+from app.structured.grammar import Constraint, compiler_for
 from app.tokenizer import Tokenizer
 
 M = TypeVar("M", bound=BaseModel)
@@ -159,7 +161,7 @@ FIELDS: dict[str, Field] = {
     "watermark": Field(Use.REFUSED, (False,), "not implemented"),
     "decoder_input_details": Field(Use.REFUSED, (False,), "not implemented"),
     "top_n_tokens": Field(Use.REFUSED, (None, 0), "not implemented"),
-    "grammar": Field(Use.REFUSED, (None,), "no structured output"),
+    "grammar": Field(Use.DEVICE, (None,), "TGI's json (json_object), regex and json_schema; " + GRAMMAR),
     "adapter_id": Field(Use.REFUSED, (None,), "no adapters"),
 }
 
@@ -568,7 +570,7 @@ class Validator:
             self.limits.max_tokens(params.max_new_tokens, len(prompt), "parameters.max_new_tokens", None)
         ]
         knobs = Knobs(
-            sampling=tgi_sampling(params),
+            sampling=replace(tgi_sampling(params), grammar=self._grammar(tgi_constraint(params.grammar))),
             stop_strings=tuple(params.stop),
             ignore_eos=params.ignore_eos,
         )
@@ -627,6 +629,10 @@ class Validator:
     def _truncate(token_ids: list[int], keep: int | None) -> list[int]:
         return token_ids if keep is None else token_ids[-keep:]
 
+    def _grammar(self, constraint: Constraint | None) -> Grammar | None:
+        """`constraint` compiled for this tokenizer (cached per source), or None."""
+        return None if constraint is None else compiler_for(self.tokenizer).compile(constraint)
+
     def _knobs(
         self,
         body: CompletionRequest | ChatCompletionRequest,
@@ -649,7 +655,7 @@ class Validator:
             logit_bias=logit_bias_pairs(body.logit_bias),
             bad_words=bad_words_ids(self.tokenizer, getattr(body, "bad_words", None)),
             allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
-            grammar=None if constraint is None else compiler_for(self.tokenizer).compile(constraint),
+            grammar=self._grammar(constraint),
         )
         return Knobs(
             sampling=sampling,

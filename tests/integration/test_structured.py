@@ -10,9 +10,11 @@ import json
 import re
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from huggingface_hub import InferenceClient
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow
@@ -229,3 +231,49 @@ def test_a_forced_call_cut_off_by_max_tokens_is_a_partial_call(client) -> None:
     )  # fmt: skip
     (item,) = response.output
     assert response.status == "incomplete" and item.type == "function_call" and item.name == "f"
+
+
+@pytest.fixture(scope="module")
+def tgi(sagemaker_server) -> InferenceClient:
+    """huggingface_hub's client, as TGI's users call a SageMaker container: TGI's body at /invocations."""
+    return InferenceClient(model=sagemaker_server.url + "/invocations")
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        {"type": "json", "value": SCHEMA},
+        {"type": "json", "value": json.dumps(SCHEMA)},  # JSON text holding the schema, as TGI takes it
+        {"type": "json_schema", "value": {"name": "pet", "schema": SCHEMA}},
+    ],
+    ids=["json", "json-text", "json_schema"],
+)
+def test_tgi_json_grammars_hold_sampled_outputs_to_their_schema(tgi, grammar) -> None:
+    for seed in range(8):
+        text = tgi.text_generation("A pet:", grammar=grammar, max_new_tokens=48, seed=seed, do_sample=True)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_tgi_regex_grammar_holds_sampled_and_streamed_outputs(tgi) -> None:
+    grammar = {"type": "regex", "value": REGEX}
+    for seed in range(8):
+        assert re.fullmatch(REGEX, tgi.text_generation("A pet:", grammar=grammar, seed=seed, do_sample=True))
+    streamed = tgi.text_generation("A pet:", grammar=grammar, seed=1, do_sample=True, stream=True)
+    assert re.fullmatch(REGEX, "".join(streamed))
+
+
+@pytest.mark.parametrize(
+    ("grammar", "param"),
+    [
+        ({"type": "yaml", "value": "x"}, "parameters.grammar.type"),
+        ({"type": "regex", "value": 3}, "parameters.grammar.value"),
+        ({"type": "regex", "value": "(a"}, "parameters.grammar.value"),
+        ({"type": "json", "value": "{not json"}, "parameters.grammar.value"),
+        ({"type": "json_schema", "value": {"name": "pet"}}, "parameters.grammar.value"),
+    ],
+    ids=["type", "regex-not-text", "regex-unclosed", "json-text-not-json", "json_schema-without-schema"],
+)
+def test_a_bad_tgi_grammar_is_a_400_naming_its_field(sagemaker_server, grammar, param) -> None:
+    body = {"inputs": "A pet:", "parameters": {"max_new_tokens": 4, "grammar": grammar}}
+    response = httpx.post(sagemaker_server.url + "/invocations", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
