@@ -483,10 +483,20 @@ class GenerateToken(ResponseModel):
     special: bool = False
 
 
-class GenerateDetails(ResponseModel):
+class GenerateStreamDetails(ResponseModel):
+    """A stream's last event's details, as TGI's `StreamDetails`."""
+
     finish_reason: str
     generated_tokens: int
     seed: int | None
+
+
+class GenerateDetails(GenerateStreamDetails):
+    """A whole body's details, as TGI's: the prompt's tokens (`prefill`, empty: this server does not score
+    them, `decoder_input_details` is refused) and each generated token with its logprob."""
+
+    prefill: list[GenerateToken]
+    tokens: list[GenerateToken]
 
 
 class GenerateResponse(ResponseModel):
@@ -502,7 +512,7 @@ class GenerateStreamEvent(ResponseModel):
     index: int
     token: GenerateToken | None
     generated_text: str | None = None
-    details: GenerateDetails | None = None
+    details: GenerateStreamDetails | None = None
 
 
 class Status(ResponseModel):

@@ -1,9 +1,11 @@
 """The `{"inputs", "parameters", "stream"}` body that TGI and LMI containers take on SageMaker.
 
-As TGI answers it: a JSON array `[{"generated_text", "details"?}]`, or with `stream` server-sent events,
-one per token (`{"index", "token": {"id", "text", "logprob", "special"}, "generated_text", "details"}`),
-the last carrying the whole `generated_text` and `details`. Sampling follows TGI: greedy unless
-`do_sample` or a sampling parameter (`temperature` != 1, `top_k`, `top_p` < 1) is set.
+As TGI answers it: a JSON array `[{"generated_text", "details"?}]` (`details`: the finish reason, the
+number of tokens, the seed, `prefill` and each generated token as `{"id", "text", "logprob", "special"}`),
+or with `stream` server-sent events, one per token (`{"index", "token", "generated_text", "details"}`),
+the last carrying the whole `generated_text` and `details` (without the token lists, as TGI's).
+Sampling follows TGI: greedy unless `do_sample` or a sampling parameter (`temperature` != 1, `top_k`,
+`top_p` < 1) is set.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from app.api.protocol import (
     GenerateDetails,
     GenerateRequest,
     GenerateResponse,
+    GenerateStreamDetails,
     GenerateStreamEvent,
     GenerateToken,
 )
 from app.api.serving import ChoiceOutput, Job, Serving
 from app.api.validation import Validated
+from app.backends.base import SampledToken
 from app.engine.types import FinishReason, RequestOutput
 
 
@@ -30,6 +34,7 @@ class GenerateRenderer:
         assert isinstance(validated.body, GenerateRequest)
         self.eos_token_ids = serving.engine.eos_token_ids
         self.special_token_ids = serving.tokenizer.special_token_ids
+        self.token_text = serving.token_text
         self.job = job
         self.details_wanted = validated.body.parameters.details
         self.prefix = "".join(validated.prompt_texts)
@@ -42,27 +47,31 @@ class GenerateRenderer:
             return "eos_token" if last in self.eos_token_ids else "stop_sequence"
         return str(output.finish_reason)
 
-    def details(self, output: ChoiceOutput) -> GenerateDetails:
-        return GenerateDetails(
+    def stream_details(self, output: ChoiceOutput) -> GenerateStreamDetails:
+        return GenerateStreamDetails(
             finish_reason=self.finish_reason(output),
             generated_tokens=output.num_generated_tokens,
             seed=output.seed if self.sampled else None,
         )
 
+    def details(self, output: ChoiceOutput) -> GenerateDetails:
+        """A whole body's details: each generated token with its own text, as TGI lists them."""
+        tokens = [self.token(sample, self.token_text(sample.token_id)) for sample in output.samples]
+        return GenerateDetails(**self.stream_details(output).model_dump(), prefill=[], tokens=tokens)
+
+    def token(self, sample: SampledToken, text: str) -> GenerateToken:
+        special = sample.token_id in self.special_token_ids
+        return GenerateToken(id=sample.token_id, text=text, logprob=sample.logprob, special=special)
+
     def delta(self, index: int, out: RequestOutput) -> bytes:
-        tokens: list[GenerateToken | None] = [
-            GenerateToken(
-                id=s.token_id, text="", logprob=s.logprob, special=s.token_id in self.special_token_ids
-            )
-            for s in out.samples
-        ] or [None]
+        tokens: list[GenerateToken | None] = [self.token(s, "") for s in out.samples] or [None]
         if tokens[-1] is not None:
             tokens[-1].text = out.text
         events = [GenerateStreamEvent(index=index, token=token) for token in tokens]
         if out.finished:
             output = self.job.choices[index]
             events[-1].generated_text = self.prefix + output.text
-            events[-1].details = self.details(output)
+            events[-1].details = self.stream_details(output)
         return b"".join(streaming.sse(event.model_dump_json()) for event in events)
 
     def end(self, job: Job) -> bytes:

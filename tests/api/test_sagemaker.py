@@ -46,12 +46,14 @@ def test_invocations_generate_body_is_greedy_by_default(client, engine):
     body = {"inputs": "hello", "parameters": {"max_new_tokens": 3, "details": True, "return_full_text": True}}
     response = invoke(client, body)
     assert response.status_code == 200
-    assert response.json() == [
-        {
-            "generated_text": "hello" + expected_text(6, 3),
-            "details": {"finish_reason": "length", "generated_tokens": 3, "seed": None},
-        }
-    ]
+    ((answer,),) = [response.json()]
+    assert answer["generated_text"] == "hello" + expected_text(6, 3)
+    details = answer["details"]
+    assert {k: details[k] for k in ("finish_reason", "generated_tokens", "seed", "prefill")} == {
+        "finish_reason": "length", "generated_tokens": 3, "seed": None, "prefill": []
+    }  # fmt: skip
+    assert "".join(t["text"] for t in details["tokens"]) == expected_text(6, 3)  # as TGI lists them
+    assert all(t["logprob"] <= 0 and not t["special"] for t in details["tokens"])
     assert list(engine.requests.values())[-1].sampling.temperature == 0.0
 
 

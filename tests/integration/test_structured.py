@@ -277,3 +277,14 @@ def test_a_bad_tgi_grammar_is_a_400_naming_its_field(sagemaker_server, grammar, 
     body = {"inputs": "A pet:", "parameters": {"max_new_tokens": 4, "grammar": grammar}}
     response = httpx.post(sagemaker_server.url + "/invocations", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_tgi_details_list_each_generated_token_as_huggingface_hub_reads_them(tgi) -> None:
+    """`details=True`: huggingface_hub's `TextGenerationOutput` carries each token (TGI's `tokens`), its
+    texts making the generated text, with its logprob."""
+    grammar = {"type": "json", "value": SCHEMA}
+    out = tgi.text_generation("A pet:", grammar=grammar, max_new_tokens=48, details=True)
+    assert out.details.finish_reason == "eos_token" and out.details.prefill == []
+    assert "".join(token.text for token in out.details.tokens) == out.generated_text
+    assert len(out.details.tokens) == out.details.generated_tokens
+    assert all(token.logprob <= 0 for token in out.details.tokens)
