@@ -96,8 +96,16 @@ def call_heads_beside_answer(body: ChatCompletionRequest) -> tuple[str, ...]:
     """Where a JSON schema response format leaves calls open (`call_or_answer`), the text each call
     begins with (`call_heads`); () elsewhere."""
     response_format = body.response_format
-    composed = calls_open(body) and response_format is not None and response_format.type == "json_schema"
+    composed = calls_open(body) and response_format is not None and _shapes_json_answer(response_format)
     return call_heads(offered_functions(body)) if composed else ()
+
+
+def _shapes_json_answer(response_format: ResponseFormat) -> bool:
+    """Whether a response format holds the answer to a JSON schema (OpenAI's `json_schema`, TGI's JSON
+    forms), which `call_or_answer` composes with the calls."""
+    if response_format.value is not None:
+        return response_format.type != "regex"
+    return response_format.type == "json_schema"
 
 
 def calls_in_json_form(body: ChatCompletionRequest) -> bool:
@@ -163,22 +171,29 @@ def json_schema_constraint(schema: Any, param: str, strict: bool = False) -> Con
     return Constraint(Kind.JSON_SCHEMA, closed(schema) if strict else lenient(closed(schema)), param)
 
 
+TGI_GRAMMARS = ("json", "json_object", "json_schema", "regex")
+
+
 def tgi_constraint(grammar: GenerateGrammar | None) -> Constraint | None:
-    """TGI's `parameters.grammar` as a constraint: a JSON schema (`json`, `json_object`, or `json_schema`'s
-    `schema`, `strict` honoured) or a regular expression."""
-    param = "parameters.grammar.value"
+    """TGI's `parameters.grammar` as a constraint (`tgi_grammar_constraint`)."""
     if grammar is None:
         return None
-    if grammar.type == "regex":
-        if not isinstance(grammar.value, str):
-            raise InvalidRequestError(f"{param} must be a regular expression string", param=param)
-        return _text(Kind.REGEX, grammar.value, param)
-    if grammar.type != "json_schema":
-        return json_schema_constraint(grammar.value, param)
-    if not isinstance(grammar.value, dict) or "schema" not in grammar.value:
+    return tgi_grammar_constraint(grammar.type, grammar.value, "parameters.grammar.value")
+
+
+def tgi_grammar_constraint(kind: str, value: Any, param: str) -> Constraint:
+    """TGI's `{"type", "value"}` grammar (a TGI body's `parameters.grammar`, its chat `response_format`)
+    as a constraint: a JSON schema (`json`, `json_object`, or `json_schema`'s `schema`, `strict`
+    honoured) or a regular expression."""
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(f"{param} must be a regular expression (a string)", param=param)
+        return Constraint(Kind.REGEX, value, param)
+    if kind != "json_schema":
+        return json_schema_constraint(value, param)
+    if not isinstance(value, dict) or "schema" not in value:
         raise InvalidRequestError(f"{param} must be an object with a schema", param=param)
-    spec = grammar.value
-    return json_schema_constraint(spec["schema"], param + ".schema", strict=spec.get("strict") is True)
+    return json_schema_constraint(value["schema"], param + ".schema", strict=value.get("strict") is True)
 
 
 def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -207,6 +222,8 @@ def bad_words_ids(tokenizer: Tokenizer, words: Sequence[str] | None) -> tuple[tu
 
 
 def _response_format(response_format: ResponseFormat | None) -> Constraint | None:
+    if response_format is not None and _tgi_form(response_format):
+        return tgi_grammar_constraint(response_format.type, response_format.value, "response_format.value")
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
@@ -227,6 +244,23 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
     return json_schema_constraint(
         spec.get("schema", {}), "response_format.json_schema.schema", strict=spec.get("strict") is True
     )
+
+
+def _tgi_form(response_format: ResponseFormat) -> bool:
+    """Whether a response format is TGI's `{"type", "value"}` (a `value`, or a type only TGI has); 400
+    where its value comes with a type TGI does not take, or beside OpenAI's `json_schema`."""
+    if response_format.value is None:
+        if response_format.type in ("json", "regex"):
+            raise InvalidRequestError(
+                f"response_format {response_format.type} needs its value", param="response_format.value"
+            )
+        return False
+    if response_format.type not in TGI_GRAMMARS or response_format.json_schema is not None:
+        raise InvalidRequestError(
+            f"response_format.value is TGI's, for types {', '.join(TGI_GRAMMARS)}, without json_schema",
+            param="response_format.value",
+        )
+    return True
 
 
 def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint | None]:

@@ -145,10 +145,15 @@ class SamplingFields(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    """OpenAI's (`json_object`, `json_schema` with `json_schema`), vLLM's `structural_tag`, and TGI's
+    (`{"type", "value"}`: `json` or `json_object` with a schema, `json_schema` with `{"name", "schema"}`,
+    `regex`), which huggingface_hub's `chat_completion` sends."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag", "json", "regex"]
     json_schema: dict[str, Any] | None = None
     structures: list[TagStructure] | None = None  # structural_tag's (`StructuralTag`)
     triggers: list[Trigger] | None = None
+    value: Any = None  # TGI's
 
 
 class CompletionRequest(SamplingFields):

@@ -288,3 +288,46 @@ def test_tgi_details_list_each_generated_token_as_huggingface_hub_reads_them(tgi
     assert "".join(token.text for token in out.details.tokens) == out.generated_text
     assert len(out.details.tokens) == out.details.generated_tokens
     assert all(token.logprob <= 0 for token in out.details.tokens)
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json", "value": SCHEMA},  # TGI's
+        {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}},  # sent as json_object
+        {"type": "regex", "value": REGEX},
+    ],
+    ids=["json", "json_schema", "regex"],
+)
+def test_huggingface_hub_chat_response_formats_hold_the_reply(sagemaker_server, response_format) -> None:
+    """huggingface_hub's `chat_completion` sends TGI's `{"type", "value"}` response formats (an OpenAI
+    `json_schema` becomes TGI's `json_object` with the schema as its value): each holds the reply."""
+    hub = InferenceClient(base_url=sagemaker_server.url + "/v1")
+    for seed in range(4):
+        reply = hub.chat_completion(
+            messages=MESSAGES, model="stories260K", response_format=response_format, max_tokens=48, seed=seed,
+            temperature=1.0,
+        ).choices[0].message.content  # fmt: skip
+        if response_format["type"] == "regex":
+            assert re.fullmatch(REGEX, reply)
+        else:
+            jsonschema.validate(json.loads(reply), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json"},
+        {"type": "text", "value": SCHEMA},
+        {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}, "value": SCHEMA},
+        {"type": "json_schema", "value": {"name": "pet"}},
+    ],
+    ids=["json-without-value", "text-with-value", "both-forms", "json_schema-without-schema"],
+)
+def test_a_tgi_response_format_that_does_not_hold_is_a_400_naming_its_value(client, response_format) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="stories260K", messages=MESSAGES, max_tokens=4,
+            extra_body={"response_format": response_format},
+        )  # fmt: skip
+    assert refused.value.body["param"] == "response_format.value"
