@@ -105,7 +105,7 @@ def _shapes_json_answer(response_format: ResponseFormat) -> bool:
     forms), which `call_or_answer` composes with the calls."""
     if response_format.value is not None:
         return response_format.type != "regex"
-    return response_format.type == "json_schema"
+    return response_format.type == "json_schema" or response_format.schema_ is not None
 
 
 def calls_in_json_form(body: ChatCompletionRequest) -> bool:
@@ -224,6 +224,8 @@ def bad_words_ids(tokenizer: Tokenizer, words: Sequence[str] | None) -> tuple[tu
 def _response_format(response_format: ResponseFormat | None) -> Constraint | None:
     if response_format is not None and _tgi_form(response_format):
         return tgi_grammar_constraint(response_format.type, response_format.value, "response_format.value")
+    if response_format is not None and response_format.schema_ is not None:
+        return _flattened_schema(response_format)
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
@@ -248,19 +250,31 @@ def _response_format(response_format: ResponseFormat | None) -> Constraint | Non
 
 def _tgi_form(response_format: ResponseFormat) -> bool:
     """Whether a response format is TGI's `{"type", "value"}` (a `value`, or a type only TGI has); 400
-    where its value comes with a type TGI does not take, or beside OpenAI's `json_schema`."""
+    where its value comes with a type TGI does not take, or beside another form's schema."""
     if response_format.value is None:
         if response_format.type in ("json", "regex"):
             raise InvalidRequestError(
                 f"response_format {response_format.type} needs its value", param="response_format.value"
             )
         return False
-    if response_format.type not in TGI_GRAMMARS or response_format.json_schema is not None:
+    beside = response_format.json_schema is not None or response_format.schema_ is not None
+    if response_format.type not in TGI_GRAMMARS or beside:
         raise InvalidRequestError(
-            f"response_format.value is TGI's, for types {', '.join(TGI_GRAMMARS)}, without json_schema",
+            f"response_format.value is TGI's, for types {', '.join(TGI_GRAMMARS)}, alone",
             param="response_format.value",
         )
     return True
+
+
+def _flattened_schema(response_format: ResponseFormat) -> Constraint:
+    """The flattened `{"type": "json_object" | "json_schema", "schema": ...}` (llama.cpp's, Together's) as
+    a JSON schema constraint; 400 naming `response_format.schema` beside other types or forms."""
+    if response_format.type not in ("json_object", "json_schema") or response_format.json_schema is not None:
+        raise InvalidRequestError(
+            "response_format.schema is the flattened form's: type json_object or json_schema, no json_schema",
+            param="response_format.schema",
+        )
+    return json_schema_constraint(response_format.schema_, "response_format.schema")
 
 
 def _guided(body: CompletionRequest | ChatCompletionRequest) -> list[Constraint | None]:

@@ -145,15 +145,17 @@ class SamplingFields(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's (`json_object`, `json_schema` with `json_schema`), vLLM's `structural_tag`, and TGI's
+    """OpenAI's (`json_object`, `json_schema` with `json_schema`), vLLM's `structural_tag`, TGI's
     (`{"type", "value"}`: `json` or `json_object` with a schema, `json_schema` with `{"name", "schema"}`,
-    `regex`), which huggingface_hub's `chat_completion` sends."""
+    `regex`), which huggingface_hub's `chat_completion` sends, and the flattened `{"type", "schema"}` of
+    llama.cpp and Together, which langchain-huggingface sends."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag", "json", "regex"]
     json_schema: dict[str, Any] | None = None
     structures: list[TagStructure] | None = None  # structural_tag's (`StructuralTag`)
     triggers: list[Trigger] | None = None
     value: Any = None  # TGI's
+    schema_: Any = Field(None, alias="schema")  # the flattened form's; BaseModel has a `schema` method
 
 
 class CompletionRequest(SamplingFields):

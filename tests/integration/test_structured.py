@@ -331,3 +331,36 @@ def test_a_tgi_response_format_that_does_not_hold_is_a_400_naming_its_value(clie
             extra_body={"response_format": response_format},
         )  # fmt: skip
     assert refused.value.body["param"] == "response_format.value"
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_the_flattened_schema_form_holds_the_reply(client, kind) -> None:
+    """llama.cpp's and Together's `{"type", "schema"}`, as langchain-huggingface's
+    `with_structured_output(method="json_schema")` sends it (`json_object`)."""
+    completion = client.chat.completions.create(
+        model="stories260K", messages=MESSAGES, max_tokens=48, n=4, temperature=1.0, seed=5,
+        extra_body={"response_format": {"type": kind, "schema": SCHEMA}},
+    )  # fmt: skip
+    for choice in completion.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        ({"type": "text", "schema": SCHEMA}, "response_format.schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}, "schema": SCHEMA},
+            "response_format.schema",
+        ),
+        ({"type": "json", "value": SCHEMA, "schema": SCHEMA}, "response_format.value"),
+    ],
+    ids=["text", "beside-json_schema", "beside-value"],
+)
+def test_a_flattened_schema_beside_another_form_is_a_400(client, response_format, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="stories260K", messages=MESSAGES, max_tokens=4,
+            extra_body={"response_format": response_format},
+        )  # fmt: skip
+    assert refused.value.body["param"] == param
