@@ -102,7 +102,7 @@ def call_heads_beside_answer(body: ChatCompletionRequest) -> tuple[str, ...]:
 
 def _shapes_json_answer(response_format: ResponseFormat) -> bool:
     """Whether a response format holds the answer to a JSON schema (OpenAI's `json_schema`, TGI's JSON
-    forms), which `call_or_answer` composes with the calls."""
+    forms, the flattened form), which `call_or_answer` composes with the calls."""
     if response_format.value is not None:
         return response_format.type != "regex"
     return response_format.type == "json_schema" or response_format.schema_ is not None
