@@ -570,7 +570,7 @@ class Validator:
             self.limits.max_tokens(params.max_new_tokens, len(prompt), "parameters.max_new_tokens", None)
         ]
         knobs = Knobs(
-            sampling=replace(tgi_sampling(params), grammar=self._grammar(tgi_constraint(params.grammar))),
+            sampling=tgi_sampling(params, self._grammar(tgi_constraint(params.grammar))),
             stop_strings=tuple(params.stop),
             ignore_eos=params.ignore_eos,
         )
@@ -683,8 +683,9 @@ class Validator:
         return requests
 
 
-def tgi_sampling(params: GenerateParameters) -> SamplingParams:
-    """TGI's rule: greedy unless `do_sample` or a sampling parameter (temperature != 1, top_k, top_p < 1)."""
+def tgi_sampling(params: GenerateParameters, grammar: Grammar | None) -> SamplingParams:
+    """TGI's rule: greedy unless `do_sample` or a sampling parameter (temperature != 1, top_k, top_p < 1);
+    `grammar`: its `parameters.grammar`, compiled."""
     warpers = (
         (params.temperature is not None and params.temperature not in (0.0, 1.0))
         or bool(params.top_k)
@@ -697,6 +698,7 @@ def tgi_sampling(params: GenerateParameters) -> SamplingParams:
         top_k=params.top_k or 0,
         repetition_penalty=params.repetition_penalty or 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,
+        grammar=grammar,
     )
 
 
