@@ -587,12 +587,9 @@ def _invert_kept(weights: np.ndarray, params: Sequence[SamplingParams], uniforms
     it keeps only (in column order, as `_draw`'s). A row of nan weights (all -inf logits) keeps none:
     column 0."""
     columns = weights.shape[1]
-    cutoffs = _host_cutoffs(
-        weights, [p.top_k or columns for p in params], [p.top_p for p in params], [p.min_p for p in params]
-    )
     chosen = np.zeros(len(weights), np.int64)
-    for i, (row, cutoff) in enumerate(zip(weights, cutoffs[:, 0], strict=True)):
-        kept = (row >= cutoff).nonzero()[0]
+    for i, (row, p) in enumerate(zip(weights, params, strict=True)):
+        kept = _kept_columns(row, p.top_k or columns, p.top_p, p.min_p)
         if len(kept):
             running = row[kept].cumsum()[None, :]
             chosen[i] = kept[_reaching(running, uniforms[i : i + 1] * running[:, -1])[0]]
@@ -711,24 +708,43 @@ def _cutoff(
 LIKELY = 1e-4  # a token at least this share of the likeliest one's probability is a candidate
 
 
-def _host_cutoffs(probs: np.ndarray, top_k: list[int], top_p: list[float], min_p: list[float]) -> np.ndarray:
-    """`_cutoff` for fp32 rows on the host (of probabilities, or weights at any scale: the rule is the
-    same), where a sort of a 128k-token row takes milliseconds: the top-k and nucleus come from the
-    row's likeliest tokens (`LIKELY`) sorted, which hold them whenever their mass reaches the nucleus (a
-    language model's rows, nearly always); a row whose candidates fall short sorts whole."""
-    cutoffs = np.full((len(probs), 1), -np.inf, np.float32)  # a row without probabilities keeps all
-    for i, (row, k, p, floor) in enumerate(zip(probs, top_k, top_p, min_p, strict=True)):
+def _kept_columns(row: np.ndarray, k: int, p: float, floor: float) -> np.ndarray:
+    """The columns of `row` (ascending) inside its top-k, top-p nucleus and min-p (`_cutoff`'s rule, on
+    the host, where a sort of a 128k-token row takes milliseconds: `_Cut`)."""
+    cut = _Cut.of(row, k, p, floor)
+    if cut.likely is not None and cut.value >= cut.threshold:  # all of them are among the likely ones
+        return cut.likely[row[cut.likely] >= cut.value]
+    return (row >= cut.value).nonzero()[0]
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A row's cut (`_cutoff`'s rule): its smallest kept value. The top-k and nucleus come from the row's
+    likeliest tokens (`LIKELY` times its largest value, `threshold`; `likely`: their columns, where
+    listed), sorted, which hold them whenever their mass reaches the nucleus (a language model's rows,
+    nearly always); a row whose candidates fall short sorts whole."""
+
+    value: np.float32
+    threshold: float = float("inf")
+    likely: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, row: np.ndarray, k: int, p: float, floor: float) -> _Cut:
         top = row.max()
         if not top > 0.0:  # all -inf logits: nan
-            continue
-        cutoff = row.min() if p >= 1.0 and k >= len(row) else _row_cutoff(row, top, min(k, len(row)), p)
-        cutoffs[i, 0] = max(cutoff, np.float32(floor) * top)
-    return cutoffs
+            return cls(np.float32(-np.inf))
+        k = min(k, len(row))
+        if p >= 1.0 and k >= len(row):
+            return cls(max(row.min(), np.float32(floor) * top))
+        threshold = float(top * np.float32(LIKELY))
+        likely = np.flatnonzero(row >= threshold)
+        cutoff = _row_cutoff(row, -np.sort(-row[likely]), k, p)
+        return cls(max(cutoff, np.float32(floor) * top), threshold, likely)
 
 
-def _row_cutoff(row: np.ndarray, top: np.float32, k: int, p: float) -> np.float32:
-    """The smallest probability inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule)."""
-    ordered = -np.sort(-row[row >= top * np.float32(LIKELY)])
+def _row_cutoff(row: np.ndarray, ordered: np.ndarray, k: int, p: float) -> np.float32:
+    """The smallest probability inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule), from `ordered`:
+    its likely values, descending."""
     if len(ordered) >= k:
         return ordered[k - 1] if p >= 1.0 else _nucleus_cutoff(ordered[:k], np.float32(p) * ordered[:k].sum())
     if p >= 1.0:  # the k-th likeliest token is not among the likely ones
@@ -747,7 +763,10 @@ def _nucleus_cutoff(ordered: np.ndarray, nucleus: np.float32) -> np.float32:
 
 
 def _top_k_mass(row: np.ndarray, k: int) -> np.float32:
-    return row.sum() if k >= len(row) else np.partition(row, len(row) - k)[len(row) - k :].sum()
+    """The sum of `row`'s k largest values; of a whole row by blocks (`_block_sums`: half numpy's sum)."""
+    if k >= len(row):
+        return _block_sums(row[None, :]).sum()
+    return np.partition(row, len(row) - k)[len(row) - k :].sum()
 
 
 def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:

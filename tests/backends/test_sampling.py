@@ -83,9 +83,11 @@ def test_the_host_cut_of_likely_tokens_is_the_sorted_rule_s(scale: float, spikes
         top_k = torch.tensor([columns, int(rng.integers(1, columns)), int(rng.integers(1, 40)), columns])
         top_p = torch.tensor([rng.uniform(0.05, 0.99), 1.0, rng.uniform(0.3, 1.0), 1.0], dtype=torch.float32)
         min_p = torch.tensor([0.0, 0.0, rng.uniform(0.0, 0.2), 0.1], dtype=torch.float32)
-        host = sampling._host_cutoffs(probs.numpy(), top_k.tolist(), top_p.tolist(), min_p.tolist())
-        sorted_rule = sampling._cutoff(probs, top_k, top_p, min_p)
-        assert torch.equal(torch.from_numpy(host), sorted_rule)
+        sorted_rule = sampling._cutoff(probs, top_k, top_p, min_p)[:, 0].tolist()
+        for row, k, p, floor, cutoff in zip(probs.numpy(), top_k, top_p, min_p, sorted_rule, strict=True):
+            assert sampling._Cut.of(row, int(k), float(p), float(floor)).value == cutoff
+            kept = sampling._kept_columns(row, int(k), float(p), float(floor))
+            assert numpy.array_equal(kept, numpy.flatnonzero(row >= cutoff))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
