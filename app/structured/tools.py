@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import pydantic_core
+
 from app.structured.grammar import LITERAL_KEYWORDS, Constraint, Kind, closed, lenient
 
 PYTHON_TAG = "<|python_tag|>"
@@ -318,6 +320,18 @@ def begins_call_of(text: str, names: Collection[str]) -> bool:
     return head is not None and _name(head["name"]) in names
 
 
+def shows_data(text: str) -> bool:
+    """Whether a reply's start `text`, a JSON object so far, holds a key no call has (`CALL_KEYS`) once
+    its value begins: JSON data, such as an answer whose first key is `name`, which `parse_tool_calls`
+    never reads as calls. Past the first object (calls after `;`), or not JSON, it shows nothing."""
+    body = text[BEFORE_CALLS.match(text).end() :]  # type: ignore[union-attr]  # `*` matches anywhere
+    try:
+        value = pydantic_core.from_json(body, allow_partial="trailing-strings")
+    except ValueError:
+        return False
+    return isinstance(value, dict) and not value.keys() <= CALL_KEYS
+
+
 def json_form_names(parser: ToolCallParser | None, names: Collection[str]) -> Collection[str]:
     """`names`, the offered functions, where a reply may hold calls in the JSON form (`parser` None or
     llama3_json); none where it may not."""
@@ -334,7 +348,8 @@ def _name(quoted: str) -> str | None:
 
 class CallStart:
     """A streamed reply's start, read until it shows whether the reply opens calls (`opens_call`, or with
-    `heads`, the starts a grammar gives each call, `opens_with`); a forced call always does. `streams`:
+    `heads`, the starts a grammar gives each call, `opens_with`); a forced call always does. A JSON
+    object that opens as a call may still show it is data (`shows_data`) until a call streams. `streams`:
     its calls stream as they come, as those a grammar writes do from their start, and, where the reply
     may be in the JSON form, one of the functions `names` does once its name is complete
     (`begins_call_of`), as vLLM streams it."""
@@ -366,7 +381,9 @@ class CallStart:
             self.streams = bool(self.heads) and self.opens is True
         if self.opens and not self.streams and self.names:
             self.streams = begins_call_of(self.start, self.names)
-            if not self.streams and len(self.start) > MAX_CALL_HEAD:
+            if not self.streams and shows_data(self.start):
+                self.opens = False
+            elif not self.streams and len(self.start) > MAX_CALL_HEAD:
                 self.names = ()  # no call head this long: held to its end, its start no longer read
         return self.opens is False
 

@@ -343,6 +343,21 @@ def test_with_tools_offered_json_data_streams_from_its_first_key(client) -> None
     assert whole.tool_calls is None and len(texts) > 3 and "".join(texts) == whole.content
 
 
+def test_with_tools_offered_json_data_whose_first_key_is_name_streams_from_its_next_key(client) -> None:
+    """JSON data that opens as a call might (`{"name": ...`) streams as content deltas once a key no
+    call has (`legs`) begins its value, rather than arriving whole at its end."""
+    properties = {"name": {"const": "Tom"}, "legs": {"enum": [2, 4]}, "tale": {"type": "string"}}
+    name_first = {"type": "object", "properties": properties, "required": list(properties),
+                  "additionalProperties": False}  # fmt: skip
+    asked = dict(model="stories260K", messages=MESSAGES, tools=TOOLS, max_tokens=30, temperature=0,
+                 extra_body={"guided_json": name_first})  # fmt: skip
+    whole = client.chat.completions.create(**asked).choices[0].message
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert whole.tool_calls is None and whole.content.startswith('{"name":"Tom","legs":')
+    assert len(texts) > 3 and "".join(texts) == whole.content
+
+
 def test_a_call_the_model_chooses_streams_once_its_name_is_complete(client) -> None:
     """With the choice the model's, a reply that begins a call of an offered function in the JSON form
     streams its arguments from there, as vLLM streams them, and they make the call a request without

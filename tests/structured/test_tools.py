@@ -26,6 +26,7 @@ from app.structured.tools import (
     opens_call,
     opens_with,
     parse_tool_calls,
+    shows_data,
 )
 from app.tokenizer import Tokenizer
 
@@ -377,6 +378,38 @@ def test_a_reply_that_shows_no_call_head_is_no_longer_read() -> None:
     for delta in ['{"name": "', *["word "] * 200]:
         start.is_text(delta)
     assert start.opens is True and not start.streams and len(start.start) < 300
+
+
+@pytest.mark.parametrize(
+    ("text", "data"),
+    [
+        ('{"name": "Bob", "age": 3', True),
+        ('<|python_tag|> {"name": "Bob", "owner": "A', True),  # a string value begun
+        ('{"name": "Bob", "age"', False),  # its value to come
+        ('{"name": "Bob", "parameters": {"age": 3', False),  # a call's keys, whatever its arguments hold
+        ('{"type": "function", "name": "f", "arguments": {}', False),
+        ('{"name": "f", "parameters": {}}; {"age": 3', False),  # past the first object
+        ('{"name": "f", "parameters": {}, "age": 3}', True),
+        ("[f(a=1)]", False),
+    ],
+)
+def test_a_json_start_shows_data_once_a_key_no_call_has_begins(text: str, data: bool) -> None:
+    """`shows_data` agrees with `parse_tool_calls`: an object that holds a key no call has is never
+    read as calls, however it ends."""
+    assert shows_data(text) is data
+    if data:
+        assert parse_tool_calls(text + '}"}') is None and parse_tool_calls(text + "}") is None
+
+
+def test_json_data_whose_first_key_is_name_shows_it_is_text_from_its_next_key() -> None:
+    """A JSON reply that opens as a call might (`{"name"`, a name no offered function has) is text once
+    a key no call has begins its value, and streams from there; a reply that streams as a call is one."""
+    start = CallStart(None, forced=False, names={"get_time"})
+    shown = [start.is_text(delta) for delta in ('{"name"', ': "Bob", "', 'age":', " 3", "}")]
+    assert shown == [False, False, False, True, True]
+    call = CallStart(None, forced=False, names={"get_time"})
+    call.is_text('{"name": "get_time", "parameters": {')
+    assert call.streams and not call.is_text('}, "age": 3}')
 
 
 def test_json_data_with_tools_offered_shows_it_is_text_from_its_first_key() -> None:
