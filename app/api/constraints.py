@@ -222,11 +222,13 @@ def bad_words_ids(tokenizer: Tokenizer, words: Sequence[str] | None) -> tuple[tu
 
 
 def _response_format(response_format: ResponseFormat | None) -> Constraint | None:
-    if response_format is not None and _tgi_form(response_format):
+    if response_format is None:
+        return None
+    if _tgi_form(response_format):
         return tgi_grammar_constraint(response_format.type, response_format.value, "response_format.value")
-    if response_format is not None and response_format.schema_ is not None:
+    if response_format.schema_ is not None:
         return _flattened_schema(response_format)
-    if response_format is None or response_format.type == "text":
+    if response_format.type == "text":
         return None
     if response_format.type == "json_object":
         return Constraint(Kind.JSON_OBJECT, None, "response_format")
