@@ -315,10 +315,9 @@ def checked_tokens(
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
         if token is None or not _weighs(row.host, own_draws) or row.num_top_logprobs:
             continue
-        state: HostLogits = row.host  # type: ignore[assignment]
         if keeps_draw(row, token, positions[i], logit, i, own_draws=own_draws):
             settled[i] = token
-        elif state.restricts and (known := state.known_next()) is not None:
+        elif (known := _known_forced(row, own_draws)) is not None:
             settled[i] = known
         else:
             refused.append(i)
@@ -381,28 +380,31 @@ def with_host_rows(
     """The device's `tokens` with each host row's (`on_host`: those the device's sampler cannot draw)
     drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row. A
     row whose changes all lower its logits keeps the device's token as `keeps_draw` decides (where its
-    grammar allows it and no penalty touches it, most steps: nothing else is done for it); the others
-    are checked first (`_checked_rows`). `own_draws`: the device draws with its own generator, so a row
-    without a restriction may keep its draw too (`_weighs`)."""
+    grammar allows it and no penalty touches it, most steps: nothing else is done for it), else takes
+    the one id its grammar forces where that is known without a mask (`_known_forced`: the start of an
+    object); the others are checked first (`_checked_rows`). `own_draws`: the device draws with its own
+    generator, so a row without a restriction may keep its draw too (`_weighs`)."""
     logit = logit_reader(logits)
-    host = [
-        i
-        for i, p in enumerate(params)
-        if on_host(p) and not keeps_draw(p, tokens[i].token_id, positions[i], logit, i, own_draws=own_draws)
-    ]
-    if not host:
+    settled: dict[int, int] = {}  # batch row -> its token, drawn without the sampler
+    host: list[int] = []
+    for i, p in enumerate(params):
+        if on_host(p) and not keeps_draw(p, tokens[i].token_id, positions[i], logit, i, own_draws=own_draws):
+            known = _known_forced(p, own_draws)
+            if known is None:
+                host.append(i)
+            else:
+                settled[i] = known
+    if not host and not settled:
         return tokens
-    settled = _checked_rows(host, tokens, logits, params, positions, own_draws)
-    left: list[int] = []
-    logprobs: np.ndarray | torch.Tensor | None = None
-    for j, i in enumerate(host):
-        token = settled.get(j)
-        if token is None:
-            left.append(i)
-        elif token != tokens[i].token_id:
-            if logprobs is None:  # scalar reads, only where a row's token changed
-                logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs
+    if host:
+        checked = _checked_rows(host, tokens, logits, params, positions, own_draws)
+        settled |= {host[j]: token for j, token in checked.items()}
+    changed = [(i, token) for i, token in settled.items() if token != tokens[i].token_id]
+    if changed:  # scalar reads, only where a row's token changed
+        logprobs = all_logprobs.numpy() if all_logprobs.device.type == "cpu" else all_logprobs
+        for i, token in changed:
             tokens[i] = SampledToken(token, float(logprobs[i, token]))
+    left = [i for i in host if i not in settled]
     if left:
         drawn = sample_tokens(
             logits,
@@ -416,6 +418,16 @@ def with_host_rows(
         for i, token in zip(left, drawn, strict=True):
             tokens[i] = token
     return tokens
+
+
+def _known_forced(row: SamplingParams, own_draws: bool) -> int | None:
+    """The one id a row that weighs its draws (`_weighs`) and reads no top logprobs takes after refusing
+    its draw, where its grammar knows it without a mask (`HostLogits.known_next`): any draw from its
+    adjusted row would take it."""
+    state = row.host
+    if state is None or not state.restricts or row.num_top_logprobs or not _weighs(state, own_draws):
+        return None
+    return state.known_next()
 
 
 def _checked_rows(
