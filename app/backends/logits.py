@@ -394,18 +394,7 @@ class Allowed:
     def ids(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         """(j, token) for each token row rows[j] allows, ascending. Only the words with a bit set are
         unpacked: a row costs the tokens it allows, not the vocabulary."""
-        words = (self.words if len(rows) == len(self.words) else self.words[rows]).ravel()  # rows: ascending
-        # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
-        found = (words != 0).nonzero()[0]
-        # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
-        bits = np.unpackbits(words[found].view(np.uint8), bitorder="little").view(bool).nonzero()[0]
-        at = found[bits >> 5]  # each allowed id's word, counted over the rows
-        width = self.words.shape[1]
-        row, tokens = at // width, at % width * 32 + (bits & 31)
-        if width * 32 > vocab_size:
-            inside = tokens < vocab_size
-            return row[inside], tokens[inside]
-        return row, tokens
+        return _set_bits(self.words if len(rows) == len(self.words) else self.words[rows], vocab_size)
 
     def select(self, rows: np.ndarray) -> Allowed:
         """Some of its rows (none of them rescued)."""
@@ -421,10 +410,36 @@ class Allowed:
                 ids.append(token)
         return np.array(rows, np.int64), np.array(ids, np.int64)
 
-    def refused(self, rows: np.ndarray | list[int], vocab_size: int) -> np.ndarray:
-        """bool [len(rows), vocab_size]: whether row rows[j] refuses each token."""
+    def refuse(self, values: np.ndarray, rows: np.ndarray, vocab_size: int) -> None:
+        """Set -inf in fp32 `values` [len(rows), vocab_size] wherever row rows[j] refuses a token: one by
+        one where the rows refuse few (inside a JSON string, a row refuses a few dozen ids: a pass
+        over their words, not over the vocabulary), else by a mask of the whole rows."""
+        refused = vocab_size * len(rows) - int(self.counts[rows].sum())
+        if refused * REFUSED_ONE_BY_ONE <= vocab_size * len(rows):
+            values[_set_bits(~self.words[rows], vocab_size)] = -np.inf
+            return
         bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
-        return bits[:, :vocab_size].view(bool)
+        np.copyto(values, -np.inf, where=bits[:, :vocab_size].view(bool))
+
+
+REFUSED_ONE_BY_ONE = 8  # rows refusing at most 1 / 8 of the vocabulary have their refused ids set one by one
+
+
+def _set_bits(words: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i, token) for each bit set in uint32 `words` [rows, width] (bit k of word w: token 32 w + k)
+    below `vocab_size`, ascending; only the nonzero words are unpacked."""
+    flat = words.ravel()
+    # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
+    found = (flat != 0).nonzero()[0]
+    # Bit k of 32-bit word w is token 32 w + k: the words' little-endian bytes, unpacked little-first.
+    bits = np.unpackbits(flat[found].view(np.uint8), bitorder="little").view(bool).nonzero()[0]
+    at = found[bits >> 5]  # each set bit's word, counted over the rows
+    width = words.shape[1]
+    row, tokens = at // width, at % width * 32 + (bits & 31)
+    if width * 32 > vocab_size:
+        inside = tokens < vocab_size
+        return row[inside], tokens[inside]
+    return row, tokens
 
 
 def single_id(words: np.ndarray, nonzero: int | None = None) -> int | None:
@@ -497,9 +512,9 @@ def adjust_rows(values: np.ndarray, states: Sequence[HostLogits]) -> None:
     restricted = [i for i, s in enumerate(states) if s.restricts]
     if restricted:
         allowed = Allowed.of([states[i] for i in restricted], vocab)
-        values[restricted] = np.where(
-            allowed.refused(np.arange(len(restricted)), vocab), -np.inf, values[restricted]
-        )
+        rows = values[restricted]
+        allowed.refuse(rows, np.arange(len(restricted)), vocab)
+        values[restricted] = rows
         for i in allowed.rescued:
             values[restricted[i], states[restricted[i]].stop_ids[0]] = 0.0
 
@@ -568,7 +583,7 @@ class Restricted:
         ids = vocabulary_ids(vocab_size)
         logits = gather(rows, ids[None, :])
         _Edits.of([states[i] for i in rows]).apply(logits, _dense_columns(vocab_size))
-        np.copyto(logits, -np.inf, where=allowed.refused(rows, vocab_size))
+        allowed.refuse(logits, rows, vocab_size)
         return cls(rows, np.broadcast_to(ids, logits.shape), logits)
 
 

@@ -310,6 +310,27 @@ def test_allowed_counts_each_rows_ids(numpy_1: bool, vocab: int, monkeypatch: py
     assert allowed.counts.tolist() == [4, 32, 1]
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 90], ids=["whole-words", "a-part-word"])
+@pytest.mark.parametrize("refused", [(5,), (0, 33, 63), tuple(range(3, 60))], ids=["one", "a-few", "most"])
+def test_refused_ids_are_minus_infinity_set_one_by_one_or_by_a_mask(vocab: int, refused: tuple) -> None:
+    """`Allowed.refuse` sets -inf at every id a row refuses and nowhere else: one by one where the rows
+    refuse at most 1/8 of the vocabulary, else through a mask of the whole rows; beside a row allowed
+    only two ids, over whole 32-bit words and over a last word the vocabulary fills in part."""
+    sets = [tuple(t for t in range(vocab) if t not in refused), (4, 7)]
+    states = [
+        HostLogits.start(SamplingParams(allowed_token_ids=ids), PROMPT, (EOS,), None).host for ids in sets
+    ]
+    allowed = host_logits.Allowed.of(states, vocab)  # type: ignore[arg-type]
+    values = numpy.random.default_rng(0).standard_normal((2, vocab)).astype(numpy.float32)
+    expected = values.copy()
+    for row, ids in enumerate(sets):
+        expected[row, [t for t in range(vocab) if t not in ids]] = -numpy.inf
+    for rows in ([0], [1], [0, 1]):
+        refused_here = values[rows].copy()
+        allowed.refuse(refused_here, numpy.array(rows), vocab)
+        numpy.testing.assert_array_equal(refused_here, expected[rows])
+
+
 ALLOWED = (3, 9, 10, 11, 40, 41, 50)
 
 
