@@ -412,8 +412,9 @@ class Allowed:
 
     def refuse(self, values: np.ndarray, rows: np.ndarray, vocab_size: int) -> None:
         """Set -inf in fp32 `values` [len(rows), vocab_size] wherever row rows[j] refuses a token: one by
-        one where the rows refuse few (inside a JSON string, a row refuses a few dozen ids: a pass
-        over their words, not over the vocabulary), else by a mask of the whole rows."""
+        one where the rows refuse few (inside a JSON string, a row refuses about a hundred of Llama 3's
+        128,256 ids: a pass over their mask words, not over the vocabulary), else by a mask of the whole
+        rows."""
         refused = vocab_size * len(rows) - int(self.counts[rows].sum())
         if refused * REFUSED_ONE_BY_ONE <= vocab_size * len(rows):
             values[_set_bits(~self.words[rows], vocab_size)] = -np.inf
