@@ -58,7 +58,8 @@ FED_BACK = -1  # a decode row's last token: the one the device sampled last for 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-sequence sampling. temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filter. The fields
+    """Per-sequence sampling. temperature 0 means greedy; top_k 0, top_p 1.0, min_p 0 and typical_p 1.0 mean
+    no filter (typical_p, TGI's typical sampling, cuts what the others keep, as its warpers do). The fields
     after `num_top_logprobs` are features a backend may lack (`Backend.sampling_features`); each has a
     neutral value (`NEUTRAL_SAMPLING`) that every backend honours.
 
@@ -75,6 +76,7 @@ class SamplingParams:
     seed: int = 0
     num_top_logprobs: int = 0
     min_p: float = 0.0
+    typical_p: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -114,6 +116,7 @@ class SamplingParams:
 
 NEUTRAL_SAMPLING: dict[str, object] = {
     "min_p": 0.0,
+    "typical_p": 1.0,
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,

@@ -125,6 +125,7 @@ class HostLogits:
             and params.top_k == 0
             and params.top_p == 1.0
             and params.min_p == 0.0
+            and params.typical_p == 1.0
             and params.repetition_penalty >= 1.0
             and params.frequency_penalty >= 0.0
             and params.presence_penalty >= 0.0

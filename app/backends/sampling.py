@@ -1,6 +1,7 @@
 """The portable seeded sampler, shared by the backends that sample from logits (the torch backend inside
 its step, transformers-neuronx on the host, NxD Inference's host rows, the sim's host rows): greedy,
-temperature, top-k, top-p, min-p and per-request seeds, after the host logits path
+temperature, top-k, top-p, min-p, typical-p (TGI's, cutting what the others keep) and per-request seeds,
+after the host logits path
 (`app/backends/logits.py`) has adjusted the rows that use it. Logprobs are those of the raw logits.
 
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row
@@ -55,6 +56,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64 [rows], the vocabulary size when unfiltered
     top_p: torch.Tensor  # float32 [rows]
     min_p: torch.Tensor  # float32 [rows], 0.0 when unfiltered
+    typical_p: torch.Tensor  # float32 [rows], 1.0 when unfiltered
     draws: torch.Tensor  # float32 [rows]: the uniform of (seed, position of the generated token)
 
     @classmethod
@@ -71,8 +73,9 @@ class SamplingTensors:
         steps = [*positions, *[0] * (rows - len(positions))]
         # One array of every row's fields, cut into columns: numpy's per-op cost is a fraction of torch's.
         table = np.array(
-            [(p.temperature, p.top_k or vocab_size, p.top_p, p.min_p) for p in padded], np.float64
-        ).reshape(rows, 4)
+            [(p.temperature, p.top_k or vocab_size, p.top_p, p.min_p, p.typical_p) for p in padded],
+            np.float64,
+        ).reshape(rows, 5)
         temperature = table[:, 0]
         columns = {
             "greedy": temperature == 0.0,
@@ -80,6 +83,7 @@ class SamplingTensors:
             "top_k": table[:, 1].astype(np.int64),
             "top_p": table[:, 2].astype(np.float32),
             "min_p": table[:, 3].astype(np.float32),
+            "typical_p": table[:, 4].astype(np.float32),
             "draws": draws(padded, steps),
         }
         return cls(**{name: torch.from_numpy(column).to(device) for name, column in columns.items()})
@@ -112,13 +116,17 @@ def sample(
     return SampleOutput(tokens, all_logprobs.gather(1, tokens[:, None]).squeeze(1), all_logprobs)
 
 
-def pick(logits: torch.Tensor, tensors: SamplingTensors, *, random: bool, filtered: bool) -> torch.Tensor:
+def pick(
+    logits: torch.Tensor, tensors: SamplingTensors, *, random: bool, filtered: bool, typical: bool = False
+) -> torch.Tensor:
     """The column each row of `logits` [rows, columns] draws. `random` is False when every row is greedy
-    and `filtered` False when no row uses top-k, top-p or min-p: both only skip work that cannot change
-    any row's token (a captured graph passes True for both)."""
+    and `filtered` False when no row uses top-k, top-p, min-p or typical_p: both only skip work that
+    cannot change any row's token (a captured graph passes True for both). `typical`: some row uses
+    typical_p, a second sort of every row, which a captured graph leaves out (its rows with typical_p are
+    drawn again outside it: `drawn_outside_graphs`)."""
     tokens = logits.argmax(dim=-1)
     if random:
-        tokens = torch.where(tensors.greedy, tokens, _draw(logits, tensors, filtered))
+        tokens = torch.where(tensors.greedy, tokens, _draw(logits, tensors, filtered, typical))
     return tokens
 
 
@@ -362,9 +370,10 @@ def _adjusted_draws(
     return chosen
 
 
-def uses_host_state(params: SamplingParams) -> bool:
-    """A row on the host logits path: its state, which the engine gives it, changes its logits."""
-    return params.host is not None
+def drawn_outside_graphs(params: SamplingParams) -> bool:
+    """A row a captured graph's sampler cannot draw: its state on the host logits path (which the engine
+    gives it) changes its logits, or it uses typical_p, which the graph leaves out (`pick`)."""
+    return params.host is not None or params.typical_p < 1.0
 
 
 def with_host_rows(
@@ -373,7 +382,7 @@ def with_host_rows(
     all_logprobs: torch.Tensor,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
-    on_host: Callable[[SamplingParams], bool] = uses_host_state,
+    on_host: Callable[[SamplingParams], bool] = drawn_outside_graphs,
     *,
     own_draws: bool = False,
 ) -> list[SampledToken]:
@@ -499,7 +508,9 @@ def redrawn_on_device(
         allows = ((on_device[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
         masked = selected.masked_fill(~allows, float("-inf"))
     tensors = SamplingTensors.build(params, [p + REDRAW for p in positions], len(rows), vocab, logits.device)
-    return pick(masked, tensors, random=_random(params), filtered=_filtered(params)).tolist()
+    return pick(
+        masked, tensors, random=_random(params), filtered=_filtered(params), typical=_typical_rows(params)
+    ).tolist()
 
 
 def _free_rows(states: Sequence[HostLogits | None], checked_from_rows: bool) -> list[int]:
@@ -528,7 +539,11 @@ def _pick_rows(
         return torch.from_numpy(_host_draws(logits.float().numpy(), params, positions))
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
     return pick(
-        apply_host_logits(logits, params), tensors, random=_random(params), filtered=_filtered(params)
+        apply_host_logits(logits, params),
+        tensors,
+        random=_random(params),
+        filtered=_filtered(params),
+        typical=_typical_rows(params),
     )
 
 
@@ -602,6 +617,8 @@ def _invert_kept(weights: np.ndarray, params: Sequence[SamplingParams], uniforms
     chosen = np.zeros(len(weights), np.int64)
     for i, (row, p) in enumerate(zip(weights, params, strict=True)):
         kept = _kept_columns(row, p.top_k or columns, p.top_p, p.min_p)
+        if p.typical_p < 1.0 and len(kept):
+            kept = _typical_columns(row, kept, p.typical_p)
         if len(kept):
             running = row[kept].cumsum()[None, :]
             chosen[i] = kept[_reaching(running, uniforms[i : i + 1] * running[:, -1])[0]]
@@ -655,7 +672,11 @@ def _random(params: Sequence[SamplingParams]) -> bool:
 
 
 def _filtered(params: Sequence[SamplingParams]) -> bool:
-    return any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    return any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 or p.typical_p < 1.0 for p in params)
+
+
+def _typical_rows(params: Sequence[SamplingParams]) -> bool:
+    return any(p.typical_p < 1.0 for p in params)
 
 
 def sampled_tokens(output: SampleOutput, params: Sequence[SamplingParams]) -> list[SampledToken]:
@@ -691,12 +712,15 @@ def prompt_logprobs(
     return tuple(SampledToken(*row) for row in zip(prompt[1:], chosen, alternatives, strict=True))
 
 
-def _draw(logits: torch.Tensor, tensors: SamplingTensors, filtered: bool) -> torch.Tensor:
-    """Inverse-CDF sampling of softmax(logits / temperature), restricted by top-k / top-p. The CDF runs
-    in vocabulary order whatever the filters, so a row's token never depends on its batch mates'."""
+def _draw(logits: torch.Tensor, tensors: SamplingTensors, filtered: bool, typical: bool) -> torch.Tensor:
+    """Inverse-CDF sampling of softmax(logits / temperature), restricted by top-k / top-p / min-p, then
+    typical_p. The CDF runs in vocabulary order whatever the filters, so a row's token never depends on
+    its batch mates'."""
     probs = torch.softmax(logits / tensors.temperature[:, None], dim=-1)
     if filtered:
         probs = probs * (probs >= _cutoff(probs, tensors.top_k, tensors.top_p, tensors.min_p))
+    if typical:
+        probs = _typical(probs, tensors.typical_p)
     cdf = probs.cumsum(dim=-1)
     target = tensors.draws[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, target).clamp_(max=logits.shape[-1] - 1).squeeze(1)
@@ -717,6 +741,19 @@ def _cutoff(
     return torch.maximum(ordered.gather(1, kept - 1), min_p[:, None] * ordered[:, :1])
 
 
+def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """`probs` [rows, vocab] (0 where cut) cut again to each row's typical set (`_typical_columns`' rule),
+    rows whose mass [rows] is 1 as they are."""
+    share = probs / probs.sum(dim=-1, keepdim=True)
+    surprise = -share.log()
+    distance = (surprise - (share * surprise).nansum(dim=-1, keepdim=True)).abs()
+    ordered, order = distance.sort(dim=-1, stable=True)
+    running = share.gather(1, order).cumsum(dim=-1)
+    last = (running < mass[:, None]).sum(dim=-1, keepdim=True).clamp_(max=probs.shape[-1] - 1)
+    outside = (distance > ordered.gather(1, last)) & (mass[:, None] < 1.0)
+    return probs.masked_fill(outside, 0.0)
+
+
 LIKELY = 1e-4  # a token at least this share of the likeliest one's probability is a candidate
 
 
@@ -727,6 +764,20 @@ def _kept_columns(row: np.ndarray, k: int, p: float, floor: float) -> np.ndarray
     if cut.likely is not None and cut.value >= cut.threshold:  # all of them are among the likely ones
         return cut.likely[row[cut.likely] >= cut.value]
     return (row >= cut.value).nonzero()[0]
+
+
+def _typical_columns(row: np.ndarray, kept: np.ndarray, mass: float) -> np.ndarray:
+    """The columns of `kept` (ascending) in the typical set of `row`'s weights over them (TGI's typical_p,
+    transformers' `TypicalLogitsWarper`): by how far each token's surprise is from their entropy, the
+    nearest first, those up to the first whose running share reaches `mass`, and any as near as it."""
+    weights = row[kept]
+    share = weights / weights.sum()
+    with np.errstate(divide="ignore", invalid="ignore"):  # a weight of 0 (a refused id): surprise inf
+        surprise = -np.log(share)
+        distance = np.abs(surprise - np.nansum(share * surprise))
+    order = np.argsort(distance, kind="stable")
+    last = min(int(np.count_nonzero(np.cumsum(share[order]) < mass)), len(order) - 1)
+    return kept[distance <= distance[order[last]]]
 
 
 @dataclass(frozen=True)

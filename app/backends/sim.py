@@ -230,7 +230,7 @@ class SimBackend(Backend):
     feeds_back_tokens: ClassVar[bool] = True
     # As the torch backend, so a sim-backed server accepts what a torch-backed one does.
     sampling_features: ClassVar[frozenset[str]] = frozenset(
-        {"min_p", "prompt_logprobs", *HOST_LOGITS_FEATURES}
+        {"min_p", "typical_p", "prompt_logprobs", *HOST_LOGITS_FEATURES}
     )
     spec: BackendSpec
     model: ModelInfo

@@ -186,15 +186,21 @@ def test_a_restricted_row_draws_among_its_allowed_ids_what_its_whole_adjusted_ro
 
 @pytest.mark.parametrize(
     "filters",
-    [{"top_k": 3}, {"min_p": 0.2}, {"top_k": 5, "top_p": 0.6, "min_p": 0.05}],
-    ids=["top-k", "min-p", "all-three"],
+    [
+        {"top_k": 3},
+        {"min_p": 0.2},
+        {"top_k": 5, "top_p": 0.6, "min_p": 0.05},
+        {"typical_p": 0.5},
+        {"top_p": 0.9, "typical_p": 0.7},
+    ],
+    ids=["top-k", "min-p", "all-three", "typical-p", "top-p-then-typical-p"],
 )
 def test_a_filtered_restricted_row_is_cut_on_its_weights_where_the_sampler_cuts_its_probabilities(
     filters: dict[str, int | float],
 ) -> None:
-    """Rows restricted to a third of the vocabulary with top-k, min-p or all three filters, drawn among
-    their allowed ids in numpy (the cut taken on the unnormalised weights, the running sum over the kept
-    ids only), draw what the torch sampler draws from their whole adjusted rows."""
+    """Rows restricted to a third of the vocabulary with top-k, min-p, all three filters or typical_p,
+    drawn among their allowed ids in numpy (the cut taken on the unnormalised weights, the running sum
+    over the kept ids only), draw what the torch sampler draws from their whole adjusted rows."""
     torch.manual_seed(4)
     logits = torch.randn(3, VOCAB) * 2
     allowed = tuple(range(0, VOCAB, 3))
@@ -211,17 +217,19 @@ def test_a_filtered_restricted_row_is_cut_on_its_weights_where_the_sampler_cuts_
         positions = [seed] * 3
         ours = [t.token_id for t in sample_tokens(logits, params, positions, VOCAB)]
         tensors = SamplingTensors.build(params, positions, 3, VOCAB, torch.device("cpu"))
-        assert ours == pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
+        reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=True, typical=True)
+        assert ours == reference.tolist()
         assert all(token in allowed for token in ours)
 
 
 def test_host_rows_drawn_in_numpy_draw_what_the_torch_sampler_draws() -> None:
     """Whole rows on the host (fp32 CPU logits: the torch CPU backend's batch, NxD Inference's host rows)
     are drawn in numpy; with penalties, greedy, tempered, and cut by top-k, top-p or min-p over a
-    vocabulary wide enough for the host's cut of likely tokens, they take the torch sampler's tokens."""
+    vocabulary wide enough for the host's cut of likely tokens, or cut again by typical_p, they take the
+    torch sampler's tokens."""
     vocab = 6000
     generator = torch.Generator().manual_seed(7)
-    logits = torch.randn(6, vocab, generator=generator) * 3
+    logits = torch.randn(7, vocab, generator=generator) * 3
     rows = [
         {"frequency_penalty": 0.8, "presence_penalty": 0.3},
         {"repetition_penalty": 1.3, "top_p": 0.8},
@@ -229,6 +237,7 @@ def test_host_rows_drawn_in_numpy_draw_what_the_torch_sampler_draws() -> None:
         {"top_k": 40, "temperature": 0.7},
         {"min_p": 0.1, "temperature": 1.4},
         {},
+        {"typical_p": 0.6, "top_p": 0.95, "temperature": 0.8},
     ]
     for seed in range(30):
         params = [
@@ -243,7 +252,8 @@ def test_host_rows_drawn_in_numpy_draw_what_the_torch_sampler_draws() -> None:
         positions = [seed + 3] * len(rows)
         ours = [t.token_id for t in sample_tokens(logits, params, positions, vocab)]
         tensors = SamplingTensors.build(params, positions, len(rows), vocab, torch.device("cpu"))
-        assert ours == pick(apply_host_logits(logits, params), tensors, random=True, filtered=True).tolist()
+        reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=True, typical=True)
+        assert ours == reference.tolist()
 
 
 @pytest.mark.parametrize("block", [1024, 8, 7], ids=["one-block", "blocks-of-8", "blocks-of-7-and-1"])

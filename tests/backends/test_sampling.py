@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
+import transformers
 
 from app.backends import sampling
 from app.backends.base import GREEDY, SamplingParams
@@ -155,3 +156,101 @@ def test_draws_hashed_row_by_row_equal_the_vectorised_ones(monkeypatch: pytest.M
     assert per_row.dtype == vectorised.dtype == numpy.float32
     assert per_row.tolist() == vectorised.tolist()
     assert [sampling.draw(p, q) for p, q in zip(params, positions, strict=True)] == vectorised.tolist()
+
+
+def test_typical_p_keeps_the_tokens_nearest_the_entropy_not_the_likeliest() -> None:
+    """Probabilities 0.5, 0.3, 0.15, 0.05 have an entropy of 1.14 nats; the surprise of 0.3 (1.20) is the
+    nearest, then 0.5's (0.69): typical_p 0.2 keeps token 1 alone, 0.5 keeps tokens 1 and 0."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    narrow = [
+        draw(logits, [SamplingParams(temperature=1.0, typical_p=0.2, seed=1)], [p])[0] for p in range(200)
+    ]
+    wider = [
+        draw(logits, [SamplingParams(temperature=1.0, typical_p=0.5, seed=1)], [p])[0] for p in range(400)
+    ]
+    assert set(narrow) == {1}
+    assert set(wider) == {0, 1}
+    assert abs(frequencies(wider, 4)[0].item() - 0.5 / 0.8) < 0.07
+
+
+def transformers_kept(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, mass: float
+) -> set[int]:
+    """The ids transformers' warpers leave finite, in the order TGI and `generate` apply them."""
+    warpers = transformers.LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(transformers.TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(transformers.TopPLogitsWarper(top_p))
+    warpers.append(transformers.TypicalLogitsWarper(mass))
+    return set(torch.isfinite(warpers(None, logits[None, :].clone())[0]).nonzero()[:, 0].tolist())
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.4, 50, 1.0), (1.0, 200, 0.95)],
+    ids=["alone", "after-top-p", "after-top-k", "after-both"],
+)
+def test_typical_p_keeps_what_transformers_typical_warper_keeps(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """On rows of 3,000 tokens at several scales, the host's cut (numpy, on the unnormalised weights of what
+    top-k and top-p kept) and the device's (torch, on the cut probabilities) keep the ids transformers'
+    `TypicalLogitsWarper` leaves after its temperature, top-k and top-p warpers."""
+    rng = numpy.random.default_rng(int(temperature * 10) + top_k)
+    columns = 3000
+    for scale in (0.5, 1.0, 2.0, 4.0):
+        logits = torch.from_numpy(rng.standard_normal(columns).astype(numpy.float32) * scale)
+        mass = float(rng.uniform(0.2, 0.98))
+        expected = transformers_kept(logits, temperature, top_k, top_p, mass)
+        weights = numpy.exp((logits.numpy() - logits.numpy().max()) / temperature)
+        kept = sampling._kept_columns(weights, top_k or columns, top_p, 0.0)
+        assert set(sampling._typical_columns(weights, kept, mass).tolist()) == expected
+        probs = torch.softmax(logits[None, :] / temperature, dim=-1)
+        cut = sampling._cutoff(
+            probs, torch.tensor([top_k or columns]), torch.tensor([top_p]), torch.tensor([0.0])
+        )
+        typical = sampling._typical(probs * (probs >= cut), torch.tensor([mass]))
+        assert set(typical[0].nonzero()[:, 0].tolist()) == expected
+
+
+def test_rows_without_typical_p_draw_the_same_beside_one_with_it() -> None:
+    """A batch where one row uses typical_p: the others draw what they draw without it, on the host and by
+    the device's rule, and the typical row draws the same token both ways."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(9)) * 2
+    plain = [SamplingParams(temperature=1.0, top_p=0.8, seed=4), SamplingParams(temperature=0.6, seed=5)]
+    typical = SamplingParams(temperature=1.0, typical_p=0.4, seed=6)
+    for position in range(30):
+        params = [plain[0], typical, plain[1]]
+        tensors = SamplingTensors.build(params, [position] * 3, 3, VOCAB, CPU)
+        on_host = draw(logits, params, [position] * 3)
+        by_device_rule = sampling.pick(logits, tensors, random=True, filtered=True, typical=True).tolist()
+        assert on_host == by_device_rule
+        without = draw(logits[[0, 2]], plain, [position] * 2)
+        assert [on_host[0], on_host[2]] == without
+
+
+def test_a_graph_s_step_draws_its_typical_rows_again_outside_it() -> None:
+    """A captured graph's sampler leaves typical_p out (`pick` without `typical`); `with_host_rows`, which
+    a graph's step runs after it, draws those rows again, so the step gives the tokens an eager one
+    does, its other rows untouched."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(10)) * 2
+    params = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=1.0, typical_p=0.3, seed=2),
+        SamplingParams(temperature=0.8, top_k=9, seed=3),
+    ]
+    redrawn = 0
+    for position in range(40):
+        tensors = SamplingTensors.build(params, [position] * 3, 3, VOCAB, CPU)
+        graph = sampling.sampled_tokens(sample(logits, tensors, random=True, filtered=True), params)
+        eager = sample_tokens(logits, params, [position] * 3, VOCAB)
+        redrawn += graph[1] != eager[1]
+        step = sampling.with_host_rows(
+            list(graph), logits, torch.log_softmax(logits, -1), params, [position] * 3
+        )
+        assert step == eager
+        assert [step[0], step[2]] == [graph[0], graph[2]]
+    assert redrawn > 0

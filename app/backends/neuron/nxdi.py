@@ -373,18 +373,19 @@ class NxdiBackend(NeuronBackend):
     admission.
 
     Host rows: the device's sampler takes no mask, bias or penalty, so a row on the host logits path
-    (`SamplingParams.host`: a grammar, penalties, ...) or with min_p is drawn on the host by the portable
-    sampler from the logits the step returns anyway (`output_logits`), seeds honoured; every other row of
-    the same call keeps the device's token. A row whose changes all lower its logits (a grammar,
-    penalties, bans: `HostLogits.checks_first`) keeps the device's token too where its grammar allows it
-    and no penalty touches it (else with its adjusted weight over its raw one), and is drawn on the host
-    only where it does not: the device's draw is the proposal of `pick_tokens`' rejection sampling, with
-    the device's global top-k and its seeds on greedy rows only, as every device row. In
-    async mode the device feeds its own tokens back, so such a request is refused at admission."""
+    (`SamplingParams.host`: a grammar, penalties, ...) or with min_p or typical_p is drawn on the host by
+    the portable sampler from the logits the step returns anyway (`output_logits`), seeds honoured;
+    every other row of the same call keeps the device's token. A row whose changes all lower its logits
+    (a grammar, penalties, bans: `HostLogits.checks_first`) keeps the device's token too where its
+    grammar allows it and no penalty touches it (else with its adjusted weight over its raw one), and is
+    drawn on the host only where it does not: the device's draw is the proposal of `pick_tokens`'
+    rejection sampling, with the device's global top-k and its seeds on greedy rows only, as every
+    device row. In async mode the device feeds its own tokens back, so such a request is refused at
+    admission."""
 
     name = "neuron-nxdi"
     pinned_versions: ClassVar[Mapping[str, int | None]] = NXDI_PINS
-    sampling_features = frozenset({"min_p", *HOST_LOGITS_FEATURES})
+    sampling_features = frozenset({"min_p", "typical_p", *HOST_LOGITS_FEATURES})
 
     def __init__(
         self,
@@ -427,7 +428,7 @@ class NxdiBackend(NeuronBackend):
         if self.runs_ahead_in_call and _on_host(params):
             raise InvalidRequestError(
                 "this artifact runs NxD Inference's async mode, where the device feeds its own sampled "
-                "tokens back, so no token can be drawn on the host: penalties, min_tokens, min_p, "
+                "tokens back, so no token can be drawn on the host: penalties, min_tokens, min_p, typical_p, "
                 "logit_bias, bad_words, allowed_token_ids, structured output and tool_choice "
                 "required/named need an artifact compiled without --async-mode",
                 param=_host_param(params),
@@ -515,13 +516,13 @@ class NxdiBackend(NeuronBackend):
 
 
 def _on_host(params: SamplingParams) -> bool:
-    """A row the device's sampler cannot draw: it has no mask, bias, penalty or min-p input (its host
-    state, where the engine gave it one, says so at once)."""
-    return params.host is not None or params.min_p > 0.0 or params.uses_host_logits
+    """A row the device's sampler cannot draw: it has no mask, bias, penalty, min-p or typical-p input (its
+    host state, where the engine gave it one, says so at once)."""
+    return params.host is not None or params.min_p > 0.0 or params.typical_p < 1.0 or params.uses_host_logits
 
 
 def _host_param(params: SamplingParams) -> str:
     if params.grammar is not None:
         return "response_format"
-    names = ("min_p", *sorted(HOST_LOGITS_FEATURES))
+    names = ("min_p", "typical_p", *sorted(HOST_LOGITS_FEATURES))
     return next(n for n in names if getattr(params, n) != NEUTRAL_SAMPLING[n])

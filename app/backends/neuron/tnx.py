@@ -15,7 +15,7 @@ Sampling: the library's on-device generation returns token ids only, never logit
 logprobs, and the validation gate and the startup golden replay need them. This backend therefore
 compiles without it: the step returns fp32 logits [n, vocab] and tokens are drawn on the host by the
 portable seeded sampler (so seeds are honoured), instead of per-slot parameters written with
-`update_generation_config`. Every row is drawn on the host, so min_p and the whole host logits path
+`update_generation_config`. Every row is drawn on the host, so min_p, typical_p and the whole host logits path
 (penalties, min_tokens, logit_bias, bad_words, allowed_token_ids, grammars) are honoured as on torch.
 
 Artifact layout: `compiled/` holds the NEFFs (`<hlo hash>.neff`), `weights/` the presharded safetensors
@@ -115,7 +115,7 @@ def model_kwargs(library: ModuleType, spec: BackendSpec) -> dict[str, Any]:
 class TnxBackend(NeuronBackend):
     name = "neuron-tnx"
     pinned_versions: ClassVar[Mapping[str, int | None]] = TNX_PINS
-    sampling_features = frozenset({"min_p", *HOST_LOGITS_FEATURES})
+    sampling_features = frozenset({"min_p", "typical_p", *HOST_LOGITS_FEATURES})
 
     @classmethod
     def _check_artifact(cls, artifact_dir: Path, spec: BackendSpec) -> None:

@@ -45,7 +45,7 @@ class TorchBackend(Backend):
     """A Llama on torch over slots; tensor parallel across processes when `spec.tp_degree > 1`."""
 
     name = "torch"
-    sampling_features = frozenset({"min_p", "prompt_logprobs", *HOST_LOGITS_FEATURES})
+    sampling_features = frozenset({"min_p", "typical_p", "prompt_logprobs", *HOST_LOGITS_FEATURES})
     pinned_versions: ClassVar[Mapping[str, int | None]] = {"torch": 2}
 
     def __init__(

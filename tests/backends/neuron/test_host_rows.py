@@ -1,6 +1,6 @@
 """NxD Inference in step with host rows: in one decode call, a row on the host logits path (or with
-min_p) is drawn on the host from the logits the step returns, and every other row keeps the token the
-device sampled; in async mode such a request is refused at admission, naming the reason."""
+min_p or typical_p) is drawn on the host from the logits the step returns, and every other row keeps the
+token the device sampled; in async mode such a request is refused at admission, naming the reason."""
 
 from __future__ import annotations
 
@@ -115,6 +115,18 @@ def test_a_penalised_row_keeps_the_device_s_token_where_no_penalty_touches_it(
     assert mixed[:2] == device_only[:2] and host_draws == [("_inverse_cdf", 1)]
 
 
+def test_a_typical_p_row_alone_is_drawn_on_the_host(
+    nxdi_fresh: NxdiBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device's sampler has no typical_p: such a row is drawn on the host, the others keep the
+    device's tokens."""
+    device_only = decode_all(nxdi_fresh, [GREEDY] * 3)
+    host_draws: list[tuple[str, int]] = []
+    monkeypatch.setattr(sampling, "_inverse_cdf", spy(sampling._inverse_cdf, "_inverse_cdf", host_draws))
+    mixed = decode_all(nxdi_fresh, [GREEDY, SamplingParams(temperature=1.0, typical_p=0.5, seed=3), GREEDY])
+    assert [mixed[0], mixed[2]] == [device_only[0], device_only[2]] and host_draws == [("_inverse_cdf", 1)]
+
+
 def spy(function: Callable[..., Any], name: str, calls: list[tuple[str, int]]) -> Callable[..., Any]:
     """`function`, recording (name, rows) per call (its first argument: the rows' logits or params)."""
 
@@ -137,6 +149,7 @@ def test_a_seeded_min_p_row_is_drawn_on_the_host_the_same_whatever_its_batch(nxd
     [
         (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
         (SamplingParams(temperature=1.0, min_p=0.1), "min_p"),
+        (SamplingParams(temperature=1.0, typical_p=0.9), "typical_p"),
         (SamplingParams(grammar=object()), "response_format"),  # type: ignore[arg-type]
     ],
 )

@@ -31,6 +31,7 @@ def test_what_the_device_cannot_do_is_refused_naming_it(
     "params",
     [
         SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.0, typical_p=0.9),
         SamplingParams(repetition_penalty=1.1),
         SamplingParams(min_tokens=3),
         SamplingParams(logit_bias=((5, 2.0),)),

@@ -55,7 +55,8 @@ def on_cuda(stories_artifact: Path) -> Iterator[dict[str, TorchBackend]]:
 def mixed_rows(tokenizer: Tokenizer, group: int) -> Rows:
     """Fresh rows (their states start anew per run), one per slot: regex rows at temperature 1, one with
     top_p too (so it is masked before its draw rather than checked after it), allowed ids, a repetition
-    penalty, and plain rows, greedy and seeded; the third group's regex rows carry penalties or negative
+    penalty, and plain rows, greedy and seeded (one with typical_p, which graphs leave out: drawn again
+    outside them); the third group's regex rows carry penalties or negative
     biases too (the regex refuses their raw draws at nearly every step: redrawn from their adjusted
     rows, on CUDA from a copy adjusted by `apply_host_logits`)."""
     grammar = compiler_for(tokenizer).compile(Constraint(Kind.REGEX, REGEX, "guided_regex"))
@@ -71,7 +72,7 @@ def mixed_rows(tokenizer: Tokenizer, group: int) -> Rows:
             SamplingParams(temperature=1.0, seed=4, allowed_token_ids=ALLOWED),
             GREEDY,
             SamplingParams(temperature=1.0, seed=6, grammar=grammar),
-            SamplingParams(temperature=1.0, top_k=20, seed=7),
+            SamplingParams(temperature=1.0, top_k=20, typical_p=0.7, seed=7),
         ],
         [
             SamplingParams(temperature=1.0, seed=8, grammar=grammar, repetition_penalty=1.3),
