@@ -5,7 +5,7 @@ number of tokens, the seed, `prefill` and each generated token as `{"id", "text"
 or with `stream` server-sent events, one per token (`{"index", "token", "generated_text", "details"}`),
 the last carrying the whole `generated_text` and `details` (without the token lists, as TGI's).
 Sampling follows TGI: greedy unless `do_sample` or a sampling parameter (`temperature` != 1, `top_k`,
-`top_p` < 1) is set.
+`top_p` < 1, `typical_p` < 1) is set; `typical_p` cuts what top-k and top-p keep, as TGI's warpers.
 """
 
 from __future__ import annotations

@@ -156,8 +156,10 @@ FIELDS: dict[str, Field] = {
     ),
     "reasoning_effort": Field(Use.REFUSED, (None,), "no reasoning models"),
     "include_reasoning": Field(Use.HOST, (True,), "no reasoning parser: the text is the content"),
-    # TGI's parameters without an implementation here
-    "typical_p": Field(Use.REFUSED, (None, 1.0), "not implemented"),
+    # TGI's parameters
+    "typical_p": Field(
+        Use.DEVICE, (None, 1.0), "after top-k and top-p, as TGI; neuron-nxdi draws such a row on the host"
+    ),
     "watermark": Field(Use.REFUSED, (False,), "not implemented"),
     "decoder_input_details": Field(Use.REFUSED, (False,), "not implemented"),
     "top_n_tokens": Field(Use.REFUSED, (None, 0), "not implemented"),
@@ -684,18 +686,20 @@ class Validator:
 
 
 def tgi_sampling(params: GenerateParameters, grammar: Grammar | None) -> SamplingParams:
-    """TGI's rule: greedy unless `do_sample` or a sampling parameter (temperature != 1, top_k, top_p < 1);
-    `grammar`: its `parameters.grammar`, compiled."""
+    """TGI's rule: greedy unless `do_sample` or a sampling parameter (temperature != 1, top_k, top_p < 1,
+    typical_p < 1); `grammar`: its `parameters.grammar`, compiled."""
     warpers = (
         (params.temperature is not None and params.temperature not in (0.0, 1.0))
         or bool(params.top_k)
         or (params.top_p is not None and params.top_p < 1.0)
+        or (params.typical_p is not None and params.typical_p < 1.0)
     )
     sample = (bool(params.do_sample) or warpers) and params.temperature != 0.0
     return SamplingParams(
         temperature=(params.temperature or 1.0) if sample else 0.0,
         top_p=params.top_p or 1.0,
         top_k=params.top_k or 0,
+        typical_p=params.typical_p or 1.0,
         repetition_penalty=params.repetition_penalty or 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,
         grammar=grammar,

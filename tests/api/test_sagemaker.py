@@ -73,6 +73,17 @@ def test_generate_sampling_follows_tgi(client, engine, parameters, temperature):
     assert list(engine.requests.values())[-1].sampling.temperature == temperature
 
 
+def test_generate_typical_p_samples_and_reaches_the_backend_which_may_refuse_it(client, engine):
+    """TGI samples when typical_p < 1, as with its other warpers; the fake engine's backend lacks the
+    feature, so it refuses it, naming it (the backends that honour it: tests/integration)."""
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 1, "typical_p": 0.95}}
+    refused = invoke(client, body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "typical_p"
+    assert invoke(client, {**body, "parameters": {"max_new_tokens": 1, "typical_p": 1.0}}).status_code == 200
+    assert list(engine.requests.values())[-1].sampling.temperature == 0.0
+
+
 def test_generate_seed_is_reported_when_sampling(client):
     body = {"inputs": "x", "parameters": {"max_new_tokens": 1, "do_sample": True, "seed": 7, "details": True}}
     assert invoke(client, body).json()[0]["details"]["seed"] == 7

@@ -149,6 +149,27 @@ def test_invocations_bodies(sagemaker_server, reference):
     assert events[-1]["generated_text"] == reference[1]
 
 
+def test_tgi_typical_p_is_transformers_typical_sampling(sagemaker_server, stories260k):
+    """TGI's typical_p (langchain-huggingface's HuggingFaceEndpoint sends 0.95 by default) samples, cut as
+    transformers' `TypicalLogitsWarper` cuts: with a mass so small that each step keeps the one token
+    whose surprise is nearest the entropy, the text is transformers' own, and not its greedy one."""
+    tokenizer = AutoTokenizer.from_pretrained(stories260k)
+    model = AutoModelForCausalLM.from_pretrained(stories260k)
+    input_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    output = model.generate(input_ids, max_new_tokens=16, do_sample=True, typical_p=1e-3, pad_token_id=0)
+    expected = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
+    url = sagemaker_server.url + "/invocations"
+    parameters = {"max_new_tokens": 16, "typical_p": 1e-3, "details": True}
+    typical = httpx.post(url, json={"inputs": PROMPT, "parameters": parameters}, timeout=60).json()[0]
+    assert expected.strip()
+    assert typical["generated_text"].strip() == expected.strip()
+    assert "seed" in typical["details"]  # sampled, as TGI samples with any warper
+    greedy = httpx.post(url, json={"inputs": PROMPT, "parameters": {"max_new_tokens": 16}}, timeout=60)
+    assert greedy.json()[0]["generated_text"] != typical["generated_text"]
+    langchain = {"max_new_tokens": 16, "top_p": 0.95, "typical_p": 0.95, "temperature": 0.8, "seed": 3}
+    assert httpx.post(url, json={"inputs": PROMPT, "parameters": langchain}, timeout=60).status_code == 200
+
+
 def complete_with_request_id(server: ServerProcess, request_id: str) -> httpx.Response:
     return httpx.post(
         server.url + "/v1/completions",
