@@ -89,7 +89,7 @@ FIELDS: dict[str, Field] = {
     "continuous_usage_stats": Field(Use.HOST, (None, False), "usage so far in every chunk"),
     # vLLM: sampling parameters (both APIs)
     "top_k": Field(Use.DEVICE, (None, 0, -1), "every backend; at most the vocabulary (neuron: its top-k)"),
-    "min_p": Field(Use.DEVICE, (None, 0.0), "torch and sim; refused by the neuron backends"),
+    "min_p": Field(Use.DEVICE, (None, 0.0), "every backend; neuron-nxdi draws such a row on the host"),
     "repetition_penalty": Field(Use.DEVICE, (None, 1.0), HOST_PATH),
     "min_tokens": Field(Use.DEVICE, (0,), "stop ids masked until then; " + HOST_PATH),
     "stop_token_ids": Field(Use.HOST, (None, []), "the engine's stop rule"),
