@@ -48,6 +48,10 @@ rest of the step at k = 8.
   rows costing nothing here; `nxdi_host_vocab128256_top_p` gives the rows top_p 0.9, so every step
   takes the whole host path (mask, the masked row's nucleus, a draw), on peaked logits (`PEAKED`: the
   unit normal's nucleus would be three quarters of the vocabulary, no model's);
+  `nxdi_host_vocab128256_top_p_host_sampling` draws the same rows on the host without their grammar
+  (what a row costs NxD Inference's host for being drawn there: a row with min_p or typical_p pays it
+  too), and `nxdi_host_vocab128256_top_p_grammar_share` is what the grammar adds to that, per row,
+  against llguidance's own cost (`grammar_share`);
   `nxdi_host_vocab128256_penalty_only` gives k rows `frequency_penalty` 0.5 and no grammar
   (`penalty_only_figures`: us a row, nothing of llguidance's to compare, and the share of steps that
   kept the device's draw).
@@ -471,34 +475,73 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0
 
 def penalty_only_figures(steps: int, rounds: int) -> dict[str, float]:
     """Microseconds of host time a row a step for k NxD Inference host rows with `frequency_penalty` 0.5
-    and no grammar (`with_host_rows` on seeded peaked logits [32, 128,256], the device's draws made from
-    them before the timed steps, tokens fed back), the least mean over `rounds`: what such a row costs
-    the host, with no grammar engine's cost to set beside it; and the share of its steps that kept the
-    device's token (a penalty touches only the tokens generated before, and lowers what it touches)."""
+    and no grammar (`host_row_figures`): what such a row costs the host, with no grammar engine's cost to
+    set beside it; and the share of its steps that kept the device's token (a penalty touches only the
+    tokens generated before, and lowers what it touches)."""
+    return host_row_figures(
+        lambda i: SamplingParams(temperature=1.0, seed=i, frequency_penalty=0.5), steps, rounds
+    )
+
+
+def host_sampling_figures(steps: int, rounds: int) -> dict[str, float]:
+    """`nxdi_host_vocab128256_top_p`'s rows without their grammar, drawn on the host all the same (as NxD
+    Inference draws a row with min_p or typical_p, which its device's sampler lacks): what drawing such a
+    row on the host costs, whatever constrains it (`host_row_figures`)."""
+    figures = host_row_figures(
+        lambda i: SamplingParams(temperature=1.0, seed=i, top_p=0.9), steps, rounds, on_host=lambda _: True
+    )
+    return {name: value for name, value in figures.items() if name.endswith("_per_row_us")}
+
+
+def host_row_figures(
+    rule: Callable[[int], SamplingParams],
+    steps: int,
+    rounds: int,
+    on_host: Callable[[SamplingParams], bool] | None = None,
+) -> dict[str, float]:
+    """Microseconds of host time a row a step for k NxD Inference host rows, row i's `rule(i)` (on the
+    host where `on_host`, by default where it has a host state): `with_host_rows` on seeded peaked
+    logits [32, 128,256], the device's draws made from them before the timed steps, tokens fed back, the
+    least mean over `rounds`; and the share of steps that kept the device's token."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(BATCH, LLAMA3_VOCAB, generator=generator) * PEAKED
     all_logprobs = torch.log_softmax(logits, dim=-1)
     draws = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T
+    chooses = {} if on_host is None else {"on_host": on_host}
     report: dict[str, float] = {}
     for k in CONSTRAINED[1:]:
         best, kept = float("inf"), 0
         for _ in range(rounds):
-            rules = [SamplingParams(temperature=1.0, seed=i, frequency_penalty=0.5) for i in range(k)]
-            params = [HostLogits.start(rule, PROMPT, (2,), None) for rule in rules]
+            params = [HostLogits.start(rule(i), PROMPT, (2,), None) for i in range(k)]
             seconds, kept = [], 0
             for step in range(steps):
                 device = device_tokens(draws[step, :k], all_logprobs[:k], params)
                 start = time.perf_counter()
                 drawn = with_host_rows(
-                    device, logits, all_logprobs, params, [len(PROMPT) + step] * k, own_draws=True
+                    device, logits, all_logprobs, params, [len(PROMPT) + step] * k, own_draws=True, **chooses
                 )
                 for p, token in zip(params, drawn, strict=True):
-                    p.host.accept(token.token_id)  # type: ignore[union-attr]
+                    if p.host is not None:
+                        p.host.accept(token.token_id)
                 seconds.append(time.perf_counter() - start)
                 kept += sum(t.token_id == d for t, d in zip(drawn, draws[step, :k].tolist(), strict=True))
             best = min(best, statistics.fmean(seconds) * 1e6 / k)
         report[f"k={k}_per_row_us"] = round(best, 1)
         report[f"k={k}_device_token_share"] = round(kept / (steps * k), 3)
+    return report
+
+
+def grammar_share(top_p: dict[str, float], sampling: dict[str, float]) -> dict[str, float]:
+    """What a grammar adds to a top_p row on NxD Inference's host over the same row drawn there without
+    one (`host_sampling_figures`), per row, next to llguidance's own cost for the same rows: its mask
+    (`k=K_ratio`), and its mask applied by its own kernel (`k=K_ratio_with_apply`), where built."""
+    report: dict[str, float] = {}
+    for k in CONSTRAINED[1:]:
+        share = top_p[f"k={k}_extra_per_row_us"] - sampling[f"k={k}_per_row_us"]
+        report[f"k={k}_per_row_us"] = round(share, 1)
+        report[f"k={k}_ratio"] = round(share / top_p[f"k={k}_grammar_per_row_us"], 2)
+        if f"k={k}_grammar_apply_per_row_us" in top_p:
+            report[f"k={k}_ratio_with_apply"] = round(share / top_p[f"k={k}_grammar_apply_per_row_us"], 2)
     return report
 
 
@@ -550,9 +593,11 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
         finally:
             backend.close()
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}"] = figures(nxdi_run(llama3, steps, apply), rounds)
-    report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p"] = figures(
-        nxdi_run(replace(llama3, top_p=0.9), steps, apply, PEAKED), rounds
-    )
+    top_p = figures(nxdi_run(replace(llama3, top_p=0.9), steps, apply, PEAKED), rounds)
+    sampling = host_sampling_figures(steps, rounds)
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p"] = top_p
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p_host_sampling"] = sampling
+    report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p_grammar_share"] = grammar_share(top_p, sampling)
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_penalty_only"] = penalty_only_figures(steps, rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     report[f"exp_pass_per_row_us_vocab{LLAMA3_VOCAB}"] = exp_pass_us(LLAMA3_VOCAB)
