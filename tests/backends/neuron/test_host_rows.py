@@ -7,14 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from app.backends import sampling
 from app.backends.base import GREEDY, SamplingParams
 from app.backends.logits import HostLogits
-from app.backends.neuron.nxdi import NxdiBackend
+from app.backends.neuron.nxdi import NxdiBackend, _logits_of, step_tokens
 from app.errors import InvalidRequestError
 
 from ..masks import FixedTokens
@@ -125,6 +127,30 @@ def test_a_typical_p_row_alone_is_drawn_on_the_host(
     monkeypatch.setattr(sampling, "_inverse_cdf", spy(sampling._inverse_cdf, "_inverse_cdf", host_draws))
     mixed = decode_all(nxdi_fresh, [GREEDY, SamplingParams(temperature=1.0, typical_p=0.5, seed=3), GREEDY])
     assert [mixed[0], mixed[2]] == [device_only[0], device_only[2]] and host_draws == [("_inverse_cdf", 1)]
+
+
+def test_a_full_batch_s_logits_are_read_in_place_in_any_slot_order() -> None:
+    """A step's output for every slot, its batch in shuffled slot order with a host row among device
+    rows: the logits are a view of the output (no copy), and each row gets the token it gets in slot
+    order, in its place; a batch with a gap is read through a copy, the same values."""
+    vocab, slots = 50, 6
+    generator = torch.Generator().manual_seed(3)
+    output = SimpleNamespace(
+        logits=torch.randn(slots, 1, vocab + 4, generator=generator),
+        tokens=torch.randint(0, vocab, (slots,), generator=generator),
+    )
+    params = [
+        SamplingParams(temperature=1.0, seed=slot, min_p=0.05 if slot == 2 else 0.0) for slot in range(slots)
+    ]
+    in_order = step_tokens(output, list(range(slots)), params, [7] * slots, vocab)
+    shuffled = [4, 2, 0, 5, 1, 3]
+    tokens = step_tokens(output, shuffled, [params[s] for s in shuffled], [7] * slots, vocab)
+    assert tokens == [in_order[s] for s in shuffled]
+    assert [t.token_id for t in tokens] != output.tokens[shuffled].tolist()  # the host row drew its own
+    view = _logits_of(output.logits, list(range(slots)), vocab)
+    assert view.data_ptr() == output.logits.data_ptr() and torch.equal(view, output.logits[:, -1, :vocab])
+    gapped = _logits_of(output.logits, [0, 2, 3], vocab)
+    assert torch.equal(gapped, output.logits[[0, 2, 3], -1, :vocab])
 
 
 def spy(function: Callable[..., Any], name: str, calls: list[tuple[str, int]]) -> Callable[..., Any]:
