@@ -52,6 +52,7 @@ rest of the step at k = 8.
   (what a row costs NxD Inference's host for being drawn there: a row with min_p or typical_p pays it
   too), and `nxdi_host_vocab128256_top_p_grammar_share` is what the grammar adds to that, per row,
   against llguidance's own cost (`grammar_share`);
+  `nxdi_step_host_batch32` is the host work every step pays whatever k (`nxdi_step_ms`);
   `nxdi_host_vocab128256_penalty_only` gives k rows `frequency_penalty` 0.5 and no grammar
   (`penalty_only_figures`: us a row, nothing of llguidance's to compare, and the share of steps that
   kept the device's draw).
@@ -76,6 +77,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import llguidance
@@ -84,6 +86,7 @@ import torch
 
 from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, SampledToken, SamplingParams
 from app.backends.logits import Grammar, HostLogits
+from app.backends.neuron.nxdi import step_tokens
 from app.backends.neuron.steps import device_tokens
 from app.backends.sampling import sample_tokens, with_host_rows
 from app.backends.sim import SimBackend
@@ -439,10 +442,11 @@ def cuda_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0) -> Run:
-    """NxD Inference's host work for k host rows of a [32, V] logits step (`NxdiBackend._tokens`: the
-    log-softmax of every row and the device's tokens are there whatever k; `with_host_rows` with the
-    device's own draws is what k adds), tokens fed back as the engine does. The logits are normal with
-    standard deviation `scale`, seeded; the device's draws come from them, made before the timed steps."""
+    """NxD Inference's host work for k host rows of a [32, V] logits step (`nxdi.step_tokens`: the
+    log-softmax of every row and the device's tokens are there whatever k, `nxdi_step_ms`;
+    `with_host_rows` with the device's own draws is what k adds), tokens fed back as the engine does.
+    The logits are normal with standard deviation `scale`, seeded; the device's draws come from them,
+    made before the timed steps."""
     generator = torch.Generator().manual_seed(0)  # the same logits and draws in every run of the bench
     logits = torch.randn(BATCH, rows.vocab_size, generator=generator) * scale
     all_logprobs = torch.log_softmax(logits, dim=-1)
@@ -545,6 +549,29 @@ def grammar_share(top_p: dict[str, float], sampling: dict[str, float]) -> dict[s
     return report
 
 
+def nxdi_step_ms() -> dict[str, float]:
+    """Milliseconds of the host work every NxD Inference decode step pays whatever k (`nxdi.step_tokens`:
+    its rows' logits read, their log-softmax, the device's tokens with their logprobs), at batch 32 and
+    128,256 ids, no host row, the least of 20: a full batch in shuffled slot order (its logits a view of
+    the step's output), and 24 of its 32 slots (a copy of theirs)."""
+    generator = torch.Generator().manual_seed(0)
+    output = SimpleNamespace(
+        logits=torch.randn(BATCH, 1, LLAMA3_VOCAB, generator=generator),
+        tokens=torch.randint(0, LLAMA3_VOCAB, (BATCH,), generator=generator),
+    )
+    slots = torch.randperm(BATCH, generator=generator).tolist()
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(BATCH)]
+    report: dict[str, float] = {}
+    for name, rows in (("full_batch", slots), ("24_of_32_slots", slots[:24])):
+        best = float("inf")
+        for _ in range(20):
+            start = time.perf_counter()
+            step_tokens(output, rows, params[: len(rows)], [len(PROMPT)] * len(rows), LLAMA3_VOCAB)
+            best = min(best, time.perf_counter() - start)
+        report[f"{name}_ms"] = round(best * 1e3, 2)
+    return report
+
+
 def exp_pass_us(vocab_size: int) -> float:
     """Microseconds a row of one numpy exp over fp32 logits [BATCH, vocab_size] in place, the least of
     20 tries: the floor under any exact draw from a row allowed much of the vocabulary (its
@@ -600,6 +627,7 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p_grammar_share"] = grammar_share(top_p, sampling)
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_penalty_only"] = penalty_only_figures(steps, rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
+    report["nxdi_step_host_batch32"] = nxdi_step_ms()
     report[f"exp_pass_per_row_us_vocab{LLAMA3_VOCAB}"] = exp_pass_us(LLAMA3_VOCAB)
     return report
 
