@@ -1,8 +1,8 @@
 """The portable seeded sampler, shared by the backends that sample from logits (the torch backend inside
 its step, transformers-neuronx on the host, NxD Inference's host rows, the sim's host rows): greedy,
 temperature, top-k, top-p, min-p, typical-p (TGI's, cutting what the others keep) and per-request seeds,
-after the host logits path
-(`app/backends/logits.py`) has adjusted the rows that use it. Logprobs are those of the raw logits.
+after the host logits path (`app/backends/logits.py`) has adjusted the rows that use it. Logprobs are
+those of the raw logits.
 
 A sampled token is a pure function of (logits row, seed, position of the generated token): each row
 draws one uniform number from a counter-based hash of (seed, position), computed on the host with the
