@@ -6,6 +6,7 @@ or with `stream` server-sent events, one per token (`{"index", "token", "generat
 the last carrying the whole `generated_text` and `details` (without the token lists, as TGI's).
 Sampling follows TGI: greedy unless `do_sample` or a sampling parameter (`temperature` != 1, `top_k`,
 `top_p` < 1, `typical_p` < 1) is set; `typical_p` cuts what top-k and top-p keep, as TGI's warpers.
+A stop sequence ends the text it stopped, as TGI's `generated_text` keeps it.
 """
 
 from __future__ import annotations

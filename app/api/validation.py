@@ -575,6 +575,7 @@ class Validator:
             sampling=tgi_sampling(params, self._grammar(tgi_constraint(params.grammar))),
             stop_strings=tuple(params.stop),
             ignore_eos=params.ignore_eos,
+            include_stop_str_in_output=True,  # TGI's text ends with the stop sequence it stopped at
         )
         requests = self._fan_out([prompt], 1, params.seed, knobs, max_tokens)
         return Validated(Api.GENERATE, body, requests, [body.inputs] if params.return_full_text else [])

@@ -84,6 +84,12 @@ def test_generate_typical_p_samples_and_reaches_the_backend_which_may_refuse_it(
     assert list(engine.requests.values())[-1].sampling.temperature == 0.0
 
 
+def test_generate_keeps_the_stop_sequence_as_tgi(client, engine):
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 1, "stop": ["z"]}}
+    assert invoke(client, body).status_code == 200
+    assert list(engine.requests.values())[-1].include_stop_str_in_output
+
+
 def test_generate_seed_is_reported_when_sampling(client):
     body = {"inputs": "x", "parameters": {"max_new_tokens": 1, "do_sample": True, "seed": 7, "details": True}}
     assert invoke(client, body).json()[0]["details"]["seed"] == 7

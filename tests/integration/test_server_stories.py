@@ -149,6 +149,19 @@ def test_invocations_bodies(sagemaker_server, reference):
     assert events[-1]["generated_text"] == reference[1]
 
 
+def test_tgi_text_ends_with_the_stop_sequence(sagemaker_server, reference):
+    """TGI's `generated_text` keeps the stop sequence it stopped at (huggingface_hub's own example:
+    `stop=["Republic"]` gives "... the French Republic"); OpenAI's text ends before it."""
+    stop = reference[1].split()[2]  # the greedy continuation's third word
+    url = sagemaker_server.url + "/invocations"
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 24, "stop": [stop]}}
+    generated = httpx.post(url, json=body, timeout=60).json()[0]["generated_text"]
+    assert generated == reference[1][: reference[1].index(stop) + len(stop)]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == generated
+
+
 def test_tgi_typical_p_is_transformers_typical_sampling(sagemaker_server, stories260k):
     """TGI's typical_p (langchain-huggingface's HuggingFaceEndpoint sends 0.95 by default) samples, cut as
     transformers' `TypicalLogitsWarper` cuts: with a mass so small that each step keeps the one token
