@@ -36,10 +36,12 @@ run: install
 	artifact="$$($(VENV)/bin/inf2serve compile --model $(MODEL) --output $(ARTIFACTS) | tail -n 1)" && \
 	  exec $(VENV)/bin/inf2serve serve --artifact "$$artifact" --host 127.0.0.1 --port $(PORT) $(ALLOW_RANDOM_WEIGHTS)
 
-# lint-imports: the import contracts in pyproject.toml ([tool.importlinter]); seconds, so it runs first.
-test: install system-deps
+# ruff (`lint`) and lint-imports (the import contracts in pyproject.toml, [tool.importlinter]) take
+# seconds, so they run first.
+test: lint system-deps
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
+# ruff is pinned (pyproject.toml): a new release may check or format differently.
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
