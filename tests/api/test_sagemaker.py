@@ -73,9 +73,9 @@ def test_generate_sampling_follows_tgi(client, engine, parameters, temperature):
     assert list(engine.requests.values())[-1].sampling.temperature == temperature
 
 
-def test_generate_typical_p_samples_and_reaches_the_backend_which_may_refuse_it(client, engine):
-    """TGI samples when typical_p < 1, as with its other warpers; the fake engine's backend lacks the
-    feature, so it refuses it, naming it (the backends that honour it: tests/integration)."""
+def test_generate_typical_p_reaches_the_backend_which_may_refuse_it(client, engine):
+    """typical_p < 1 reaches the backend: the fake engine's lacks the feature, so it refuses it, naming
+    it (that it samples, and as transformers: tests/integration); its neutral value is accepted."""
     body = {"inputs": "x", "parameters": {"max_new_tokens": 1, "typical_p": 0.95}}
     refused = invoke(client, body)
     assert refused.status_code == 400

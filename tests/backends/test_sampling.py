@@ -1,4 +1,5 @@
-"""The on-device sampler: greedy, temperature, top-k, top-p, counter-based seeds, logprobs."""
+"""The on-device sampler: greedy, temperature, top-k, top-p, min-p, typical-p (against transformers'
+warpers), counter-based seeds, logprobs."""
 
 from __future__ import annotations
 
