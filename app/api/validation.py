@@ -168,6 +168,13 @@ FIELDS: dict[str, Field] = {
 }
 
 
+# The names Hugging Face's clients send for "the one model this server serves", which TGI takes as its
+# own: huggingface_hub's `chat_completion` and langchain's `ChatHuggingFace` without a model send "dummy",
+# and TGI's examples for the OpenAI client send "tgi". A generation body naming one runs on the served
+# model, as on TGI; any other name that is not the served one is a 404, as on vLLM.
+PLACEHOLDER_MODELS = frozenset({"dummy", "tgi"})
+
+
 class Api(StrEnum):
     COMPLETION = "completion"
     CHAT = "chat"
@@ -611,7 +618,8 @@ class Validator:
             raise NotFoundError(f"model {model!r} does not exist; this server serves {self.model_name!r}")
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        self.check_model(body.model)
+        if body.model not in PLACEHOLDER_MODELS:
+            self.check_model(body.model)
         refuse_unsupported(body)
         if body.best_of is not None and body.best_of not in (1, body.n):
             raise InvalidRequestError("best_of other than n is not supported by this server", param="best_of")

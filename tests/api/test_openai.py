@@ -199,6 +199,18 @@ def test_unknown_model_is_404(client):
     assert "fake-model" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("placeholder", ["dummy", "tgi"])
+def test_hugging_face_s_placeholder_model_names_run_the_served_model(client, placeholder):
+    """huggingface_hub's `chat_completion` and langchain's `ChatHuggingFace` send "dummy" where no model is
+    given, TGI's examples "tgi": TGI runs its model for either, so this server does too, and answers with
+    its own name. They name no model to look up."""
+    response = chat(client, [{"role": "user", "content": "hi"}], model=placeholder, max_tokens=1)
+    assert response.status_code == 200
+    assert response.json()["model"] == "fake-model"
+    assert complete(client, model=placeholder, prompt="x", max_tokens=1).status_code == 200
+    assert client.get(f"/v1/models/{placeholder}").status_code == 404
+
+
 def test_overloaded_engine_gives_429_with_retry_after(client, engine):
     engine.fail_with = OverloadedError("the queue is full", retry_after_s=2.5)
     response = complete(client, prompt="x")
