@@ -88,7 +88,7 @@ from app.backends.base import Backend, BackendSpec, DecodeBatch, PrefillBatch, S
 from app.backends.logits import Grammar, HostLogits
 from app.backends.neuron.nxdi import step_tokens
 from app.backends.neuron.steps import device_tokens
-from app.backends.sampling import sample_tokens, with_host_rows
+from app.backends.sampling import drawn_outside_graphs, sample_tokens, with_host_rows
 from app.backends.sim import SimBackend
 from app.shapes import ShapeGrid
 from app.structured.grammar import Constraint, GrammarCompiler, GrammarMatcher, Kind, compiler_for
@@ -501,17 +501,16 @@ def host_row_figures(
     rule: Callable[[int], SamplingParams],
     steps: int,
     rounds: int,
-    on_host: Callable[[SamplingParams], bool] | None = None,
+    on_host: Callable[[SamplingParams], bool] = drawn_outside_graphs,
 ) -> dict[str, float]:
     """Microseconds of host time a row a step for k NxD Inference host rows, row i's `rule(i)` (on the
-    host where `on_host`, by default where it has a host state): `with_host_rows` on seeded peaked
+    host where `on_host`, by default `with_host_rows`' own rule): `with_host_rows` on seeded peaked
     logits [32, 128,256], the device's draws made from them before the timed steps, tokens fed back, the
     least mean over `rounds`; and the share of steps that kept the device's token."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(BATCH, LLAMA3_VOCAB, generator=generator) * PEAKED
     all_logprobs = torch.log_softmax(logits, dim=-1)
     draws = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T
-    chooses = {} if on_host is None else {"on_host": on_host}
     report: dict[str, float] = {}
     for k in CONSTRAINED[1:]:
         best, kept = float("inf"), 0
@@ -522,7 +521,13 @@ def host_row_figures(
                 device = device_tokens(draws[step, :k], all_logprobs[:k], params)
                 start = time.perf_counter()
                 drawn = with_host_rows(
-                    device, logits, all_logprobs, params, [len(PROMPT) + step] * k, own_draws=True, **chooses
+                    device,
+                    logits,
+                    all_logprobs,
+                    params,
+                    [len(PROMPT) + step] * k,
+                    on_host=on_host,
+                    own_draws=True,
                 )
                 for p, token in zip(params, drawn, strict=True):
                     if p.host is not None:
