@@ -1,7 +1,7 @@
 """The routes: thin functions that read the body, validate it (`app/api/validation.py`, off the event
 loop), and hand it to the API it belongs to.
 
-`inference` (OpenAI and SageMaker's `/invocations`) requires an API key when keys are configured;
+`inference` (OpenAI's, SageMaker's `/invocations` and TGI's) requires an API key when keys are configured;
 `probes` (`/health`, `/ready`, `/ping`, `/metrics`) never do and never touch the engine loop, so they
 answer at once under any load.
 """
@@ -30,6 +30,7 @@ from app.api.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     GenerateRequest,
+    GenerateResponse,
     GenerateResponses,
     MemoryCard,
     ModelCard,
@@ -112,8 +113,10 @@ def _schema(*models: type[BaseModel]) -> dict[str, Any]:
 
 
 def _documented(*models: type[BaseModel]) -> dict[str, Any]:
-    """A generation route's responses (its 200 body, as JSON or as events, and every error)."""
-    ok = {"description": "OK", "content": {"application/json": {"schema": _schema(*models)}, **SSE}}
+    """A generation route's responses (its 200 body, as JSON or as events, events alone without `models`,
+    and every error)."""
+    body = {"application/json": {"schema": _schema(*models)}} if models else {}
+    ok = {"description": "OK", "content": {**body, **SSE}}
     errors = {code: {"model": ErrorResponse, "description": text} for code, text in ERRORS.items()}
     return {"responses": {200: ok, **errors}}
 
@@ -242,6 +245,28 @@ async def invocations(request: Request, serving: ServingDep) -> Response:
         return await openai.answer(openai.ChatRenderer, serving, validated, request, request_id())
     if validated.api is Api.COMPLETION:
         return await openai.answer(openai.CompletionRenderer, serving, validated, request, request_id())
+    return await tgi.generate(serving, validated, request, request_id())
+
+
+@inference.post("/", **_documented(GenerateResponses), openapi_extra=_request_body(GenerateRequest))
+async def tgi_root(request: Request, serving: ServingDep) -> Response:
+    """TGI's root route (huggingface_hub's `text_generation` posts to the endpoint's URL): TGI's body,
+    answered as `/invocations` answers it, a list of one, or events where it streams."""
+    validated = await serving.validate(Api.GENERATE, await read_body(request))
+    return await tgi.generate(serving, validated, request, request_id())
+
+
+@inference.post("/generate", **_documented(GenerateResponse), openapi_extra=_request_body(GenerateRequest))
+async def tgi_generate(request: Request, serving: ServingDep) -> Response:
+    """TGI's: its body's generation, the object alone; never streamed."""
+    validated = await serving.validate(Api.GENERATE, await read_body(request), stream=False)
+    return await tgi.generate(serving, validated, request, request_id(), listed=False)
+
+
+@inference.post("/generate_stream", **_documented(), openapi_extra=_request_body(GenerateRequest))
+async def tgi_generate_stream(request: Request, serving: ServingDep) -> Response:
+    """TGI's: its body's tokens as server-sent events, whatever its `stream`."""
+    validated = await serving.validate(Api.GENERATE, await read_body(request), stream=True)
     return await tgi.generate(serving, validated, request, request_id())
 
 

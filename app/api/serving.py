@@ -196,9 +196,13 @@ class Serving:
         # Cached (at most one entry per vocabulary id): every logprob decodes its token and each alternative.
         self.token_text: Callable[[int], str] = functools.cache(DecodeRules.of(runtime.tokenizer).token_text)
 
-    async def validate(self, api: Api | None, raw: bytes) -> Validated:
-        """The validation step (`Validator.validate`), in a worker thread."""
-        return self.as_delivered(await self.run(self.validator.validate, api, raw))
+    async def validate(self, api: Api | None, raw: bytes, stream: bool | None = None) -> Validated:
+        """The validation step (`Validator.validate`), in a worker thread. `stream`: whether the answer
+        streams, where the route decides it, not the body (TGI's `/generate` and `/generate_stream`)."""
+        validated = await self.run(self.validator.validate, api, raw)
+        if stream is not None:
+            validated = replace(validated, body=validated.body.model_copy(update={"stream": stream}))
+        return self.as_delivered(validated)
 
     def as_delivered(self, validated: Validated) -> Validated:
         """A streamed request gets `stream_timeout_s` as its deadline; others keep the engine's

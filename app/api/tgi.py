@@ -1,9 +1,11 @@
-"""The `{"inputs", "parameters", "stream"}` body that TGI and LMI containers take on SageMaker.
+"""The `{"inputs", "parameters", "stream"}` body that TGI and LMI containers take on SageMaker, and TGI
+takes at its own routes (`POST /`, `/generate`, `/generate_stream`).
 
-As TGI answers it: a JSON array `[{"generated_text", "details"?}]` (`details`: the finish reason, the
-number of tokens, the seed, `prefill` and each generated token as `{"id", "text", "logprob", "special"}`),
-or with `stream` server-sent events, one per token (`{"index", "token", "generated_text", "details"}`),
-the last carrying the whole `generated_text` and `details` (without the token lists, as TGI's).
+As TGI answers it: a JSON array `[{"generated_text", "details"?}]`, the object alone at `/generate`
+(`details`: the finish reason, the number of tokens, the seed, `prefill` and each generated token as
+`{"id", "text", "logprob", "special"}`), or with `stream` server-sent events, one per token
+(`{"index", "token", "generated_text", "details"}`), the last carrying the whole `generated_text` and
+`details` (without the token lists, as TGI's).
 Sampling follows TGI: greedy unless `do_sample` or a sampling parameter (`temperature` != 1, `top_k`,
 `top_p` < 1, `typical_p` < 1) is set; `typical_p` cuts what top-k and top-p keep, as TGI's warpers.
 A stop sequence ends the text it stopped, as TGI's `generated_text` keeps it.
@@ -31,8 +33,9 @@ from app.engine.types import FinishReason, RequestOutput
 
 
 class GenerateRenderer:
-    def __init__(self, serving: Serving, job: Job, validated: Validated) -> None:
+    def __init__(self, serving: Serving, job: Job, validated: Validated, listed: bool = True) -> None:
         assert isinstance(validated.body, GenerateRequest)
+        self.listed = listed
         self.eos_token_ids = serving.engine.eos_token_ids
         self.special_token_ids = serving.tokenizer.special_token_ids
         self.token_text = serving.token_text
@@ -83,10 +86,16 @@ class GenerateRenderer:
         details = self.details(output) if self.details_wanted else None
         response = GenerateResponse(generated_text=self.prefix + output.text, details=details)
         omitted = {"details"} if details is None else None  # as TGI: no details unless asked
-        return b"[" + response.model_dump_json(exclude=omitted).encode() + b"]"
+        answer = response.model_dump_json(exclude=omitted).encode()
+        return b"[" + answer + b"]" if self.listed else answer
 
 
-async def generate(serving: Serving, validated: Validated, request: Request, request_id: str) -> Response:
+async def generate(
+    serving: Serving, validated: Validated, request: Request, request_id: str, listed: bool = True
+) -> Response:
+    """The answer to a TGI body: events where it streams, else its generation, in a list of one where
+    `listed` (`/invocations` and TGI's `POST /`, as Hugging Face's inference API answers) or alone (TGI's
+    `/generate`)."""
     job = serving.start(request_id, validated.requests, presented_key(request))
-    renderer = GenerateRenderer(serving, job, validated)
+    renderer = GenerateRenderer(serving, job, validated, listed)
     return await streaming.respond(request, job, renderer, validated.stream)

@@ -1,5 +1,5 @@
-"""SageMaker's `/ping` and `/invocations` (OpenAI and TGI-style bodies) on the fake engine, and how
-startup fails."""
+"""SageMaker's `/ping` and `/invocations` (OpenAI and TGI-style bodies), TGI's own routes, on the fake
+engine, and how startup fails."""
 
 from __future__ import annotations
 
@@ -119,6 +119,28 @@ def test_generate_refusals(client, parameters, param):
     response = invoke(client, {"inputs": "x", "parameters": parameters})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+def test_tgi_own_routes_answer_as_tgi_does(client):
+    """TGI's `POST /` answers as `/invocations` (a list of one, or events with `stream`), `/generate` with
+    the object alone whatever `stream`, and `/generate_stream` with events whatever `stream`."""
+    body = {"inputs": "hello", "parameters": {"max_new_tokens": 3}}
+    assert client.post("/", json=body).json() == [{"generated_text": expected_text(6, 3)}]
+    assert client.post("/generate", json={**body, "stream": True}).json() == {
+        "generated_text": expected_text(6, 3)
+    }
+    for route, streamed in (("/", {**body, "stream": True}), ("/generate_stream", body)):
+        response = client.post(route, json=streamed)
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        assert [e["generated_text"] for e in events] == [None, None, expected_text(6, 3)]
+
+
+@pytest.mark.parametrize("route", ["/", "/generate", "/generate_stream"])
+def test_tgi_own_routes_take_only_tgi_bodies(client, route):
+    response = client.post(route, json={"prompt": "hello", "max_tokens": 2})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "inputs"
 
 
 def test_invocations_without_a_known_body(client):

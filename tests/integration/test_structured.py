@@ -262,6 +262,17 @@ def test_a_tgi_regex_grammar_holds_sampled_and_streamed_outputs(tgi) -> None:
     assert re.fullmatch(REGEX, "".join(streamed))
 
 
+def test_huggingface_hub_text_generation_at_the_server_s_own_url(sagemaker_server) -> None:
+    """huggingface_hub's `text_generation` given the server's URL posts TGI's body to it (`POST /`, as to a
+    TGI deployment): its grammar holds, streamed and not, with the details it reads."""
+    client = InferenceClient(model=sagemaker_server.url)
+    grammar = {"type": "regex", "value": REGEX}
+    out = client.text_generation("A pet:", grammar=grammar, seed=2, do_sample=True, details=True)
+    assert re.fullmatch(REGEX, out.generated_text) and out.details.finish_reason == "eos_token"
+    streamed = client.text_generation("A pet:", grammar=grammar, seed=2, do_sample=True, stream=True)
+    assert "".join(streamed) == out.generated_text
+
+
 @pytest.mark.parametrize(
     ("grammar", "param"),
     [
