@@ -411,14 +411,28 @@ class Allowed:
                 ids.append(token)
         return np.array(rows, np.int64), np.array(ids, np.int64)
 
-    def refuse(self, values: np.ndarray, rows: np.ndarray, vocab_size: int) -> None:
-        """Set -inf in fp32 `values` [len(rows), vocab_size] wherever row rows[j] refuses a token: one by
-        one where the rows refuse few (inside a JSON string, a row refuses about a hundred of Llama 3's
-        128,256 ids: a pass over their mask words, not over the vocabulary), else by a mask of the whole
-        rows."""
+    def refused(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(j, token) for each token row rows[j] refuses, where the rows refuse few (inside a JSON string, a
+        row refuses about a hundred of Llama 3's 128,256 ids: a pass over their mask words, not over the
+        vocabulary); None where they refuse many."""
         refused = vocab_size * len(rows) - int(self.counts[rows].sum())
         if refused * REFUSED_ONE_BY_ONE <= vocab_size * len(rows):
-            values[_set_bits(~self.words[rows], vocab_size)] = -np.inf
+            return _set_bits(~self.words[rows], vocab_size)
+        return None
+
+    def refuse(
+        self,
+        values: np.ndarray,
+        rows: np.ndarray,
+        vocab_size: int,
+        refused: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """Set -inf in fp32 `values` [len(rows), vocab_size] wherever row rows[j] refuses a token: one by
+        one where the rows refuse few (`refused`, where listed already), else by a mask of the whole
+        rows."""
+        refused = self.refused(rows, vocab_size) if refused is None else refused
+        if refused is not None:
+            values[refused] = -np.inf
             return
         bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
         np.copyto(values, -np.inf, where=bits[:, :vocab_size].view(bool))
@@ -536,22 +550,30 @@ class Restricted:
     rows: np.ndarray
     tokens: np.ndarray
     logits: np.ndarray
+    log_totals: np.ndarray | None = None  # of their `logits` over the allowed ids, where known (NaN: not)
 
     @classmethod
     def groups(
-        cls, states: Sequence[HostLogits], vocab_size: int, gather: Gather, allowed: Allowed | None = None
+        cls,
+        states: Sequence[HostLogits],
+        vocab_size: int,
+        gather: Gather,
+        allowed: Allowed | None = None,
+        log_totals: np.ndarray | None = None,
     ) -> list[Restricted]:
         """The rows of `states` allowed a few ids, each padded to the widest of them, then the rows allowed
         much of the vocabulary (inside a JSON string, say) over their whole rows, where the passes over
         the vocabulary cost less than listing their ids. `gather(rows, tokens)`: fp32 raw logits of
         batch row rows[i] at tokens[i, j] (a copy), where `tokens` [1, vocab] asks for whole rows.
-        `allowed`: their masks, where already computed."""
+        `allowed`: their masks, where already computed. `log_totals`: the log of the sum of exp over each
+        raw row, where known (`_masked_log_totals`)."""
         allowed = Allowed.of(states, vocab_size) if allowed is None else allowed
         if allowed.counts.max() * WHOLE_ROW_SHARE <= vocab_size:
             return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
         whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
         few, many = np.flatnonzero(~whole), np.flatnonzero(whole)
-        groups = [cls._whole(states, many, allowed, vocab_size, gather)]
+        totals = None if log_totals is None else log_totals[many]
+        groups = [cls._whole(states, many, allowed, vocab_size, gather, totals)]
         return [cls._among(states, few, allowed, vocab_size, gather), *groups] if len(few) else groups
 
     @classmethod
@@ -580,13 +602,36 @@ class Restricted:
 
     @classmethod
     def _whole(
-        cls, states: Sequence[HostLogits], rows: np.ndarray, allowed: Allowed, vocab_size: int, gather: Gather
+        cls,
+        states: Sequence[HostLogits],
+        rows: np.ndarray,
+        allowed: Allowed,
+        vocab_size: int,
+        gather: Gather,
+        log_totals: np.ndarray | None,
     ) -> Restricted:
         ids = vocabulary_ids(vocab_size)
         logits = gather(rows, ids[None, :])
-        _Edits.of([states[i] for i in rows]).apply(logits, _dense_columns(vocab_size))
-        allowed.refuse(logits, rows, vocab_size)
-        return cls(rows, np.broadcast_to(ids, logits.shape), logits)
+        edits = _Edits.of([states[i] for i in rows])
+        edits.apply(logits, _dense_columns(vocab_size))
+        refused = allowed.refused(rows, vocab_size)
+        totals = None
+        if log_totals is not None and refused is not None and not edits:
+            totals = _masked_log_totals(logits, refused, log_totals)
+        allowed.refuse(logits, rows, vocab_size, refused)
+        return cls(rows, np.broadcast_to(ids, logits.shape), logits, totals)
+
+
+def _masked_log_totals(
+    values: np.ndarray, refused: tuple[np.ndarray, np.ndarray], log_totals: np.ndarray
+) -> np.ndarray:
+    """The log of the sum of exp over the ids each row of raw `values` [rows, vocab] allows, from its whole
+    row's (`log_totals`) less what its `refused` ids (`Allowed.refused`) hold: NaN where unknown, or
+    where those held half the row or more (the difference would keep too few exact digits)."""
+    rows, ids = refused
+    held = np.bincount(rows, np.exp(values[rows, ids] - log_totals[rows]), minlength=len(values))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(held < 0.5, log_totals + np.log1p(-held), np.nan)
 
 
 @lru_cache(maxsize=4)

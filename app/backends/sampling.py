@@ -17,6 +17,8 @@ A row whose changes all lower its logits (a grammar, penalties, bans, negative b
 if unconstrained and keeps that token with its adjusted weight over its raw one (1 where its grammar
 allows it and no penalty touches it), else draws from its adjusted row with a second uniform
 (`pick_tokens`: exact rejection sampling, a mask or an adjusted row computed only for the rows refused).
+A row cut at temperature 1 takes the sum of its weights from the log-softmax computed for its logprobs
+(`_Row`), so its cut reads the weights of its likely tokens alone, not its whole row's.
 """
 
 from __future__ import annotations
@@ -158,6 +160,10 @@ def sample_tokens(
             else logits[torch.from_numpy(index[of])]
         )
 
+    logprob_rows = index  # row i's logprobs: logprobs[logprob_rows[i]]
+    if logprobs is None:
+        logprobs = torch.log_softmax(dense(list(range(len(params)))), dim=-1)
+        logprob_rows = np.arange(len(params))
     tokens = pick_tokens(
         params,
         positions,
@@ -165,16 +171,39 @@ def sample_tokens(
         rows=dense,
         gather=gather_rows(logits, index, vocab_size),
         propose=None if proposed is None else lambda of: [proposed[i] for i in of],
+        log_totals=_log_totals(logits, index, logprobs, logprob_rows, params, vocab_size),
     )
-    if logprobs is None:
-        logprobs, index = torch.log_softmax(dense(list(range(len(params)))), dim=-1), np.arange(len(params))
-    at = torch.from_numpy(index).to(logprobs.device)
+    at = torch.from_numpy(logprob_rows).to(logprobs.device)
     if _on_host(logprobs):
-        chosen = torch.from_numpy(logprobs.numpy()[index, tokens.cpu().numpy()])
+        chosen = torch.from_numpy(logprobs.numpy()[logprob_rows, tokens.cpu().numpy()])
     else:
         chosen = logprobs[at, tokens.to(logprobs.device)]
     needed = logprobs if rows is None or not any(p.num_top_logprobs for p in params) else logprobs[at]
     return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
+
+
+def _log_totals(
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    logprobs: torch.Tensor,
+    logprob_rows: np.ndarray,
+    params: Sequence[SamplingParams],
+    vocab_size: int,
+) -> np.ndarray | None:
+    """Each sequence's log of the sum of exp over its raw row, logits[rows[i]], from its log-softmax (its
+    likeliest token's logit less its logprob, where the logprob is nearest 0 and most exact), for the
+    rows a cut draws at temperature 1 (`_Row.total`; NaN for the others): where both are fp32 on the host
+    and the rows hold the vocabulary alone."""
+    wanted = [i for i, p in enumerate(params) if p.temperature == 1.0 and _filtered((p,))]
+    if not wanted or logits.shape[-1] != vocab_size or not (_on_host(logits) and _on_host(logprobs)):
+        return None
+    values, logs = logits.numpy(), logprobs.numpy()
+    totals = np.full(len(params), np.nan)
+    for i in wanted:
+        row = values[rows[i]]
+        top = int(row.argmax())
+        totals[i] = float(row[top]) - float(logs[logprob_rows[i], top])
+    return totals
 
 
 def gather_rows(logits: torch.Tensor, rows: Sequence[int] | np.ndarray, vocab_size: int) -> Gather:
@@ -215,6 +244,7 @@ def pick_tokens(
     rows: Callable[[list[int]], torch.Tensor],
     gather: Gather,
     propose: Propose | None = None,
+    log_totals: np.ndarray | None = None,
 ) -> torch.Tensor:
     """The token id [len(params)] each row draws. `rows(index)`: raw fp32 logits [len(index), vocab] of
     those rows; `gather(rows, ids)`: raw logits [len(rows), n] of row rows[i] at ids[i, j]. A row whose
@@ -233,13 +263,14 @@ def pick_tokens(
     graphs) checks them the same way (`with_host_rows`), so both give the same tokens."""
     states = [p.host for p in params]
     if not any(state is not None and state.restricts for state in states):
-        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size)
+        return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size, log_totals)
     checked = [i for i, state in enumerate(states) if _weighs(state, own_draws=False)]
     drawn = _free_rows(states, propose is None)
     tokens: torch.Tensor | None = None
     if drawn:
         raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
-        tokens = _pick_rows(rows(drawn), raw, [positions[i] for i in drawn], vocab_size)
+        totals = None if log_totals is None else log_totals[drawn]
+        tokens = _pick_rows(rows(drawn), raw, [positions[i] for i in drawn], vocab_size, totals)
     merged = np.empty(len(params), np.int64)
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
@@ -262,6 +293,7 @@ def pick_tokens(
             [positions[i] + REDRAW if i in refused else positions[i] for i in again],
             vocab_size,
             lambda r, ids: gather(index[r], ids),
+            None if log_totals is None else log_totals[index],
         )
     result = torch.from_numpy(merged)
     return result if tokens is None else result.to(tokens.device)
@@ -347,13 +379,18 @@ def redrawn(
 
 
 def _adjusted_draws(
-    params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int, gather: Gather
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+    gather: Gather,
+    log_totals: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Each host row's token (int64) from its adjusted row (`gather`: their raw logits): among its allowed
-    ids where restricted (every restricted row's mask in one call), else over its whole row."""
+    """Each host row's token (int64) from its adjusted row (`gather`: their raw logits; `log_totals`: their
+    raw rows', `_inverse_cdf`'s): among its allowed ids where restricted (every restricted row's mask in
+    one call), else over its whole row."""
     whole = [j for j, p in enumerate(params) if not p.host.restricts]  # type: ignore[union-attr]
     if not whole:
-        return _pick_allowed(params, positions, vocab_size, gather)
+        return _pick_allowed(params, positions, vocab_size, gather, log_totals)
     chosen = np.empty(len(params), np.int64)
     restricted = [j for j, p in enumerate(params) if p.host.restricts]  # type: ignore[union-attr]
     if restricted:
@@ -363,11 +400,23 @@ def _adjusted_draws(
             [positions[j] for j in restricted],
             vocab_size,
             lambda r, ids: gather(index[r], ids),
+            None if log_totals is None else log_totals[index],
         )
     values = gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :])  # a copy: adjusted here
-    adjust_rows(values, [params[j].host for j in whole])  # type: ignore[misc]
-    chosen[whole] = _inverse_cdf(values, [params[j] for j in whole], [positions[j] for j in whole])
+    rows = [params[j] for j in whole]
+    adjust_rows(values, [p.host for p in rows])  # type: ignore[misc]
+    totals = None if log_totals is None else _unadjusted(log_totals[whole], rows)
+    chosen[whole] = _inverse_cdf(values, rows, [positions[j] for j in whole], totals)
     return chosen
+
+
+def _unadjusted(log_totals: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """`log_totals` of raw rows, NaN where the host logits path changed a row's values."""
+    changed = [i for i, p in enumerate(params) if p.host is not None and (p.host.adjusts or p.host.restricts)]
+    if changed:
+        log_totals = log_totals.copy()
+        log_totals[changed] = np.nan
+    return log_totals
 
 
 def drawn_outside_graphs(params: SamplingParams) -> bool:
@@ -531,12 +580,16 @@ def _proposals(checked: list[int], merged: np.ndarray, propose: Propose | None) 
 
 
 def _pick_rows(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], vocab_size: int
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+    log_totals: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Each row's token from its whole row of `logits` [len(params), vocab], adjusted where it uses the
     host logits path: on the host in numpy (`_host_draws`, in fp32), on a device by `pick`."""
     if logits.device == HOST:
-        return torch.from_numpy(_host_draws(logits.float().numpy(), params, positions))
+        return torch.from_numpy(_host_draws(logits.float().numpy(), params, positions, log_totals))
     tensors = SamplingTensors.build(params, positions, len(params), vocab_size, logits.device)
     return pick(
         apply_host_logits(logits, params),
@@ -547,18 +600,25 @@ def _pick_rows(
     )
 
 
-def _host_draws(logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:
+def _host_draws(
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    log_totals: np.ndarray | None = None,
+) -> np.ndarray:
     """`pick` in numpy (`_inverse_cdf`: the same rule at a third of torch's cost over a 128k row), of fp32
-    `logits` [len(params), vocab], not written: a copy, the host rows adjusted in it."""
-    values = logits[: len(params)].copy()
+    `logits` [len(params), vocab], not written: the host rows adjusted in a copy (`log_totals`: the raw
+    rows', `_inverse_cdf`'s)."""
     host = [i for i, p in enumerate(params) if p.host is not None]
+    values = logits[: len(params)].copy() if host else logits[: len(params)]
     if len(host) == len(params):  # every row (a backend's host rows alone): adjusted where they are
         adjust_rows(values, [p.host for p in params])  # type: ignore[misc]
     elif host:
         rows = values[host]
         adjust_rows(rows, [params[i].host for i in host])  # type: ignore[misc]
         values[host] = rows
-    return _inverse_cdf(values, params, positions)
+    totals = None if log_totals is None or not host else _unadjusted(log_totals, params)
+    return _inverse_cdf(values, params, positions, log_totals if totals is None else totals)
 
 
 def _pick_allowed(
@@ -566,9 +626,11 @@ def _pick_allowed(
     positions: Sequence[int],
     vocab_size: int,
     gather: Gather,
+    log_totals: np.ndarray | None = None,
 ) -> np.ndarray:
     """Each restricted row's token (int64). A row allowed one id (a token its grammar forces, or a stop
-    id it is rescued to) takes it, whatever its logits: no draw can pick another."""
+    id it is rescued to) takes it, whatever its logits: no draw can pick another. `log_totals`: their raw
+    rows', which give those drawn over their whole rows theirs (`Restricted.log_totals`)."""
     states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
     allowed = Allowed.of(states, vocab_size)
     chosen = np.empty(len(params), np.int64)
@@ -580,47 +642,61 @@ def _pick_allowed(
             return chosen
         rest = rest[np.isin(rest, forced, invert=True)]
         allowed, states = allowed.select(rest), [states[i] for i in rest]
-    for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed):
+    totals = None if log_totals is None else log_totals[rest]
+    for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed, totals):
         rows = rest[group.rows].tolist()
-        column = _inverse_cdf(group.logits, [params[i] for i in rows], [positions[i] for i in rows])
+        at = [positions[i] for i in rows]
+        column = _inverse_cdf(group.logits, [params[i] for i in rows], at, group.log_totals)
         chosen[rows] = group.tokens[np.arange(len(rows)), column]
     return chosen
 
 
 def _inverse_cdf(
-    logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    log_totals: np.ndarray | None = None,
 ) -> np.ndarray:
-    """`pick` on fp32 `logits` [rows, columns] in numpy, which it overwrites: greedy rows take the argmax,
-    the others invert their tempered distribution, cut by their top-k, top-p and min-p as `_cutoff` cuts
-    it, at their draw. A row whose logits are all -inf takes column 0."""
+    """`pick` on fp32 `logits` [rows, columns] in numpy, never written: greedy rows take the argmax, the
+    others invert their tempered distribution, cut by their top-k, top-p and min-p as `_cutoff` cuts it,
+    at their draw. A row whose logits are all -inf takes column 0. `log_totals[i]`: the log of the sum
+    of exp(logits[i]) where known (NaN where not), which spares a row at temperature 1 that is cut
+    every pass over its weights but two (`_Row`)."""
     temperatures = [p.temperature for p in params]  # Python lists: a step's few rows cost less than numpy
     chosen = logits.argmax(axis=1) if 0.0 in temperatures else None
     if chosen is not None and not any(temperatures):
         return chosen
+    uniforms = draws(params, positions)
     with np.errstate(invalid="ignore"):  # a row allowed nothing is all -inf: nan, and column 0
-        np.subtract(logits, logits.max(axis=1, keepdims=True), out=logits)
-        if any(t not in (0.0, 1.0) for t in temperatures):
-            logits /= np.array([t or 1.0 for t in temperatures], np.float32)[:, None]
-        weights = np.exp(logits, out=logits)
-        uniforms = draws(params, positions)
-        column = _invert_kept(weights, params, uniforms) if _filtered(params) else _invert(weights, uniforms)
+        if _filtered(params):
+            column = _invert_kept(logits, params, uniforms, log_totals)
+        else:
+            weights = logits - logits.max(axis=1, keepdims=True)
+            if any(t not in (0.0, 1.0) for t in temperatures):
+                weights /= np.array([t or 1.0 for t in temperatures], np.float32)[:, None]
+            column = _invert(np.exp(weights, out=weights), uniforms)
     return column if chosen is None else np.where(np.array(temperatures) == 0.0, chosen, column)
 
 
-def _invert_kept(weights: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray) -> np.ndarray:
-    """`_invert` of each row of `weights` cut by its top-k, top-p and min-p (`_cutoff`'s rule, on the
-    weights themselves: the rule compares a row's values with each other and with shares of their sum,
-    so it holds at any scale and the row is never normalised), its running sum taken over the columns
-    it keeps only (in column order, as `_draw`'s). A row of nan weights (all -inf logits) keeps none:
-    column 0."""
-    columns = weights.shape[1]
-    chosen = np.zeros(len(weights), np.int64)
-    for i, (row, p) in enumerate(zip(weights, params, strict=True)):
-        kept = _kept_columns(row, p.top_k or columns, p.top_p, p.min_p)
+def _invert_kept(
+    logits: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray, log_totals: np.ndarray | None
+) -> np.ndarray:
+    """`_invert` of each sampled row of `logits` cut by its top-k, top-p and min-p (`_cutoff`'s rule, on
+    its weights (`_Row`): the rule compares a row's values with each other and with shares of their
+    sum, so it holds at any scale and the row is never normalised), its running sum taken over the
+    columns it keeps only (in column order, as `_draw`'s). A row of -inf logits keeps none: column 0."""
+    columns = logits.shape[1]
+    chosen = np.zeros(len(logits), np.int64)
+    for i, (values, p) in enumerate(zip(logits, params, strict=True)):
+        if not p.temperature:  # greedy: the caller's argmax
+            continue
+        row = _Row.of(values, p.temperature, np.nan if log_totals is None else log_totals[i])
+        kept, weights = _kept_columns(row, p.top_k or columns, p.top_p, p.min_p)
         if p.typical_p < 1.0 and len(kept):
-            kept = _typical_columns(row, kept, p.typical_p)
+            typical = _typical_columns(weights, p.typical_p)
+            kept, weights = kept[typical], weights[typical]
         if len(kept):
-            running = row[kept].cumsum()[None, :]
+            running = weights.cumsum()[None, :]
             chosen[i] = kept[_reaching(running, uniforms[i : i + 1] * running[:, -1])[0]]
     return chosen
 
@@ -755,81 +831,152 @@ def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
 
 
 LIKELY = 1e-4  # a token at least this share of the likeliest one's probability is a candidate
+LOG_LIKELY = float(np.log(LIKELY))
+ONE, INFINITE = np.float32(1.0), np.float32(np.inf)
 
 
-def _kept_columns(row: np.ndarray, k: int, p: float, floor: float) -> np.ndarray:
+@dataclass(slots=True)
+class _Row:
+    """One row's weights, exp((value - top) / temperature) of its fp32 `values` (never written; `top`
+    their largest, whose weight is `peak`, 1): those of its likely tokens (`likely`) computed from their
+    values alone, the whole row's (`whole`) only where a cut needs them, once. `log_total`: the log of
+    the sum of exp(values) over the row, where known (its log-softmax gives it: NaN where not, or at
+    another temperature), which gives its weights' sum without them (`total`)."""
+
+    values: np.ndarray
+    top: np.float32
+    temperature: np.float32
+    log_total: float
+    peak: np.float32 = ONE
+    _whole: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, values: np.ndarray, temperature: float, log_total: float) -> _Row:
+        return cls(values, values.max(), np.float32(temperature), log_total if temperature == 1.0 else np.nan)
+
+    @classmethod
+    def weighed(cls, weights: np.ndarray) -> _Row:
+        """A row given by its weights (>= 0, some positive), as a test has them: `peak` their largest."""
+        with np.errstate(divide="ignore"):
+            values = np.log(weights)
+        return cls(values, values.max(), np.float32(1.0), np.nan, weights.max(), weights)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether any token has a weight (not a row of -inf or nan values)."""
+        return bool(self.top > -np.inf)
+
+    def at(self, columns: np.ndarray) -> np.ndarray:
+        return self._weights(self.values[columns]) if self._whole is None else self._whole[columns]
+
+    @property
+    def whole(self) -> np.ndarray:
+        if self._whole is None:
+            self._whole = self._weights(self.values)
+        return self._whole
+
+    def total(self) -> np.float32:
+        """The sum of the row's weights: from `log_total` where known, else by blocks (`_block_sums`)."""
+        if not np.isnan(self.log_total):
+            return np.float32(np.exp(self.log_total - float(self.top)))
+        return _block_sums(self.whole[None, :]).sum()
+
+    def likely(self) -> tuple[np.ndarray, np.float32]:
+        """The columns (ascending) whose weight is at least about `LIKELY`, read from their values (a
+        compare, no exp), and a weight no other column reaches."""
+        floor = self.top + np.float32(self.temperature * LOG_LIKELY)
+        beyond = self._weights(np.array([np.nextafter(floor, np.float32(-np.inf))], np.float32))[0]
+        return np.flatnonzero(self.values >= floor), beyond * self.peak * np.float32(1.0 + 1e-5)
+
+    def _weights(self, values: np.ndarray) -> np.ndarray:
+        shifted = values - self.top
+        if self.temperature != 1.0:
+            shifted /= self.temperature
+        return np.exp(shifted, out=shifted)
+
+
+def _kept_columns(row: _Row, k: int, p: float, floor: float) -> tuple[np.ndarray, np.ndarray]:
     """The columns of `row` (ascending) inside its top-k, top-p nucleus and min-p (`_cutoff`'s rule, on
-    the host, where a sort of a 128k-token row takes milliseconds: `_Cut`)."""
+    the host, where a sort of a 128k-token row takes milliseconds: `_Cut`), and their weights."""
+    if not row.sampled:
+        return np.zeros(0, np.int64), np.zeros(0, np.float32)
     cut = _Cut.of(row, k, p, floor)
-    if cut.likely is not None and cut.value >= cut.threshold:  # all of them are among the likely ones
-        return cut.likely[row[cut.likely] >= cut.value]
-    return (row >= cut.value).nonzero()[0]
+    if cut.likely is not None and cut.value > cut.beyond:  # all of them are among the likely ones
+        inside = cut.weights >= cut.value
+        return cut.likely[inside], cut.weights[inside]
+    kept = (row.whole >= cut.value).nonzero()[0]
+    return kept, row.whole[kept]
 
 
-def _typical_columns(row: np.ndarray, kept: np.ndarray, mass: float) -> np.ndarray:
-    """The columns of `kept` (ascending) in the typical set of `row`'s weights over them (TGI's typical_p,
+def _typical_columns(weights: np.ndarray, mass: float) -> np.ndarray:
+    """Which of the kept tokens' `weights` (bool) are in their typical set (TGI's typical_p,
     transformers' `TypicalLogitsWarper`): by how far each token's surprise is from their entropy, the
     nearest first, those up to the first whose running share reaches `mass`, and any as near as it."""
-    weights = row[kept]
     share = weights / weights.sum()
     with np.errstate(divide="ignore", invalid="ignore"):  # a weight of 0 (a refused id): surprise inf
         surprise = -np.log(share)
         distance = np.abs(surprise - np.nansum(share * surprise))
     order = np.argsort(distance, kind="stable")
     last = min(int(np.count_nonzero(np.cumsum(share[order]) < mass)), len(order) - 1)
-    return kept[distance <= distance[order[last]]]
+    return distance <= distance[order[last]]
 
 
 @dataclass(frozen=True)
 class _Cut:
-    """A row's cut (`_cutoff`'s rule): its smallest kept value. The top-k and nucleus come from the row's
-    likeliest tokens (`LIKELY` times its largest value, `threshold`; `likely`: their columns, where
-    listed), sorted, which hold them whenever their mass reaches the nucleus (a language model's rows,
-    nearly always); a row whose candidates fall short sorts whole."""
+    """A row's cut (`_cutoff`'s rule): its smallest kept weight (min-p alone: a weight at or under it, over
+    every weight it cuts, where the row's least weight is not needed). The top-k and nucleus come from
+    the row's likeliest tokens (`likely`, whose weights are `weights`; no other reaches `beyond`),
+    sorted, which hold them whenever their mass reaches the nucleus (a language model's rows, nearly
+    always); a row whose candidates fall short sorts whole."""
 
     value: np.float32
-    threshold: float = float("inf")
     likely: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    beyond: np.float32 = INFINITE
 
     @classmethod
-    def of(cls, row: np.ndarray, k: int, p: float, floor: float) -> _Cut:
-        top = row.max()
-        if not top > 0.0:  # all -inf logits: nan
-            return cls(np.float32(-np.inf))
-        k = min(k, len(row))
-        if p >= 1.0 and k >= len(row):
-            return cls(max(row.min(), np.float32(floor) * top))
-        threshold = float(top * np.float32(LIKELY))
-        likely = np.flatnonzero(row >= threshold)
-        cutoff = _row_cutoff(row, -np.sort(-row[likely]), k, p)
-        return cls(max(cutoff, np.float32(floor) * top), threshold, likely)
+    def of(cls, row: _Row, k: int, p: float, floor: float) -> _Cut:
+        k = min(k, len(row.values))
+        least = np.float32(floor) * row.peak
+        if p >= 1.0 and k >= len(row.values):
+            if floor <= LIKELY:
+                return cls(max(row.whole.min(), least))
+            likely, beyond = row.likely()
+            return cls(least, likely, row.at(likely), beyond)
+        likely, beyond = row.likely()
+        weights = row.at(likely)
+        cutoff = _row_cutoff(row, -np.sort(-weights), k, p)
+        return cls(max(cutoff, least), likely, weights, beyond)
 
 
-def _row_cutoff(row: np.ndarray, ordered: np.ndarray, k: int, p: float) -> np.float32:
-    """The smallest probability inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule), from `ordered`:
-    its likely values, descending."""
+def _row_cutoff(row: _Row, ordered: np.ndarray, k: int, p: float) -> np.float32:
+    """The smallest weight inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule), from `ordered`: its
+    likely weights, descending."""
     if len(ordered) >= k:
         return ordered[k - 1] if p >= 1.0 else _nucleus_cutoff(ordered[:k], np.float32(p) * ordered[:k].sum())
     if p >= 1.0:  # the k-th likeliest token is not among the likely ones
-        return np.partition(row, len(row) - k)[len(row) - k]
+        return np.partition(row.whole, len(row.values) - k)[len(row.values) - k]
     nucleus = np.float32(p) * _top_k_mass(row, k)
-    if np.cumsum(ordered)[-1] < nucleus:  # the nucleus reaches past the likely tokens: sort them all
-        return _nucleus_cutoff(-np.sort(-row)[:k], nucleus)
-    return _nucleus_cutoff(ordered, nucleus)
+    running = np.cumsum(ordered)
+    if running[-1] < nucleus:  # the nucleus reaches past the likely tokens: sort them all
+        return _nucleus_cutoff(-np.sort(-row.whole)[:k], nucleus)
+    return _nucleus_cutoff(ordered, nucleus, running)
 
 
-def _nucleus_cutoff(ordered: np.ndarray, nucleus: np.float32) -> np.float32:
+def _nucleus_cutoff(
+    ordered: np.ndarray, nucleus: np.float32, running: np.ndarray | None = None
+) -> np.float32:
     """The last of `ordered` (descending, the top-k's first tokens) whose mass before it is under
-    `nucleus`, or the first."""
-    before = np.cumsum(ordered) - ordered
+    `nucleus`, or the first (`running`: their running sum, where taken)."""
+    before = (np.cumsum(ordered) if running is None else running) - ordered
     return ordered[max(int(np.count_nonzero(before < nucleus)), 1) - 1]
 
 
-def _top_k_mass(row: np.ndarray, k: int) -> np.float32:
-    """The sum of `row`'s k largest values; of a whole row by blocks (`_block_sums`: half numpy's sum)."""
-    if k >= len(row):
-        return _block_sums(row[None, :]).sum()
-    return np.partition(row, len(row) - k)[len(row) - k :].sum()
+def _top_k_mass(row: _Row, k: int) -> np.float32:
+    """The sum of `row`'s k largest weights (`_Row.total` for the whole row)."""
+    if k >= len(row.values):
+        return row.total()
+    return np.partition(row.whole, len(row.values) - k)[len(row.values) - k :].sum()
 
 
 def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:

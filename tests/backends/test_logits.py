@@ -256,6 +256,72 @@ def test_host_rows_drawn_in_numpy_draw_what_the_torch_sampler_draws() -> None:
         assert ours == reference.tolist()
 
 
+@pytest.mark.parametrize(
+    "filters",
+    [{"top_p": 0.9}, {"top_k": 400, "top_p": 0.8}, {"min_p": 0.02}, {"top_p": 0.95, "typical_p": 0.8}],
+    ids=["top-p", "top-k-and-top-p", "min-p", "top-p-then-typical-p"],
+)
+@pytest.mark.parametrize("refused", [0, 40], ids=["whole", "refusing-a-few"])
+def test_rows_at_temperature_one_cut_from_their_log_softmax_draw_what_the_torch_sampler_draws(
+    filters: dict[str, float], refused: int
+) -> None:
+    """Rows at temperature 1, cut by top-p, top-k, min-p or typical-p, whose whole weights' sum comes from
+    the log-softmax the step computes for logprobs (`_Row.total`: no pass over their weights), unrestricted
+    or refusing a few ids (drawn over their whole rows: the sum less what the refused ids hold,
+    `_masked_log_totals`), take the torch sampler's tokens, over rows wide enough for the cut of likely
+    tokens, at two scales."""
+    vocab = 6000
+    generator = torch.Generator().manual_seed(11)
+    for scale in (2.0, 4.0):
+        logits = torch.randn(4, vocab, generator=generator) * scale
+        allowed = tuple(range(refused, vocab)) if refused else None
+        for seed in range(25):
+            params = [
+                HostLogits.start(
+                    SamplingParams(temperature=1.0, seed=seed * 4 + i, allowed_token_ids=allowed, **filters),
+                    PROMPT,
+                    (EOS,),
+                    None,
+                )
+                for i in range(4)
+            ]
+            ours = [t.token_id for t in sample_tokens(logits, params, [seed] * 4, vocab)]
+            tensors = SamplingTensors.build(params, [seed] * 4, 4, vocab, torch.device("cpu"))
+            masked = apply_host_logits(logits, params)
+            assert ours == pick(masked, tensors, random=True, filtered=True, typical=True).tolist()
+
+
+def test_a_row_s_log_total_over_its_allowed_ids_is_its_whole_row_s_less_what_it_refuses() -> None:
+    values = (numpy.random.default_rng(2).standard_normal((3, 500)) * 3).astype(numpy.float32)
+    whole = numpy.log(numpy.exp(values.astype(numpy.float64)).sum(axis=1))
+    rows, ids = numpy.array([0, 0, 1, 2]), numpy.array([3, int(values[0].argmax()), 7, 8])
+    expected = [
+        numpy.log(numpy.exp(numpy.delete(values[row], ids[rows == row]).astype(numpy.float64)).sum())
+        for row in range(3)
+    ]
+    numpy.testing.assert_allclose(
+        host_logits._masked_log_totals(values, (rows, ids), whole), expected, rtol=1e-9
+    )
+    most = numpy.flatnonzero(values[1] > numpy.quantile(values[1], 0.9))  # refusing most of the row's mass
+    held = host_logits._masked_log_totals(values, (numpy.ones(len(most), numpy.int64), most), whole)
+    assert numpy.isnan(held[1]) and not numpy.isnan(held).all()
+
+
+def test_a_row_cut_at_temperature_one_from_its_log_total_computes_no_weight_but_its_likely_tokens() -> None:
+    """With its log total known, a peaked row's top-p cut reads its likely tokens' weights alone (no exp
+    over the row), and keeps what the cut over all its weights keeps."""
+    values = (numpy.random.default_rng(3).standard_normal(20_000) * 4).astype(numpy.float32)
+    log_total = float(torch.logsumexp(torch.from_numpy(values).double(), 0))
+    for k, p, floor in ((20_000, 0.9, 0.0), (300, 0.8, 0.0), (20_000, 1.0, 0.05)):
+        quick = sampling._Row.of(values, 1.0, log_total)
+        kept, weights = sampling._kept_columns(quick, k, p, floor)
+        exact = sampling._Row.of(values, 1.0, numpy.nan)
+        assert quick._whole is None
+        expected = sampling._kept_columns(exact, k, p, floor)
+        assert numpy.array_equal(kept, expected[0]) and numpy.array_equal(weights, expected[1])
+        assert len(kept) < len(values) / 10
+
+
 @pytest.mark.parametrize("block", [1024, 8, 7], ids=["one-block", "blocks-of-8", "blocks-of-7-and-1"])
 def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
     block: int, monkeypatch: pytest.MonkeyPatch

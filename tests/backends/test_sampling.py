@@ -87,9 +87,11 @@ def test_the_host_cut_of_likely_tokens_is_the_sorted_rule_s(scale: float, spikes
         min_p = torch.tensor([0.0, 0.0, rng.uniform(0.0, 0.2), 0.1], dtype=torch.float32)
         sorted_rule = sampling._cutoff(probs, top_k, top_p, min_p)[:, 0].tolist()
         for row, k, p, floor, cutoff in zip(probs.numpy(), top_k, top_p, min_p, sorted_rule, strict=True):
-            assert sampling._Cut.of(row, int(k), float(p), float(floor)).value == cutoff
-            kept = sampling._kept_columns(row, int(k), float(p), float(floor))
+            weighed = sampling._Row.weighed(row)
+            assert sampling._Cut.of(weighed, int(k), float(p), float(floor)).value == cutoff
+            kept, weights = sampling._kept_columns(weighed, int(k), float(p), float(floor))
             assert numpy.array_equal(kept, numpy.flatnonzero(row >= cutoff))
+            assert numpy.array_equal(weights, row[kept])
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
@@ -206,9 +208,9 @@ def test_typical_p_keeps_what_transformers_typical_warper_keeps(
         logits = torch.from_numpy(rng.standard_normal(columns).astype(numpy.float32) * scale)
         mass = float(rng.uniform(0.2, 0.98))
         expected = transformers_kept(logits, temperature, top_k, top_p, mass)
-        weights = numpy.exp((logits.numpy() - logits.numpy().max()) / temperature)
-        kept = sampling._kept_columns(weights, top_k or columns, top_p, 0.0)
-        assert set(sampling._typical_columns(weights, kept, mass).tolist()) == expected
+        row = sampling._Row.of(logits.numpy(), temperature, numpy.nan)
+        kept, weights = sampling._kept_columns(row, top_k or columns, top_p, 0.0)
+        assert set(kept[sampling._typical_columns(weights, mass)].tolist()) == expected
         probs = torch.softmax(logits[None, :] / temperature, dim=-1)
         cut = sampling._cutoff(
             probs, torch.tensor([top_k or columns]), torch.tensor([top_p]), torch.tensor([0.0])
