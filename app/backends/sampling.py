@@ -854,13 +854,6 @@ class _Row:
     def of(cls, values: np.ndarray, temperature: float, log_total: float) -> _Row:
         return cls(values, values.max(), np.float32(temperature), log_total if temperature == 1.0 else np.nan)
 
-    @classmethod
-    def weighed(cls, weights: np.ndarray) -> _Row:
-        """A row given by its weights (>= 0, some positive), as a test has them: `peak` their largest."""
-        with np.errstate(divide="ignore"):
-            values = np.log(weights)
-        return cls(values, values.max(), np.float32(1.0), np.nan, weights.max(), weights)
-
     @property
     def sampled(self) -> bool:
         """Whether any token has a weight (not a row of -inf or nan values)."""

@@ -59,6 +59,13 @@ def test_samples_follow_the_tempered_distribution() -> None:
     assert (frequencies(tokens, 4) - expected).abs().max().item() < 0.03
 
 
+def weighed(weights: numpy.ndarray) -> sampling._Row:
+    """A row given by its weights (>= 0, some positive), its whole weights known: `peak` their largest."""
+    with numpy.errstate(divide="ignore"):
+        values = numpy.log(weights)
+    return sampling._Row(values, values.max(), numpy.float32(1.0), numpy.nan, weights.max(), weights)
+
+
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     top_k = [draw(logits, [SamplingParams(temperature=1.0, top_k=2, seed=1)], [p])[0] for p in range(500)]
@@ -87,9 +94,9 @@ def test_the_host_cut_of_likely_tokens_is_the_sorted_rule_s(scale: float, spikes
         min_p = torch.tensor([0.0, 0.0, rng.uniform(0.0, 0.2), 0.1], dtype=torch.float32)
         sorted_rule = sampling._cutoff(probs, top_k, top_p, min_p)[:, 0].tolist()
         for row, k, p, floor, cutoff in zip(probs.numpy(), top_k, top_p, min_p, sorted_rule, strict=True):
-            weighed = sampling._Row.weighed(row)
-            assert sampling._Cut.of(weighed, int(k), float(p), float(floor)).value == cutoff
-            kept, weights = sampling._kept_columns(weighed, int(k), float(p), float(floor))
+            row_weights = weighed(row)
+            assert sampling._Cut.of(row_weights, int(k), float(p), float(floor)).value == cutoff
+            kept, weights = sampling._kept_columns(row_weights, int(k), float(p), float(floor))
             assert numpy.array_equal(kept, numpy.flatnonzero(row >= cutoff))
             assert numpy.array_equal(weights, row[kept])
 
