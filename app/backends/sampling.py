@@ -192,9 +192,9 @@ def _log_totals(
 ) -> np.ndarray | None:
     """Each sequence's log of the sum of exp over its raw row, logits[rows[i]], from its log-softmax (its
     likeliest token's logit less its logprob, where the logprob is nearest 0 and most exact), for the
-    rows a cut draws at temperature 1 (`_Row.total`; NaN for the others): where both are fp32 on the host
-    and the rows hold the vocabulary alone."""
-    wanted = [i for i, p in enumerate(params) if p.temperature == 1.0 and _filtered((p,))]
+    rows whose nucleus at temperature 1 needs it (`_Row.total`; NaN for the others): where both are fp32
+    on the host and the rows hold the vocabulary alone."""
+    wanted = [i for i, p in enumerate(params) if p.temperature == 1.0 and p.top_p < 1.0]
     if not wanted or logits.shape[-1] != vocab_size or not (_on_host(logits) and _on_host(logprobs)):
         return None
     values, logs = logits.numpy(), logprobs.numpy()

@@ -265,11 +265,11 @@ def test_host_rows_drawn_in_numpy_draw_what_the_torch_sampler_draws() -> None:
 def test_rows_at_temperature_one_cut_from_their_log_softmax_draw_what_the_torch_sampler_draws(
     filters: dict[str, float], refused: int
 ) -> None:
-    """Rows at temperature 1, cut by top-p, top-k, min-p or typical-p, whose whole weights' sum comes from
-    the log-softmax the step computes for logprobs (`_Row.total`: no pass over their weights), unrestricted
-    or refusing a few ids (drawn over their whole rows: the sum less what the refused ids hold,
-    `_masked_log_totals`), take the torch sampler's tokens, over rows wide enough for the cut of likely
-    tokens, at two scales."""
+    """Rows at temperature 1, cut by top-p, top-k, min-p or typical-p from their likely tokens' weights
+    alone (a nucleus's mass, the sum of the whole row's weights, from the log-softmax the step computes
+    for logprobs: `_Row.total`), unrestricted or refusing a few ids (drawn over their whole rows: the sum
+    less what the refused ids hold, `_masked_log_totals`), take the torch sampler's tokens, over rows
+    wide enough for the cut of likely tokens, at two scales."""
     vocab = 6000
     generator = torch.Generator().manual_seed(11)
     for scale in (2.0, 4.0):
