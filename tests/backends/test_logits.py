@@ -291,6 +291,39 @@ def test_rows_at_temperature_one_cut_from_their_log_softmax_draw_what_the_torch_
             assert ours == pick(masked, tensors, random=True, filtered=True, typical=True).tolist()
 
 
+def test_random_rows_at_temperature_one_draw_what_the_torch_sampler_draws() -> None:
+    """400 rows of 8,000 ids at five scales, each with a random mix of top-p, top-k, min-p and typical-p,
+    a third restricted to a fifth, nine tenths or all but a few of the ids (drawn among them, or over
+    their whole rows with or without their totals from the log-softmax): the torch sampler's tokens."""
+    rng = numpy.random.default_rng(0)
+    vocab = 8000
+    for _ in range(100):
+        scale = float(rng.choice([0.5, 1.0, 2.0, 4.0, 8.0]))
+        logits = torch.from_numpy((rng.standard_normal((4, vocab)) * scale).astype(numpy.float32))
+        params = [HostLogits.start(random_row(rng, vocab), PROMPT, (EOS,), None) for _ in range(4)]
+        positions = [int(rng.integers(1000))] * 4
+        ours = [t.token_id for t in sample_tokens(logits, params, positions, vocab)]
+        tensors = SamplingTensors.build(params, positions, 4, vocab, torch.device("cpu"))
+        masked = apply_host_logits(logits, params)
+        assert ours == pick(masked, tensors, random=True, filtered=True, typical=True).tolist()
+
+
+def random_row(rng: numpy.random.Generator, vocab: int) -> SamplingParams:
+    filters: dict[str, object] = {"temperature": 1.0, "seed": int(rng.integers(1 << 30))}
+    if rng.random() < 0.8:
+        filters["top_p"] = float(rng.uniform(0.05, 0.99))
+    if rng.random() < 0.3:
+        filters["top_k"] = int(rng.integers(1, 3000))
+    if rng.random() < 0.3:
+        filters["min_p"] = float(rng.uniform(0.0, 0.3))
+    if rng.random() < 0.2:
+        filters["typical_p"] = float(rng.uniform(0.2, 0.99))
+    if rng.random() < 0.3:
+        share = float(rng.choice([0.2, 0.9, 0.995]))
+        filters["allowed_token_ids"] = tuple(numpy.flatnonzero(rng.random(vocab) < share).tolist())
+    return SamplingParams(**filters)  # type: ignore[arg-type]
+
+
 def test_a_row_s_log_total_over_its_allowed_ids_is_its_whole_row_s_less_what_it_refuses() -> None:
     values = (numpy.random.default_rng(2).standard_normal((3, 500)) * 3).astype(numpy.float32)
     whole = numpy.log(numpy.exp(values.astype(numpy.float64)).sum(axis=1))
