@@ -226,6 +226,22 @@ def test_typical_p_keeps_what_transformers_typical_warper_keeps(
         assert set(typical[0].nonzero()[:, 0].tolist()) == expected
 
 
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0, 4.0])
+def test_typical_p_over_a_whole_wide_row_keeps_what_transformers_typical_warper_keeps(scale: float) -> None:
+    """Over `TYPICAL_SORTED` tokens the host finds the typical set's bound without sorting the row (the
+    tokens around it first): on 20,000-token rows, alone, it keeps the ids transformers' warper keeps."""
+    rng = numpy.random.default_rng(int(scale * 10))
+    columns = 20_000
+    assert columns > sampling.TYPICAL_SORTED
+    for mass in (0.3, 0.6, 0.9, 0.95):
+        logits = torch.from_numpy(rng.standard_normal(columns).astype(numpy.float32) * scale)
+        kept, weights = sampling._kept_columns(
+            sampling._Row.of(logits.numpy(), 1.0, numpy.nan), columns, 1.0, 0.0
+        )
+        typical = set(kept[sampling._typical_columns(weights, mass)].tolist())
+        assert typical == transformers_kept(logits, 1.0, 0, 1.0, mass)
+
+
 def test_rows_without_typical_p_draw_the_same_beside_one_with_it() -> None:
     """A batch where one row uses typical_p: the others draw what they draw without it, on the host and by
     the device's rule, and the typical row draws the same token both ways."""
