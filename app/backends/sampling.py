@@ -895,9 +895,9 @@ def _kept_columns(row: _Row, k: int, p: float, floor: float) -> tuple[np.ndarray
         return np.zeros(0, np.int64), np.zeros(0, np.float32)
     cut = _Cut.of(row, k, p, floor)
     if cut.likely is not None and cut.value > cut.beyond:  # all of them are among the likely ones
-        inside = cut.weights >= cut.value
+        inside = np.flatnonzero(cut.weights >= cut.value)  # not a boolean index: ten times its cost
         return cut.likely[inside], cut.weights[inside]
-    kept = (row.whole >= cut.value).nonzero()[0]
+    kept = np.flatnonzero(row.whole >= cut.value)
     return kept, row.whole[kept]
 
 
@@ -909,36 +909,43 @@ def _typical_columns(weights: np.ndarray, mass: float) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):  # a weight of 0 (a refused id): surprise inf
         surprise = -np.log(share)
         distance = np.abs(surprise - np.nansum(share * surprise))
-    return distance <= _typical_bound(distance, share, mass)
+    return distance <= _first_reaching(distance, share, mass)
 
 
-TYPICAL_SORTED = 4096  # up to this many tokens, the typical set's bound comes from sorting them all
+SORTED_AT_MOST = 2048  # up to this many tokens, the first to reach a mass is found by sorting them
 
 
-def _typical_bound(distance: np.ndarray, share: np.ndarray, mass: float) -> np.float32:
-    """The distance of the first token, the nearest first, whose running share reaches `mass` (the
-    farthest one's where rounding leaves the total short of it), the share summed in float64. Over
-    `TYPICAL_SORTED` tokens (a whole 128k row: a sort of it takes milliseconds), the tokens around it
-    are found first: those on the near side of a pivot (the median of a sample of them) hold `mass`
-    with what is nearer, or it lies past them; the few left are sorted."""
-    nearer = 0.0  # the share of every token nearer than those left
-    while len(distance) > TYPICAL_SORTED:
-        sample = distance[:: len(distance) // 256]
+def _first_reaching(keys: np.ndarray, shares: np.ndarray, mass: float) -> np.float32:
+    """The key of the first token, in ascending order of `keys`, whose running sum of `shares` reaches
+    `mass` (the last one's where rounding leaves the total short of it), summed in float64 as torch's
+    cumsum on a CPU sums."""
+    keys, shares, before = _narrowed(keys, shares, mass)
+    order = np.argsort(keys, kind="stable")
+    running = before + np.cumsum(shares[order], dtype=np.float64)
+    return keys[order[min(int(np.count_nonzero(running < mass)), len(order) - 1)]]
+
+
+def _narrowed(keys: np.ndarray, shares: np.ndarray, mass: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """The tokens around the first, in ascending order of `keys`, whose running sum of `shares` reaches
+    `mass`, at most `SORTED_AT_MOST` of them where their keys differ (a whole 128k row: a sort of it
+    takes milliseconds), with the shares of every token ahead of them: those at or under a pivot (the
+    median of a sample of them) hold `mass` with every token ahead of them, or it lies past them."""
+    before = 0.0
+    while len(keys) > SORTED_AT_MOST:
+        sample = keys[:: len(keys) // 256]
         pivot = np.partition(sample, len(sample) // 2)[len(sample) // 2]
-        near = np.flatnonzero(distance <= pivot)  # a boolean index of a random half costs ten times more
-        if len(near) == len(distance):  # a pivot at the farthest distance (ties): nothing to leave out
+        ahead = np.flatnonzero(keys <= pivot)  # a boolean index of a random half costs ten times more
+        if len(ahead) == len(keys):  # a pivot at the largest key (ties): nothing to leave out
             break
-        held = share[near]
+        held = shares[ahead]
         within = float(held.sum(dtype=np.float64))
-        if nearer + within >= mass:
-            distance, share = distance[near], held
+        if before + within >= mass:
+            keys, shares = keys[ahead], held
         else:
-            nearer += within
-            far = np.flatnonzero(distance > pivot)
-            distance, share = distance[far], share[far]
-    order = np.argsort(distance, kind="stable")
-    running = nearer + np.cumsum(share[order], dtype=np.float64)
-    return distance[order[min(int(np.count_nonzero(running < mass)), len(order) - 1)]]
+            before += within
+            past = np.flatnonzero(keys > pivot)
+            keys, shares = keys[past], shares[past]
+    return keys, shares, before
 
 
 @dataclass(frozen=True)
@@ -946,8 +953,8 @@ class _Cut:
     """A row's cut (`_cutoff`'s rule): its smallest kept weight (min-p alone: a weight at or under it, over
     every weight it cuts, where the row's least weight is not needed). The top-k and nucleus come from
     the row's likeliest tokens (`likely`, whose weights are `weights`; no other reaches `beyond`),
-    sorted, which hold them whenever their mass reaches the nucleus (a language model's rows, nearly
-    always); a row whose candidates fall short sorts whole."""
+    which hold them whenever their mass reaches the nucleus (a language model's rows, nearly always); a
+    row whose candidates fall short is cut over its whole row."""
 
     value: np.float32
     likely: np.ndarray | None = None
@@ -965,38 +972,42 @@ class _Cut:
             return cls(least, likely, row.at(likely), beyond)
         likely, beyond = row.likely()
         weights = row.at(likely)
-        cutoff = _row_cutoff(row, -np.sort(-weights), k, p)
-        return cls(max(cutoff, least), likely, weights, beyond)
+        return cls(max(_row_cutoff(row, weights, k, p), least), likely, weights, beyond)
 
 
-def _row_cutoff(row: _Row, ordered: np.ndarray, k: int, p: float) -> np.float32:
-    """The smallest weight inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule), from `ordered`: its
-    likely weights, descending."""
-    if len(ordered) >= k:
-        return ordered[k - 1] if p >= 1.0 else _nucleus_cutoff(ordered[:k], np.float32(p) * ordered[:k].sum())
+def _row_cutoff(row: _Row, weights: np.ndarray, k: int, p: float) -> np.float32:
+    """The smallest weight inside `row`'s top-k and top-p nucleus (`_cutoff`'s rule), from `weights`: its
+    likely tokens' (in any order)."""
+    if len(weights) >= k:
+        top = _largest(weights, k)
+        return top.min() if p >= 1.0 else _nucleus_cutoff(top, np.float32(p) * top.sum())
     if p >= 1.0:  # the k-th likeliest token is not among the likely ones
-        return np.partition(row.whole, len(row.values) - k)[len(row.values) - k]
+        return _largest(row.whole, k).min()
     nucleus = np.float32(p) * _top_k_mass(row, k)
-    running = np.cumsum(ordered)
-    if running[-1] < nucleus:  # the nucleus reaches past the likely tokens: sort them all
-        return _nucleus_cutoff(-np.sort(-row.whole)[:k], nucleus)
-    return _nucleus_cutoff(ordered, nucleus, running)
+    if weights.sum(dtype=np.float64) < nucleus:  # the nucleus reaches past the likely tokens
+        return _nucleus_cutoff(_largest(row.whole, k), nucleus)
+    return _nucleus_cutoff(weights, nucleus)
 
 
-def _nucleus_cutoff(
-    ordered: np.ndarray, nucleus: np.float32, running: np.ndarray | None = None
-) -> np.float32:
-    """The last of `ordered` (descending, the top-k's first tokens) whose mass before it is under
-    `nucleus`, or the first (`running`: their running sum, where taken)."""
-    before = (np.cumsum(ordered) if running is None else running) - ordered
-    return ordered[max(int(np.count_nonzero(before < nucleus)), 1) - 1]
+def _largest(weights: np.ndarray, k: int) -> np.ndarray:
+    """The k largest of `weights`, in any order."""
+    return weights if k >= len(weights) else np.partition(weights, len(weights) - k)[len(weights) - k :]
+
+
+def _nucleus_cutoff(weights: np.ndarray, nucleus: np.float32) -> np.float32:
+    """The smallest weight of the nucleus: the first of `weights`, the largest first, whose running sum
+    reaches `nucleus` (`_cutoff`'s: the last whose mass before it is under the nucleus), summed in float64
+    as torch's cumsum on a CPU sums (`_first_reaching`, whose sort of the few left needs no order of
+    ties here: a weight is its own share)."""
+    keys, _, before = _narrowed(-weights, weights, float(nucleus))
+    ordered = np.sort(keys)
+    running = before - np.cumsum(ordered, dtype=np.float64)
+    return -ordered[min(int(np.count_nonzero(running < nucleus)), len(ordered) - 1)]
 
 
 def _top_k_mass(row: _Row, k: int) -> np.float32:
     """The sum of `row`'s k largest weights (`_Row.total` for the whole row)."""
-    if k >= len(row.values):
-        return row.total()
-    return np.partition(row.whole, len(row.values) - k)[len(row.values) - k :].sum()
+    return row.total() if k >= len(row.values) else _largest(row.whole, k).sum()
 
 
 def draws(params: Sequence[SamplingParams], positions: Sequence[int]) -> np.ndarray:

@@ -79,12 +79,14 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     ("scale", "spikes"), [(1.0, 0), (4.0, 0), (12.0, 0), (0.1, 3)], ids=["flat", "peaked", "sharp", "spiked"]
 )
 def test_the_host_cut_of_likely_tokens_is_the_sorted_rule_s(scale: float, spikes: int) -> None:
-    """The host sorts only a row's likeliest tokens (its whole row where they fall short of the nucleus):
+    """The host cuts a row from its likeliest tokens (its whole row where they fall short of the nucleus),
+    sorting only those around the cut where they are many (`_narrowed`), its running sums in float64:
     the same cut as the device's rule, which sorts every row, for top-k, top-p and min-p, on flat rows,
     peaked ones, and a few likely tokens over a floor of many unlikely ones that hold much of the mass
     (the nucleus reaches past the likely tokens)."""
     rng = numpy.random.default_rng(int(scale * 10) + spikes)
     columns = 12_288
+    assert columns > sampling.SORTED_AT_MOST  # flat rows' likely tokens are narrowed before their sort
     for _ in range(8):
         logits = torch.from_numpy(rng.standard_normal((4, columns)).astype(numpy.float32) * scale)
         logits[:, :spikes] += 10.0
@@ -228,11 +230,11 @@ def test_typical_p_keeps_what_transformers_typical_warper_keeps(
 
 @pytest.mark.parametrize("scale", [0.5, 1.0, 2.0, 4.0])
 def test_typical_p_over_a_whole_wide_row_keeps_what_transformers_typical_warper_keeps(scale: float) -> None:
-    """Over `TYPICAL_SORTED` tokens the host finds the typical set's bound without sorting the row (the
+    """Over `SORTED_AT_MOST` tokens the host finds the typical set's bound without sorting the row (the
     tokens around it first): on 20,000-token rows, alone, it keeps the ids transformers' warper keeps."""
     rng = numpy.random.default_rng(int(scale * 10))
     columns = 20_000
-    assert columns > sampling.TYPICAL_SORTED
+    assert columns > sampling.SORTED_AT_MOST
     for mass in (0.3, 0.6, 0.9, 0.95):
         logits = torch.from_numpy(rng.standard_normal(columns).astype(numpy.float32) * scale)
         kept, weights = sampling._kept_columns(
