@@ -572,8 +572,7 @@ class Restricted:
             return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
         whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
         few, many = np.flatnonzero(~whole), np.flatnonzero(whole)
-        totals = None if log_totals is None else log_totals[many]
-        groups = [cls._whole(states, many, allowed, vocab_size, gather, totals)]
+        groups = [cls._whole(states, many, allowed, vocab_size, gather, selected(log_totals, many))]
         return [cls._among(states, few, allowed, vocab_size, gather), *groups] if len(few) else groups
 
     @classmethod
@@ -620,6 +619,11 @@ class Restricted:
             totals = _masked_log_totals(logits, refused, log_totals)
         allowed.refuse(logits, rows, vocab_size, refused)
         return cls(rows, np.broadcast_to(ids, logits.shape), logits, totals)
+
+
+def selected(values: np.ndarray | None, rows: np.ndarray | Sequence[int]) -> np.ndarray | None:
+    """`values` at `rows`, where there are values (a batch's optional per-row figures, re-indexed)."""
+    return None if values is None else values[rows]
 
 
 def _masked_log_totals(

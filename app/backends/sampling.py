@@ -39,6 +39,7 @@ from app.backends.logits import (
     Restricted,
     adjust_rows,
     apply_host_logits,
+    selected,
     vocabulary_ids,
 )
 
@@ -269,7 +270,7 @@ def pick_tokens(
     tokens: torch.Tensor | None = None
     if drawn:
         raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
-        totals = None if log_totals is None else log_totals[drawn]
+        totals = selected(log_totals, drawn)
         tokens = _pick_rows(rows(drawn), raw, [positions[i] for i in drawn], vocab_size, totals)
     merged = np.empty(len(params), np.int64)
     if tokens is not None:
@@ -293,7 +294,7 @@ def pick_tokens(
             [positions[i] + REDRAW if i in refused else positions[i] for i in again],
             vocab_size,
             lambda r, ids: gather(index[r], ids),
-            None if log_totals is None else log_totals[index],
+            selected(log_totals, index),
         )
     result = torch.from_numpy(merged)
     return result if tokens is None else result.to(tokens.device)
@@ -400,18 +401,20 @@ def _adjusted_draws(
             [positions[j] for j in restricted],
             vocab_size,
             lambda r, ids: gather(index[r], ids),
-            None if log_totals is None else log_totals[index],
+            selected(log_totals, index),
         )
     values = gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :])  # a copy: adjusted here
     rows = [params[j] for j in whole]
     adjust_rows(values, [p.host for p in rows])  # type: ignore[misc]
-    totals = None if log_totals is None else _unadjusted(log_totals[whole], rows)
+    totals = _unadjusted(selected(log_totals, whole), rows)
     chosen[whole] = _inverse_cdf(values, rows, [positions[j] for j in whole], totals)
     return chosen
 
 
-def _unadjusted(log_totals: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+def _unadjusted(log_totals: np.ndarray | None, params: Sequence[SamplingParams]) -> np.ndarray | None:
     """`log_totals` of raw rows, NaN where the host logits path changed a row's values."""
+    if log_totals is None:
+        return None
     changed = [i for i, p in enumerate(params) if p.host is not None and (p.host.adjusts or p.host.restricts)]
     if changed:
         log_totals = log_totals.copy()
@@ -617,8 +620,7 @@ def _host_draws(
         rows = values[host]
         adjust_rows(rows, [params[i].host for i in host])  # type: ignore[misc]
         values[host] = rows
-    totals = None if log_totals is None or not host else _unadjusted(log_totals, params)
-    return _inverse_cdf(values, params, positions, log_totals if totals is None else totals)
+    return _inverse_cdf(values, params, positions, _unadjusted(log_totals, params))
 
 
 def _pick_allowed(
@@ -642,7 +644,7 @@ def _pick_allowed(
             return chosen
         rest = rest[np.isin(rest, forced, invert=True)]
         allowed, states = allowed.select(rest), [states[i] for i in rest]
-    totals = None if log_totals is None else log_totals[rest]
+    totals = selected(log_totals, rest)
     for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed, totals):
         rows = rest[group.rows].tolist()
         at = [positions[i] for i in rows]
