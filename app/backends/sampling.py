@@ -263,35 +263,37 @@ def pick_tokens(
     where it is kept (inside a JSON string, most steps). A device whose draws follow this rule (CUDA
     graphs) checks them the same way (`with_host_rows`), so both give the same tokens."""
     states = [p.host for p in params]
-    if not any(state is not None and state.restricts for state in states):
+    restricted = [i for i, state in enumerate(states) if state is not None and state.restricts]
+    if not restricted:
         return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size, log_totals)
-    checked = [i for i, state in enumerate(states) if _weighs(state, own_draws=False)]
-    drawn = _free_rows(states, propose is None)
+    checked = [i for i in restricted if states[i].checks_first]  # type: ignore[union-attr]
+    masked = [i for i in restricted if not states[i].checks_first]  # type: ignore[union-attr]
+    drawn = _free_rows(len(params), masked if propose is None else restricted)
     tokens: torch.Tensor | None = None
     if drawn:
-        raw = [states[i].params if i in checked else params[i] for i in drawn]  # type: ignore[union-attr]
-        totals = selected(log_totals, drawn)
-        tokens = _pick_rows(rows(drawn), raw, [positions[i] for i in drawn], vocab_size, totals)
+        raw = list(params)
+        for i in checked:  # drawn as if unconstrained first
+            raw[i] = states[i].params  # type: ignore[union-attr]
+        at: Sequence[int] = positions
+        if len(drawn) < len(params):
+            raw, at = [raw[i] for i in drawn], [positions[i] for i in drawn]
+        tokens = _pick_rows(rows(drawn), raw, at, vocab_size, selected(log_totals, drawn))
     merged = np.empty(len(params), np.int64)
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
     merged[checked] = proposed = _proposals(checked, merged, propose)
     logit = _gathered_logit(gather)
-    refused = {
+    refused = [
         i
         for i, token in zip(checked, proposed, strict=True)
         if not keeps_draw(params[i], token, positions[i], logit, i)
-    }
-    again = [
-        i
-        for i, state in enumerate(states)
-        if i in refused or (state is not None and state.restricts and i not in checked)
     ]
-    if again:
+    if refused or masked:
+        again, redraw = sorted(refused + masked), set(refused)
         index = np.array(again, np.int64)
         merged[index] = _adjusted_draws(
             [params[i] for i in again],
-            [positions[i] + REDRAW if i in refused else positions[i] for i in again],
+            [positions[i] + REDRAW if i in redraw else positions[i] for i in again],
             vocab_size,
             lambda r, ids: gather(index[r], ids),
             selected(log_totals, index),
@@ -565,14 +567,14 @@ def redrawn_on_device(
     ).tolist()
 
 
-def _free_rows(states: Sequence[HostLogits | None], checked_from_rows: bool) -> list[int]:
-    """The rows drawn from their whole rows: every row not restricted, and the checked ones where no
-    device proposes their tokens."""
-    return [
-        i
-        for i, state in enumerate(states)
-        if state is None or not state.restricts or (checked_from_rows and _weighs(state, own_draws=False))
-    ]
+def _free_rows(count: int, held: list[int]) -> list[int]:
+    """The rows drawn from their whole rows: all `count` but those `held` for a draw under their masks
+    (the restricted rows that do not check a draw first, and the checked ones too where a device proposes
+    their tokens)."""
+    if not held:
+        return list(range(count))
+    skipped = set(held)
+    return [i for i in range(count) if i not in skipped]
 
 
 def _proposals(checked: list[int], merged: np.ndarray, propose: Propose | None) -> list[int]:
