@@ -150,15 +150,14 @@ def sample_tokens(
     (else it is computed for the sampled rows). `proposed[i]`: the token a device drew for sequence i,
     which a row that checks its grammar first keeps where allowed (`pick_tokens`)."""
     index = np.arange(len(params)) if rows is None else np.array(rows, np.int64)
-    live = logits[: len(params)] if rows is None else None  # the rows in order: no copy
 
     def dense(of: list[int]) -> torch.Tensor:
-        if live is not None and len(of) == len(params):
-            return live
+        """Rows index[of] of `logits`: a view where they are consecutive (one row, say), else a copy."""
+        chosen = index[of]
+        if _consecutive(chosen):
+            return logits[int(chosen[0]) : int(chosen[0]) + len(chosen)]
         return (
-            torch.from_numpy(logits.numpy()[index[of]])
-            if _on_host(logits)
-            else logits[torch.from_numpy(index[of])]
+            torch.from_numpy(logits.numpy()[chosen]) if _on_host(logits) else logits[torch.from_numpy(chosen)]
         )
 
     logprob_rows = index  # row i's logprobs: logprobs[logprob_rows[i]]
@@ -181,6 +180,13 @@ def sample_tokens(
         chosen = logprobs[at, tokens.to(logprobs.device)]
     needed = logprobs if rows is None or not any(p.num_top_logprobs for p in params) else logprobs[at]
     return sampled_tokens(SampleOutput(tokens, chosen, needed), params)
+
+
+def _consecutive(rows: np.ndarray) -> bool:
+    """Whether `rows` are consecutive indices, ascending (rows of a tensor a slice can view)."""
+    if len(rows) < 2:
+        return len(rows) == 1
+    return int(rows[-1] - rows[0]) == len(rows) - 1 and bool((np.diff(rows) > 0).all())
 
 
 def _log_totals(
