@@ -150,12 +150,14 @@ def sample_tokens(
     (else it is computed for the sampled rows). `proposed[i]`: the token a device drew for sequence i,
     which a row that checks its grammar first keeps where allowed (`pick_tokens`)."""
     index = np.arange(len(params)) if rows is None else np.array(rows, np.int64)
+    in_order = rows is None or _consecutive(index)  # then a run of the sequences is a run of rows
 
     def dense(of: list[int]) -> torch.Tensor:
         """Rows index[of] of `logits`: a view where they are consecutive (one row, say), else a copy."""
+        if in_order and of and of == list(range(of[0], of[0] + len(of))):
+            start = int(index[of[0]])
+            return logits[start : start + len(of)]
         chosen = index[of]
-        if _consecutive(chosen):
-            return logits[int(chosen[0]) : int(chosen[0]) + len(chosen)]
         return (
             torch.from_numpy(logits.numpy()[chosen]) if _on_host(logits) else logits[torch.from_numpy(chosen)]
         )
