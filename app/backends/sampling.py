@@ -269,18 +269,21 @@ def pick_tokens(
     independent of the first (`redrawn`). That is rejection sampling with one proposal, exact where the
     proposal is: the adjusted row's distribution either way, at the cost of one check of one token
     where it is kept (inside a JSON string, most steps). A device whose draws follow this rule (CUDA
-    graphs) checks them the same way (`with_host_rows`), so both give the same tokens."""
+    graphs) checks them the same way (`with_host_rows`), so both give the same tokens. A restricted row
+    whose grammar knows the one id it allows next (`HostLogits.known_next`: the start of an object, a
+    forced call's name) takes that id, which any draw from its adjusted row takes: no check, no mask."""
     states = [p.host for p in params]
     restricted = [i for i, state in enumerate(states) if state is not None and state.restricts]
     if not restricted:
         return _pick_rows(rows(list(range(len(params)))), params, positions, vocab_size, log_totals)
-    checked = [i for i in restricted if states[i].checks_first]  # type: ignore[union-attr]
-    masked = [i for i in restricted if not states[i].checks_first]  # type: ignore[union-attr]
+    known = {i: token for i in restricted if (token := states[i].known_next()) is not None}  # type: ignore[union-attr]
+    checked = [i for i in restricted if i not in known and states[i].checks_first]  # type: ignore[union-attr]
+    masked = [i for i in restricted if i not in known and not states[i].checks_first]  # type: ignore[union-attr]
     drawn = _free_rows(len(params), masked if propose is None else restricted)
     tokens: torch.Tensor | None = None
     if drawn:
         raw = list(params)
-        for i in checked:  # drawn as if unconstrained first
+        for i in [*checked, *known]:  # drawn as if unconstrained (a known row's draw is then dropped)
             raw[i] = states[i].params  # type: ignore[union-attr]
         at: Sequence[int] = positions
         if len(drawn) < len(params):
@@ -290,6 +293,8 @@ def pick_tokens(
     if tokens is not None:
         merged[drawn] = tokens.cpu().numpy()
     merged[checked] = proposed = _proposals(checked, merged, propose)
+    for i, token in known.items():
+        merged[i] = token
     logit = _gathered_logit(gather)
     refused = [
         i

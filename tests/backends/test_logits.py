@@ -666,6 +666,27 @@ def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask
     assert mask.rows == 0
 
 
+def test_the_sampler_takes_the_one_token_a_grammar_knows_without_a_mask() -> None:
+    """Row 1's grammar knows its next token (40, which its raw row all but refuses), as at the start of
+    a forced call: the sampler takes it without computing its mask, and its batch mates draw what they
+    draw beside a plain row."""
+    logits = torch.randn(3, VOCAB) * 3
+    logits[1, 40] = -30.0
+    mask = KnowsNext((40,))
+    row = HostLogits.start(
+        SamplingParams(temperature=1.0, seed=4, grammar=object()),  # type: ignore[arg-type]
+        PROMPT,
+        (EOS,),
+        mask,  # type: ignore[arg-type]
+    )
+    plain = [SamplingParams(temperature=1.0, seed=seed) for seed in range(3)]
+    for position in range(5):
+        ours = [t.token_id for t in sample_tokens(logits, [plain[0], row, plain[2]], [position] * 3, VOCAB)]
+        alone = [t.token_id for t in sample_tokens(logits, plain, [position] * 3, VOCAB)]
+        assert ours[1] == 40 and [ours[0], ours[2]] == [alone[0], alone[2]]
+    assert mask.rows == 0
+
+
 def lowering_row(seed: int, temperature: float = 1.0, grammar: bool = True) -> SamplingParams:
     """A row whose every change lowers its logits (a repetition penalty, frequency and presence penalties,
     a negative bias, a bad word; a grammar where asked), with OUTPUT generated after PROMPT."""
