@@ -361,20 +361,21 @@ def checked_tokens(
 ) -> tuple[dict[int, int], list[int]]:
     """For a backend holding a device's draws (`proposed[i]`, None: none for that row; `logit(i, token)`:
     row i's raw logit): the rows that check their draw first whose token needs no draw, with that token
-    as `pick_tokens` takes it, and the rows refused (`redrawn`). A row keeps its proposal as
-    `keeps_draw` decides; refused, a restricted row takes the one id it allows where there is only
-    one, known without a mask (`HostLogits.known_next`) or from its mask (`Allowed.forced`: the refused
-    rows' masks in one call). Rows asking for top logprobs are left to the sampler, which reads their
-    whole rows. `own_draws`: the draws are the device's own (`_weighs`)."""
+    as `pick_tokens` takes it, and the rows refused (`redrawn`). A restricted row whose grammar knows
+    the one id it allows next without a mask (`HostLogits.known_next`) takes it, its proposal unchecked;
+    another keeps its proposal as `keeps_draw` decides; refused, a restricted row takes the one id its
+    mask allows, where there is only one (`Allowed.forced`: the refused rows' masks in one call). Rows
+    asking for top logprobs are left to the sampler, which reads their whole rows. `own_draws`: the
+    draws are the device's own (`_weighs`)."""
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
         if token is None or not _weighs(row.host, own_draws) or row.num_top_logprobs:
             continue
-        if keeps_draw(row, token, positions[i], logit, i, own_draws=own_draws):
-            settled[i] = token
-        elif (known := _known_forced(row, own_draws)) is not None:
+        if (known := _known_forced(row, own_draws)) is not None:
             settled[i] = known
+        elif keeps_draw(row, token, positions[i], logit, i, own_draws=own_draws):
+            settled[i] = token
         else:
             refused.append(i)
     restricted = [i for i in refused if params[i].host.restricts]  # type: ignore[union-attr]
@@ -455,21 +456,21 @@ def with_host_rows(
 ) -> list[SampledToken]:
     """The device's `tokens` with each host row's (`on_host`: those the device's sampler cannot draw)
     drawn here from its fp32 `logits` row (its logprobs `all_logprobs`), in place: no copy of a row. A
-    row whose changes all lower its logits keeps the device's token as `keeps_draw` decides (where its
-    grammar allows it and no penalty touches it, most steps: nothing else is done for it), else takes
-    the one id its grammar forces where that is known without a mask (`_known_forced`: the start of an
-    object); the others are checked first (`_checked_rows`). `own_draws`: the device draws with its own
-    generator, so a row without a restriction may keep its draw too (`_weighs`)."""
+    row whose changes all lower its logits takes the one id its grammar forces where that is known
+    without a mask (`_known_forced`: the start of an object), else keeps the device's token as
+    `keeps_draw` decides (where its grammar allows it and no penalty touches it, most steps: nothing
+    else is done for it); the others are checked first (`_checked_rows`). `own_draws`: the device draws
+    with its own generator, so a row without a restriction may keep its draw too (`_weighs`)."""
     logit = logit_reader(logits)
     settled: dict[int, int] = {}  # batch row -> its token, drawn without the sampler
     host: list[int] = []
     for i, p in enumerate(params):
-        if on_host(p) and not keeps_draw(p, tokens[i].token_id, positions[i], logit, i, own_draws=own_draws):
-            known = _known_forced(p, own_draws)
-            if known is None:
-                host.append(i)
-            else:
-                settled[i] = known
+        if not on_host(p):
+            continue
+        if (known := _known_forced(p, own_draws)) is not None:
+            settled[i] = known
+        elif not keeps_draw(p, tokens[i].token_id, positions[i], logit, i, own_draws=own_draws):
+            host.append(i)
     if not host and not settled:
         return tokens
     if host:

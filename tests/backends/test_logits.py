@@ -18,7 +18,7 @@ from transformers import (
 
 from app.backends import logits as host_logits
 from app.backends import sampling
-from app.backends.base import SamplingParams
+from app.backends.base import SampledToken, SamplingParams
 from app.backends.logits import HostLogits, apply_host_logits
 from app.backends.sampling import SamplingTensors, pick, sample_tokens
 
@@ -664,6 +664,31 @@ def test_a_refused_row_whose_grammar_knows_its_one_token_takes_it_without_a_mask
     assert sampling.checked_tokens([row], [12], [5], VOCAB, never) == ({0: 40}, [])
     assert sampling.checked_tokens([row], [40], [5], VOCAB, never) == ({0: 40}, [])  # allowed: kept
     assert mask.rows == 0
+
+
+class KnowsNextUnchecked(KnowsNext):
+    """`KnowsNext`, which no draw needs checking against."""
+
+    def allows(self, token_id: int) -> bool:
+        raise AssertionError("a row whose grammar knows its next token checks no draw")
+
+
+def test_a_device_s_draw_is_not_checked_where_the_grammar_knows_the_token() -> None:
+    """The device's token of a row whose grammar knows its next one is replaced by it unchecked, by a
+    backend's look at its draws (`checked_tokens`) and by `with_host_rows` alike."""
+    row = HostLogits.start(
+        SamplingParams(temperature=1.0, seed=4, grammar=object()),  # type: ignore[arg-type]
+        PROMPT,
+        (EOS,),
+        KnowsNextUnchecked((40,)),  # type: ignore[arg-type]
+    )
+    assert sampling.checked_tokens([row], [12], [5], VOCAB, unread_logit, own_draws=True) == ({0: 40}, [])
+    logits = torch.randn(2, VOCAB)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    device = [SampledToken(12, float(logprobs[0, 12])), SampledToken(7, float(logprobs[1, 7]))]
+    params = [row, SamplingParams()]
+    tokens = sampling.with_host_rows(device, logits, logprobs, params, [5, 5], own_draws=True)
+    assert [t.token_id for t in tokens] == [40, 7] and tokens[0].logprob == float(logprobs[0, 40])
 
 
 def test_the_sampler_takes_the_one_token_a_grammar_knows_without_a_mask() -> None:
