@@ -2,17 +2,18 @@
 1, 8 and 32 constrained rows, on the sim and on the torch backend, and what constrained rows cost NxD
 Inference's host, each next to the grammar engine's own cost for the same rows.
 
-A constrained row carries a JSON-schema grammar (llguidance), and advances its state by each token as
-the engine does. Such a row is first drawn as if unconstrained and keeps that token where its grammar
-allows it (`app/backends/sampling.py`, `pick_tokens`); `k=K_kept_share` is the share of its steps that
-did. `sim_vocab128256_with_penalty` gives its rows a repetition penalty too, which lowers the logits of
-the tokens seen: such a row's draw is kept with its adjusted weight over its raw one where its grammar
-allows it, else it takes the whole host path (mask, adjustments, a draw among the allowed ids); its
-k=0 row is plain, so its figures hold the penalty's cost too. Each configuration runs the same
+A constrained row carries a JSON-schema grammar (llguidance), and advances its state by each token as the
+engine does. Such a row is first drawn as if unconstrained and keeps that token where its grammar allows
+it (`app/backends/sampling.py`, `pick_tokens`), unless its grammar knows its next token without a mask
+(the start of an object), which it takes unchecked; `k=K_kept_share` is the share of its checked steps
+that kept their draw. `sim_vocab128256_with_penalty` gives its rows a repetition penalty too, which lowers
+the logits of the tokens seen: such a row's draw is kept with its adjusted weight over its raw one where
+its grammar allows it, else it takes the whole host path (mask, adjustments, a draw among the allowed
+ids); its k=0 row is plain, so its figures hold the penalty's cost too. Each configuration runs the same
 steps in turn within one process, several rounds, its replays of the grammar engine's own work (below)
 before our steps in half of them and after in the others (`figures`); a step's figure is the wall time of
-`Backend.decode` plus the applying of its tokens to the rows' states (`HostLogits.accept`, as the
-engine does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three
+`Backend.decode` plus the applying of its tokens to the rows' states (`HostLogits.accept`, as the engine
+does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three
 measures of the grammar engine's own work for the same rows in the same run, per row, each with its
 ratio (1.0: a constrained row costs only its grammar):
 - `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh llguidance matchers, one
