@@ -498,9 +498,9 @@ def with_host_rows(
 
 
 def _known_forced(row: SamplingParams, own_draws: bool) -> int | None:
-    """The one id a row that weighs its draws (`_weighs`) and reads no top logprobs takes after refusing
-    its draw, where its grammar knows it without a mask (`HostLogits.known_next`): any draw from its
-    adjusted row would take it."""
+    """The one id a row that weighs its draws (`_weighs`) and reads no top logprobs takes in place of its
+    draw, unchecked, where its grammar knows it without a mask (`HostLogits.known_next`): any draw from
+    its adjusted row would take it."""
     state = row.host
     if state is None or not state.restricts or row.num_top_logprobs or not _weighs(state, own_draws):
         return None
