@@ -33,6 +33,7 @@ import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
 from app.backends.logits import (
+    WHOLE_ROW_SHARE,
     Allowed,
     Gather,
     HostLogits,
@@ -651,6 +652,8 @@ def _pick_allowed(
     rows', which give those drawn over their whole rows theirs (`Restricted.log_totals`)."""
     states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
     allowed = Allowed.of(states, vocab_size)
+    if len(params) == 1 and (token := _lone_draw(params, positions, allowed, vocab_size, gather)) is not None:
+        return token
     chosen = np.empty(len(params), np.int64)
     forced, ids = allowed.forced()
     rest = np.arange(len(params))
@@ -667,6 +670,33 @@ def _pick_allowed(
         column = _inverse_cdf(group.logits, [params[i] for i in rows], at, group.log_totals)
         chosen[rows] = group.tokens[np.arange(len(rows)), column]
     return chosen
+
+
+def _lone_draw(
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    allowed: Allowed,
+    vocab_size: int,
+    gather: Gather,
+) -> np.ndarray | None:
+    """The token (int64 [1]) of a lone restricted row with no filter and no adjustment, drawn over its
+    allowed ids' logits alone: the token `Restricted.groups` and `_inverse_cdf` draw (where they take
+    its whole row, masked, its refused ids add zeros to a running sum taken in one pass), without their
+    layout of many rows, most of what a refused draw costs at k = 1. None for any other row: rescued,
+    allowed nothing, or allowed much of a vocabulary wider than `CDF_BLOCK`, whose running sum goes by
+    blocks there."""
+    row = params[0]
+    if allowed.rescued or row.host.adjusts or _filtered(params):  # type: ignore[union-attr]
+        return None
+    if vocab_size > CDF_BLOCK and allowed.counts[0] * WHOLE_ROW_SHARE > vocab_size:
+        return None
+    _, ids = allowed.ids(_FIRST_ROW, vocab_size)
+    if not len(ids):
+        return None
+    return ids[_inverse_cdf(gather(_FIRST_ROW, ids[None, :]), params, positions)]
+
+
+_FIRST_ROW = np.zeros(1, np.int64)
 
 
 def _inverse_cdf(

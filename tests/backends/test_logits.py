@@ -604,6 +604,57 @@ def test_a_refused_row_redrawn_by_its_backend_draws_what_the_sampler_draws() -> 
     assert settled == {i: token.token_id for i, token in enumerate(theirs)}
 
 
+def lone_row(seed: int, temperature: float, allowed: int, **changes: float) -> SamplingParams:
+    """A row restricted to `allowed` ids of its own, alone in its call."""
+    ids = numpy.random.default_rng(seed).choice(VOCAB, allowed, replace=False).tolist()
+    params = SamplingParams(temperature=temperature, seed=seed, allowed_token_ids=tuple(ids), **changes)  # type: ignore[arg-type]
+    return HostLogits.start(params, PROMPT, (EOS,), None)
+
+
+@pytest.mark.parametrize("block", [1024, 8], ids=["one-block", "blocks-of-8"])
+def test_a_lone_restricted_row_draws_what_the_torch_sampler_draws(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restricted row alone in its call (a backend's one refused row), allowed a few ids or much of
+    the vocabulary (its running sum taken by blocks of `block` where the vocabulary is wider), greedy
+    and at three temperatures: the torch sampler's token from its whole adjusted row."""
+    monkeypatch.setattr(sampling, "CDF_BLOCK", block)
+    logits = torch.randn(1, VOCAB) * 3
+    for seed in range(30):
+        for temperature in (1.0, 0.5, 1.7, 0.0):
+            for allowed in (3, 24):
+                params = [lone_row(seed, temperature, allowed)]
+                (ours,) = sample_tokens(logits, params, [seed], VOCAB)
+                tensors = SamplingTensors.build(params, [seed], 1, VOCAB, torch.device("cpu"))
+                reference = pick(apply_host_logits(logits, params), tensors, random=True, filtered=False)
+                assert ours.token_id == int(reference[0])
+
+
+def test_a_lone_unadjusted_row_is_drawn_without_the_layout_of_many_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`redrawn` of one restricted row, unfiltered and unadjusted, lays out no group of rows
+    (`Restricted.groups`: what a refused row's redraw cost at k = 1); a row with a penalty or a filter,
+    or two rows, still goes through it."""
+    laid_out = []
+    groups = host_logits.Restricted.groups.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type, *args: object, **kwargs: object) -> object:
+        laid_out.append(len(args[0]))  # type: ignore[arg-type]
+        return groups(cls, *args, **kwargs)
+
+    monkeypatch.setattr(host_logits.Restricted, "groups", classmethod(counted))
+    logits = torch.randn(2, VOCAB)
+    gather = sampling.gather_rows(logits, [0, 1], VOCAB)
+    for temperature, allowed in ((1.0, 3), (1.0, 24), (0.0, 24)):
+        sampling.redrawn([lone_row(1, temperature, allowed)], [5], VOCAB, gather)
+    assert laid_out == []
+    for changes in ({"repetition_penalty": 1.3}, {"top_p": 0.9}):
+        sampling.redrawn([lone_row(1, 1.0, 24, **changes)], [5], VOCAB, gather)
+    sampling.redrawn([lone_row(1, 1.0, 24), lone_row(2, 1.0, 3)], [5, 5], VOCAB, gather)
+    assert laid_out == [1, 1, 2]
+
+
 @pytest.mark.parametrize("allowed", [7, 40], ids=["few-ids", "much-of-the-vocabulary"])
 def test_refused_rows_redrawn_on_their_device_draw_what_the_host_draws(allowed: int) -> None:
     """`redrawn_on_device` (the mask sent to the logits, `pick` there: CUDA's path), run here on CPU
