@@ -344,6 +344,13 @@ def keeps_draw(
     # `_weighs`, written out: this runs for every host row every step
     if state is None or not state.checks_first or not (own_draws or state.restricts):
         return False
+    return _kept(params, state, token, position, logit, row)
+
+
+def _kept(
+    params: SamplingParams, state: HostLogits, token: int, position: int, logit: RowLogit, row: int
+) -> bool:
+    """`keeps_draw` of a row that may keep its draw (`_weighs`)."""
     chance = state.known_chance(token)
     if chance is None:
         chance = state.weighed_chance(token, logit(row, token))
@@ -371,11 +378,13 @@ def checked_tokens(
     settled: dict[int, int] = {}
     refused: list[int] = []
     for i, (row, token) in enumerate(zip(params, proposed, strict=True)):
-        if token is None or not _weighs(row.host, own_draws) or row.num_top_logprobs:
+        state = row.host
+        if token is None or not _weighs(state, own_draws) or row.num_top_logprobs:
             continue
-        if (known := _known_forced(row, own_draws)) is not None:
+        # the tests `_known_forced` and `keeps_draw` make first have passed: they are not made again
+        if (known := state.known_next()) is not None:  # type: ignore[union-attr]
             settled[i] = known
-        elif keeps_draw(row, token, positions[i], logit, i, own_draws=own_draws):
+        elif _kept(row, state, token, positions[i], logit, i):  # type: ignore[arg-type]
             settled[i] = token
         else:
             refused.append(i)
