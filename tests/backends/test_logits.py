@@ -386,6 +386,22 @@ def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
         assert all(token in p.allowed_token_ids for token, p in zip(ours, params, strict=True))  # type: ignore[operator]
 
 
+def test_a_row_that_changes_no_logit_is_not_asked_for_adjustments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's adjustments ask only the rows that adjust (`HostLogits.adjusts`): a grammar's row, most
+    often, adds nothing, and asking it cost more than the question."""
+    plain = HostLogits.start(
+        SamplingParams(temperature=1.0, grammar=object()), PROMPT, (EOS,), Allows((5, 9))
+    )  # type: ignore[arg-type]
+    penalised = batch(0)[0]
+    asked = []
+    add_edits = HostLogits._add_edits
+    monkeypatch.setattr(
+        HostLogits, "_add_edits", lambda self, row, edits: asked.append(row) or add_edits(self, row, edits)
+    )
+    edits = host_logits._Edits.of([plain.host, penalised.host])  # type: ignore[list-item]
+    assert asked == [1] and edits.scale.rows and set(edits.scale.rows) == {1}
+
+
 def test_adjustments_batched_over_rows_are_each_rows_own() -> None:
     logits = torch.randn(5, VOCAB)
     params = batch(0)
