@@ -27,6 +27,8 @@ from app.backends.sim import COST_MODEL_ENV, PRESETS, SIM_LOGIT_SCALE, CostModel
 from app.errors import BatchError, ConfigError
 from app.shapes import ShapeGrid
 
+from .masks import FixedTokens
+
 GRID = ShapeGrid(4, 64, (8, 16), (16, 32, 64), (1, 2, 4))
 SPEC = BackendSpec("sim", 1, "fp32", GRID)
 
@@ -224,6 +226,29 @@ def test_a_grammar_row_s_first_draw_inverts_its_whole_made_up_row(temperature: f
             continue
         running = numpy.cumsum(numpy.exp((row - row.max()) / temperature))
         assert token == int(numpy.searchsorted(running, draws([params], [4])[0] * running[-1]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_many_rows_first_draws_in_one_search_are_each_row_s_own(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over `PER_ROW_DRAWS` grammar rows at one temperature, their first draws are found in one numpy
+    search (`_made_up_draws`): each is the row's own `_made_up_draw`, at every roll (0, where no wrap,
+    included)."""
+    backend = sim()
+    params = [
+        HostLogits.start(
+            SamplingParams(temperature=temperature, seed=seed, grammar=object()),  # type: ignore[arg-type]
+            (1, 9),
+            (2,),
+            FixedTokens((3,), 50),  # type: ignore[arg-type]
+        )
+        for seed in range(50)
+    ]
+    positions, shifts = [4 + seed % 7 for seed in range(50)], list(range(50))
+    alone = [backend._made_up_draw(p, q, s) for p, q, s in zip(params, positions, shifts, strict=True)]
+    monkeypatch.setattr(backend, "_made_up_draw", None)  # not called row by row
+    assert backend._first_draws(params, positions, shifts) == alone and len(set(alone)) > 10
 
 
 def test_a_grammar_row_asking_for_top_logprobs_gets_them() -> None:
