@@ -543,13 +543,13 @@ WHOLE_ROW_SHARE = 8  # a row allowed over 1 / 8 of the vocabulary is drawn over 
 @dataclass(frozen=True, slots=True)
 class Restricted:
     """A group of restricted rows' candidates: `rows` [m], which rows of the batch; `tokens` [m, n] the
-    ids their columns hold; `logits` fp32 [m, n] their adjusted logits (-inf where not allowed).
-    Sampling among them draws what sampling the whole adjusted row would (every other token has
-    probability 0), at the cost of the allowed tokens only. A row with nothing allowed and no stop id
-    to end on draws id 0."""
+    ids their columns hold (None: whole rows, column j is id j); `logits` fp32 [m, n] their adjusted
+    logits (-inf where not allowed). Sampling among them draws what sampling the whole adjusted row
+    would (every other token has probability 0), at the cost of the allowed tokens only. A row with
+    nothing allowed and no stop id to end on draws id 0."""
 
     rows: np.ndarray
-    tokens: np.ndarray
+    tokens: np.ndarray | None
     logits: np.ndarray
     log_totals: np.ndarray | None = None  # of their `logits` over the allowed ids, where known (NaN: not)
 
@@ -569,12 +569,16 @@ class Restricted:
         `allowed`: their masks, where already computed. `log_totals`: the log of the sum of exp over each
         raw row, where known (`_masked_log_totals`)."""
         allowed = Allowed.of(states, vocab_size) if allowed is None else allowed
-        if allowed.counts.max() * WHOLE_ROW_SHARE <= vocab_size:
-            return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
         whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
+        if not whole.any():
+            return [cls._among(states, np.arange(len(states)), allowed, vocab_size, gather)]
+        if whole.all():
+            return [cls._whole(states, np.arange(len(states)), allowed, vocab_size, gather, log_totals)]
         few, many = np.flatnonzero(~whole), np.flatnonzero(whole)
-        groups = [cls._whole(states, many, allowed, vocab_size, gather, selected(log_totals, many))]
-        return [cls._among(states, few, allowed, vocab_size, gather), *groups] if len(few) else groups
+        return [
+            cls._among(states, few, allowed, vocab_size, gather),
+            cls._whole(states, many, allowed, vocab_size, gather, selected(log_totals, many)),
+        ]
 
     @classmethod
     def _among(
@@ -610,8 +614,7 @@ class Restricted:
         gather: Gather,
         log_totals: np.ndarray | None,
     ) -> Restricted:
-        ids = vocabulary_ids(vocab_size)
-        logits = gather(rows, ids[None, :])
+        logits = gather(rows, vocabulary_ids(vocab_size)[None, :])
         edits = _Edits.of([states[i] for i in rows])
         edits.apply(logits, _dense_columns(vocab_size))
         refused = allowed.refused(rows, vocab_size)
@@ -619,7 +622,7 @@ class Restricted:
         if log_totals is not None and refused is not None and not edits:
             totals = _masked_log_totals(logits, refused, log_totals)
         allowed.refuse(logits, rows, vocab_size, refused)
-        return cls(rows, np.broadcast_to(ids, logits.shape), logits, totals)
+        return cls(rows, None, logits, totals)
 
 
 def selected(values: np.ndarray | None, rows: np.ndarray | Sequence[int]) -> np.ndarray | None:

@@ -677,7 +677,7 @@ def _pick_allowed(
         rows = rest[group.rows].tolist()
         at = [positions[i] for i in rows]
         column = _inverse_cdf(group.logits, [params[i] for i in rows], at, group.log_totals)
-        chosen[rows] = group.tokens[np.arange(len(rows)), column]
+        chosen[rows] = column if group.tokens is None else group.tokens[np.arange(len(rows)), column]
     return chosen
 
 

@@ -386,6 +386,19 @@ def test_rows_allowed_much_of_the_vocabulary_draw_what_their_whole_rows_draw(
         assert all(token in p.allowed_token_ids for token, p in zip(ours, params, strict=True))  # type: ignore[operator]
 
 
+def test_rows_all_allowed_much_of_the_vocabulary_are_one_group_whose_columns_are_the_ids() -> None:
+    """Restricted rows that all allow much of the vocabulary (inside JSON strings) form one group over
+    their whole rows, whose columns are the ids themselves: no table of ids is built for it."""
+    logits = torch.randn(3, VOCAB)
+    allowed = tuple(range(4, VOCAB))
+    states = [
+        HostLogits.start(SamplingParams(allowed_token_ids=allowed), PROMPT, (EOS,), None).host
+        for _ in range(3)
+    ]
+    groups = host_logits.Restricted.groups(states, VOCAB, sampling.gather_rows(logits, range(3), VOCAB))  # type: ignore[arg-type]
+    assert len(groups) == 1 and groups[0].tokens is None and groups[0].rows.tolist() == [0, 1, 2]
+
+
 def test_a_row_that_changes_no_logit_is_not_asked_for_adjustments(monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch's adjustments ask only the rows that adjust (`HostLogits.adjusts`): a grammar's row, most
     often, adds nothing, and asking it cost more than the question."""
