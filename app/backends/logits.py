@@ -14,7 +14,8 @@ row's mask is computed in one call of the grammar engine (`TokenMask.fill`), onc
 a backend and the sampler look at the row (`Allowed`: the state keeps its row until its next token),
 every row's adjustments are gathered into flat (row, token) lists and applied with one tensor op each,
 and a row whose tokens are restricted (a grammar or `allowed_token_ids`) is sampled among its allowed
-ids only (`Restricted`), or over its whole row, masked, where it allows much of the vocabulary.
+ids only (`Restricted`), or over its whole row, masked, where it allows much of the vocabulary (read in
+place around its refused ids where it refuses few).
 
 Adjustments, in order (each as transformers' logits processor of the same name, or OpenAI's formula):
 repetition penalty over the prompt and the output (`RepetitionPenaltyLogitsProcessor`), frequency and
@@ -544,14 +545,17 @@ WHOLE_ROW_SHARE = 8  # a row allowed over 1 / 8 of the vocabulary is drawn over 
 class Restricted:
     """A group of restricted rows' candidates: `rows` [m], which rows of the batch; `tokens` [m, n] the
     ids their columns hold (None: whole rows, column j is id j); `logits` fp32 [m, n] their adjusted
-    logits (-inf where not allowed). Sampling among them draws what sampling the whole adjusted row
-    would (every other token has probability 0), at the cost of the allowed tokens only. A row with
-    nothing allowed and no stop id to end on draws id 0."""
+    logits (-inf where not allowed), or, where `refused` lists (j, id) pairs, the raw rows themselves,
+    which the draw reads as -inf at those ids (rows that refuse few ids and change no other logit,
+    which the gather reads in place: no copy of them, no write to them). Sampling among them draws what
+    sampling the whole adjusted row would (every other token has probability 0), at the cost of the
+    allowed tokens only. A row with nothing allowed and no stop id to end on draws id 0."""
 
     rows: np.ndarray
     tokens: np.ndarray | None
     logits: np.ndarray
     log_totals: np.ndarray | None = None  # of their `logits` over the allowed ids, where known (NaN: not)
+    refused: tuple[np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def groups(
@@ -565,9 +569,9 @@ class Restricted:
         """The rows of `states` allowed a few ids, each padded to the widest of them, then the rows allowed
         much of the vocabulary (inside a JSON string, say) over their whole rows, where the passes over
         the vocabulary cost less than listing their ids. `gather(rows, tokens)`: fp32 raw logits of
-        batch row rows[i] at tokens[i, j] (a copy), where `tokens` [1, vocab] asks for whole rows.
-        `allowed`: their masks, where already computed. `log_totals`: the log of the sum of exp over each
-        raw row, where known (`_masked_log_totals`)."""
+        batch row rows[i] at tokens[i, j], where `tokens` [1, vocab] asks for whole rows (a read-only
+        view where it can: `writable`). `allowed`: their masks, where already computed. `log_totals`:
+        the log of the sum of exp over each raw row, where known (`_masked_log_totals`)."""
         allowed = Allowed.of(states, vocab_size) if allowed is None else allowed
         whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
         if not whole.any():
@@ -616,13 +620,21 @@ class Restricted:
     ) -> Restricted:
         logits = gather(rows, vocabulary_ids(vocab_size)[None, :])
         edits = _Edits.of([states[i] for i in rows])
-        edits.apply(logits, _dense_columns(vocab_size))
         refused = allowed.refused(rows, vocab_size)
         totals = None
         if log_totals is not None and refused is not None and not edits:
             totals = _masked_log_totals(logits, refused, log_totals)
+            if not logits.flags.writeable:  # the raw rows themselves: read around their refused ids
+                return cls(rows, None, logits, totals, refused)
+        logits = writable(logits)
+        edits.apply(logits, _dense_columns(vocab_size))
         allowed.refuse(logits, rows, vocab_size, refused)
         return cls(rows, None, logits, totals)
+
+
+def writable(values: np.ndarray) -> np.ndarray:
+    """`values`, or a copy where they are a read-only view (a `Gather`'s whole rows), to write on."""
+    return values if values.flags.writeable else values.copy()
 
 
 def selected(values: np.ndarray | None, rows: np.ndarray | Sequence[int]) -> np.ndarray | None:

@@ -42,6 +42,7 @@ from app.backends.logits import (
     apply_host_logits,
     selected,
     vocabulary_ids,
+    writable,
 )
 
 MASK32 = 0xFFFFFFFF
@@ -227,10 +228,15 @@ def _gathered_logit(gather: Gather) -> RowLogit:
 
 
 def _gathered(logits: torch.Tensor, rows: np.ndarray, ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """fp32 `logits` of rows[i] at ids[i, j] on the host (a copy), whole rows for ids [1, vocab]."""
+    """fp32 `logits` of rows[i] at ids[i, j] on the host (a copy), whole rows for ids [1, vocab] (a
+    read-only view where they are consecutive rows of host logits)."""
     whole = ids.shape == (1, vocab_size)
     if _on_host(logits):
         values = logits.numpy()
+        if whole and _consecutive(rows):  # a writer copies it (`writable`)
+            view = values[int(rows[0]) : int(rows[0]) + len(rows), :vocab_size]
+            view.flags.writeable = False
+            return view
         return values[rows, :vocab_size] if whole else values[rows[:, None], ids]
     at = torch.from_numpy(rows)
     chosen = logits[at, :vocab_size] if whole else logits[at[:, None], torch.from_numpy(ids)]
@@ -429,7 +435,7 @@ def _adjusted_draws(
             lambda r, ids: gather(index[r], ids),
             selected(log_totals, index),
         )
-    values = gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :])  # a copy: adjusted here
+    values = writable(gather(np.array(whole, np.int64), vocabulary_ids(vocab_size)[None, :]))  # adjusted here
     rows = [params[j] for j in whole]
     adjust_rows(values, [p.host for p in rows])  # type: ignore[misc]
     totals = _unadjusted(selected(log_totals, whole), rows)
@@ -676,7 +682,7 @@ def _pick_allowed(
     for group in Restricted.groups(states, vocab_size, lambda r, ids: gather(rest[r], ids), allowed, totals):
         rows = rest[group.rows].tolist()
         at = [positions[i] for i in rows]
-        column = _inverse_cdf(group.logits, [params[i] for i in rows], at, group.log_totals)
+        column = _inverse_cdf(group.logits, [params[i] for i in rows], at, group.log_totals, group.refused)
         chosen[rows] = column if group.tokens is None else group.tokens[np.arange(len(rows)), column]
     return chosen
 
@@ -713,20 +719,29 @@ def _inverse_cdf(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     log_totals: np.ndarray | None = None,
+    refused: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """`pick` on fp32 `logits` [rows, columns] in numpy, never written: greedy rows take the argmax, the
     others invert their tempered distribution, cut by their top-k, top-p and min-p as `_cutoff` cuts it,
     at their draw. A row whose logits are all -inf takes column 0. `log_totals[i]`: the log of the sum
-    of exp(logits[i]) where known (NaN where not), which spares a row at temperature 1 that is cut
-    every pass over its weights but two (`_Row`)."""
+    of exp(logits[i]) over its columns not refused, where known (NaN where not), which spares a row at
+    temperature 1 that is cut every pass over its weights but two (`_Row`). `refused`: (i, column)
+    pairs read as -inf (`Restricted.refused`), which a cut row skips as it reads its likely columns;
+    rows drawn over all their columns are masked in a copy."""
     temperatures = [p.temperature for p in params]  # Python lists: a step's few rows cost less than numpy
-    chosen = logits.argmax(axis=1) if 0.0 in temperatures else None
+    filtered = _filtered(params)
+    if refused is not None and not filtered:
+        logits = logits.copy()
+        logits[refused] = -np.inf
+        refused = None
+    by_row = _per_row(refused, len(logits))
+    chosen = _argmax(logits, by_row) if 0.0 in temperatures else None
     if chosen is not None and not any(temperatures):
         return chosen
     uniforms = draws(params, positions)
     with np.errstate(invalid="ignore"):  # a row allowed nothing is all -inf: nan, and column 0
-        if _filtered(params):
-            column = _invert_kept(logits, params, uniforms, log_totals)
+        if filtered:
+            column = _invert_kept(logits, params, uniforms, log_totals, by_row)
         else:
             weights = logits - logits.max(axis=1, keepdims=True)
             if any(t not in (0.0, 1.0) for t in temperatures):
@@ -735,19 +750,43 @@ def _inverse_cdf(
     return column if chosen is None else np.where(np.array(temperatures) == 0.0, chosen, column)
 
 
+def _per_row(refused: tuple[np.ndarray, np.ndarray] | None, rows: int) -> list[np.ndarray | None]:
+    """Each row's refused columns (ascending), from (row, column) pairs in row order, where any."""
+    if refused is None:
+        return [None] * rows
+    at, columns = refused
+    return [columns] if rows == 1 else np.split(columns, np.searchsorted(at, np.arange(1, rows)))
+
+
+def _argmax(logits: np.ndarray, refused: Sequence[np.ndarray | None]) -> np.ndarray:
+    """Each row's first largest column not refused (`refused[i]`: row i's, where any)."""
+    chosen = logits.argmax(axis=1)
+    for i, columns in enumerate(refused):
+        if columns is not None and len(columns) and chosen[i] in columns:
+            masked = logits[i].copy()
+            masked[columns] = -np.inf
+            chosen[i] = masked.argmax()
+    return chosen
+
+
 def _invert_kept(
-    logits: np.ndarray, params: Sequence[SamplingParams], uniforms: np.ndarray, log_totals: np.ndarray | None
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    uniforms: np.ndarray,
+    log_totals: np.ndarray | None,
+    refused: Sequence[np.ndarray | None],
 ) -> np.ndarray:
     """`_invert` of each sampled row of `logits` cut by its top-k, top-p and min-p (`_cutoff`'s rule, on
     its weights (`_Row`): the rule compares a row's values with each other and with shares of their
     sum, so it holds at any scale and the row is never normalised), its running sum taken over the
-    columns it keeps only (in column order, as `_draw`'s). A row of -inf logits keeps none: column 0."""
+    columns it keeps only (in column order, as `_draw`'s). A row of -inf logits keeps none: column 0.
+    `refused[i]`: row i's columns read as -inf, where any."""
     columns = logits.shape[1]
     chosen = np.zeros(len(logits), np.int64)
     for i, (values, p) in enumerate(zip(logits, params, strict=True)):
         if not p.temperature:  # greedy: the caller's argmax
             continue
-        row = _Row.of(values, p.temperature, np.nan if log_totals is None else log_totals[i])
+        row = _Row.of(values, p.temperature, np.nan if log_totals is None else log_totals[i], refused[i])
         kept, weights = _kept_columns(row, p.top_k or columns, p.top_p, p.min_p)
         if p.typical_p < 1.0 and len(kept):
             typical = _typical_columns(weights, p.typical_p)
@@ -898,7 +937,8 @@ class _Row:
     their largest, whose weight is `peak`, 1): those of its likely tokens (`likely`) computed from their
     values alone, the whole row's (`whole`) only where a cut needs them, once. `log_total`: the log of
     the sum of exp(values) over the row, where known (its log-softmax gives it: NaN where not, or at
-    another temperature), which gives its weights' sum without them (`total`)."""
+    another temperature), which gives its weights' sum without them (`total`). `refused`: columns
+    (ascending) read as -inf, weight 0, whatever `values` hold there (`held`)."""
 
     values: np.ndarray
     top: np.float32
@@ -906,10 +946,23 @@ class _Row:
     log_total: float
     peak: np.float32 = ONE
     _whole: np.ndarray | None = None
+    refused: np.ndarray | None = None
+    held: np.ndarray | None = None
 
     @classmethod
-    def of(cls, values: np.ndarray, temperature: float, log_total: float) -> _Row:
-        return cls(values, values.max(), np.float32(temperature), log_total if temperature == 1.0 else np.nan)
+    def of(
+        cls, values: np.ndarray, temperature: float, log_total: float, refused: np.ndarray | None = None
+    ) -> _Row:
+        top, tempered = values.max(), np.float32(temperature)
+        log_total = log_total if temperature == 1.0 else np.nan
+        if refused is None or not len(refused):
+            return cls(values, top, tempered, log_total)
+        held = values[refused]
+        if held.max() < top:
+            return cls(values, top, tempered, log_total, refused=refused, held=held)
+        masked = values.copy()  # a refused column holds the top: the row is masked
+        masked[refused] = -np.inf
+        return cls(masked, masked.max(), tempered, log_total)
 
     @property
     def sampled(self) -> bool:
@@ -923,6 +976,8 @@ class _Row:
     def whole(self) -> np.ndarray:
         if self._whole is None:
             self._whole = self._weights(self.values)
+            if self.refused is not None:
+                self._whole[self.refused] = 0.0
         return self._whole
 
     def total(self) -> np.float32:
@@ -936,7 +991,10 @@ class _Row:
         compare, no exp), and a weight no other column reaches."""
         floor = self.top + np.float32(self.temperature * LOG_LIKELY)
         beyond = self._weights(np.array([np.nextafter(floor, np.float32(-np.inf))], np.float32))[0]
-        return np.flatnonzero(self.values >= floor), beyond * self.peak * np.float32(1.0 + 1e-5)
+        likely = np.flatnonzero(self.values >= floor)
+        if self.held is not None and (among := self.held >= floor).any():
+            likely = np.delete(likely, likely.searchsorted(self.refused[among]))  # type: ignore[index]
+        return likely, beyond * self.peak * np.float32(1.0 + 1e-5)
 
     def _weights(self, values: np.ndarray) -> np.ndarray:
         shifted = values - self.top

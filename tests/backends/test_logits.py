@@ -291,6 +291,54 @@ def test_rows_at_temperature_one_cut_from_their_log_softmax_draw_what_the_torch_
             assert ours == pick(masked, tensors, random=True, filtered=True, typical=True).tolist()
 
 
+def refusing(ids: numpy.ndarray | list[int], vocab: int, **sampling_params: float) -> SamplingParams:
+    """A row allowed every id of `vocab` but `ids`, with `sampling_params`, its state started."""
+    allowed = tuple(sorted(set(range(vocab)) - {int(i) for i in ids}))
+    params = SamplingParams(allowed_token_ids=allowed, **sampling_params)  # type: ignore[arg-type]
+    return HostLogits.start(params, PROMPT, (EOS,), None)
+
+
+def test_whole_rows_refusing_a_few_ids_are_read_in_place_not_copied() -> None:
+    """Restricted rows that refuse a few ids and change no other logit, consecutive rows of the host's
+    logits, are drawn from those rows themselves (a read-only view), around their refused ids: no copy
+    of a 128k row per constrained row a step, and nothing written to the logits the step returns."""
+    vocab = 6000
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    params = [refusing([4, 7, 11], vocab, temperature=1.0, top_p=0.9, seed=i) for i in range(3)]
+    states = [p.host for p in params]
+    log_totals = torch.logsumexp(logits.double(), dim=-1).numpy()
+    gather = sampling.gather_rows(logits, range(3), vocab)
+    [group] = host_logits.Restricted.groups(states, vocab, gather, log_totals=log_totals)  # type: ignore[arg-type]
+    assert group.refused is not None and group.refused[1].tolist() == [4, 7, 11] * 3
+    assert numpy.shares_memory(group.logits, logits.numpy()) and not group.logits.flags.writeable
+
+
+def test_rows_read_around_their_refused_ids_draw_what_the_torch_sampler_draws_from_them_masked() -> None:
+    """Rows drawn around their refused ids (`Restricted.refused`) take the masked rows' tokens where the
+    refused ids are among the likely ones, hold a row's largest logit (a cut row, and a greedy one), or
+    belong to rows drawn over every column (no filter: masked in a copy); the logits stay unwritten."""
+    vocab = 6000
+    generator = torch.Generator().manual_seed(8)
+    for seed in range(30):
+        logits = torch.randn(5, vocab, generator=generator) * 3
+        before = logits.clone()
+        likeliest = logits.argsort(dim=-1, descending=True)[:, :40].numpy()
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.9, seed=seed),  # gives the batch its log totals
+            refusing(likeliest[1, :1], vocab, temperature=1.0, top_p=0.9, seed=seed),
+            refusing(likeliest[2, ::3], vocab, temperature=1.0, top_p=0.8, seed=seed + 1),
+            refusing(likeliest[3, :1], vocab, temperature=0.0, top_p=0.9),
+            refusing(likeliest[4, 5:9], vocab, temperature=0.7, min_p=0.05, seed=seed + 2),
+        ]
+        plain = [refusing(likeliest[i, :30], vocab, temperature=1.0, seed=seed + i) for i in (1, 2)]
+        for rows in (params, [params[0], *plain]):
+            ours = [t.token_id for t in sample_tokens(logits, rows, [seed] * len(rows), vocab)]
+            tensors = SamplingTensors.build(rows, [seed] * len(rows), len(rows), vocab, torch.device("cpu"))
+            masked = apply_host_logits(logits[: len(rows)], rows)
+            assert ours == pick(masked, tensors, random=True, filtered=True, typical=True).tolist()
+            assert torch.equal(logits, before)
+
+
 def test_random_rows_at_temperature_one_draw_what_the_torch_sampler_draws() -> None:
     """400 rows of 8,000 ids at five scales, each with a random mix of top-p, top-k, min-p and typical-p,
     a third restricted to a fifth, nine tenths or all but a few of the ids (drawn among them, or over
