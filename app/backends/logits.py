@@ -622,8 +622,9 @@ class Restricted:
         edits = _Edits.of([states[i] for i in rows])
         refused = allowed.refused(rows, vocab_size)
         totals = None
-        if log_totals is not None and refused is not None and not edits:
-            totals = _masked_log_totals(logits, refused, log_totals)
+        if refused is not None and not edits:
+            if log_totals is not None:
+                totals = _masked_log_totals(logits, refused, log_totals)
             if not logits.flags.writeable:  # the raw rows themselves: read around their refused ids
                 return cls(rows, None, logits, totals, refused)
         logits = writable(logits)

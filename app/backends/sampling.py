@@ -731,9 +731,7 @@ def _inverse_cdf(
     temperatures = [p.temperature for p in params]  # Python lists: a step's few rows cost less than numpy
     filtered = _filtered(params)
     if refused is not None and not filtered:
-        logits = logits.copy()
-        logits[refused] = -np.inf
-        refused = None
+        logits, refused = _masked(logits, refused), None
     by_row = _per_row(refused, len(logits))
     chosen = _argmax(logits, by_row) if 0.0 in temperatures else None
     if chosen is not None and not any(temperatures):
@@ -763,10 +761,15 @@ def _argmax(logits: np.ndarray, refused: Sequence[np.ndarray | None]) -> np.ndar
     chosen = logits.argmax(axis=1)
     for i, columns in enumerate(refused):
         if columns is not None and len(columns) and chosen[i] in columns:
-            masked = logits[i].copy()
-            masked[columns] = -np.inf
-            chosen[i] = masked.argmax()
+            chosen[i] = _masked(logits[i], columns).argmax()
     return chosen
+
+
+def _masked(values: np.ndarray, refused: np.ndarray | tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """A copy of `values` with -inf at `refused` (an index into them)."""
+    masked = values.copy()
+    masked[refused] = -np.inf
+    return masked
 
 
 def _invert_kept(
@@ -960,8 +963,7 @@ class _Row:
         held = values[refused]
         if held.max() < top:
             return cls(values, top, tempered, log_total, refused=refused, held=held)
-        masked = values.copy()  # a refused column holds the top: the row is masked
-        masked[refused] = -np.inf
+        masked = _masked(values, refused)  # a refused column holds the top
         return cls(masked, masked.max(), tempered, log_total)
 
     @property

@@ -4,6 +4,7 @@ penalties; its state follows the applied tokens only."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy
@@ -291,22 +292,28 @@ def test_rows_at_temperature_one_cut_from_their_log_softmax_draw_what_the_torch_
             assert ours == pick(masked, tensors, random=True, filtered=True, typical=True).tolist()
 
 
-def refusing(ids: numpy.ndarray | list[int], vocab: int, **sampling_params: float) -> SamplingParams:
-    """A row allowed every id of `vocab` but `ids`, with `sampling_params`, its state started."""
-    allowed = tuple(sorted(set(range(vocab)) - {int(i) for i in ids}))
-    params = SamplingParams(allowed_token_ids=allowed, **sampling_params)  # type: ignore[arg-type]
+def restricted_row(allowed: Sequence[int], **sampling_params: float) -> SamplingParams:
+    """A row allowed only the ids `allowed`, with `sampling_params`, its state started."""
+    params = SamplingParams(allowed_token_ids=tuple(allowed), **sampling_params)  # type: ignore[arg-type]
     return HostLogits.start(params, PROMPT, (EOS,), None)
 
 
-def test_whole_rows_refusing_a_few_ids_are_read_in_place_not_copied() -> None:
+def refusing(ids: numpy.ndarray | list[int], vocab: int, **sampling_params: float) -> SamplingParams:
+    """A row allowed every id of `vocab` but `ids`."""
+    return restricted_row(sorted(set(range(vocab)) - {int(i) for i in ids}), **sampling_params)
+
+
+@pytest.mark.parametrize("totals", [True, False], ids=["log-totals", "no-log-totals"])
+def test_whole_rows_refusing_a_few_ids_are_read_in_place_not_copied(totals: bool) -> None:
     """Restricted rows that refuse a few ids and change no other logit, consecutive rows of the host's
     logits, are drawn from those rows themselves (a read-only view), around their refused ids: no copy
-    of a 128k row per constrained row a step, and nothing written to the logits the step returns."""
+    of a 128k row per constrained row a step, and nothing written to the logits the step returns;
+    whether or not the batch's log totals are known (rows at temperature 1 with top_p)."""
     vocab = 6000
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 3
-    params = [refusing([4, 7, 11], vocab, temperature=1.0, top_p=0.9, seed=i) for i in range(3)]
+    params = [refusing([4, 7, 11], vocab, temperature=0.8, min_p=0.05, seed=i) for i in range(3)]
     states = [p.host for p in params]
-    log_totals = torch.logsumexp(logits.double(), dim=-1).numpy()
+    log_totals = torch.logsumexp(logits.double(), dim=-1).numpy() if totals else None
     gather = sampling.gather_rows(logits, range(3), vocab)
     [group] = host_logits.Restricted.groups(states, vocab, gather, log_totals=log_totals)  # type: ignore[arg-type]
     assert group.refused is not None and group.refused[1].tolist() == [4, 7, 11] * 3
@@ -684,8 +691,7 @@ def test_a_refused_row_redrawn_by_its_backend_draws_what_the_sampler_draws() -> 
 def lone_row(seed: int, temperature: float, allowed: int, **changes: float) -> SamplingParams:
     """A row restricted to `allowed` ids of its own, alone in its call."""
     ids = numpy.random.default_rng(seed).choice(VOCAB, allowed, replace=False).tolist()
-    params = SamplingParams(temperature=temperature, seed=seed, allowed_token_ids=tuple(ids), **changes)  # type: ignore[arg-type]
-    return HostLogits.start(params, PROMPT, (EOS,), None)
+    return restricted_row(ids, temperature=temperature, seed=seed, **changes)
 
 
 @pytest.mark.parametrize("block", [1024, 8], ids=["one-block", "blocks-of-8"])
