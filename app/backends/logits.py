@@ -329,6 +329,10 @@ def _sparse_columns(keys: np.ndarray, starts: np.ndarray, vocab_size: int) -> _C
     return columns  # type: ignore[return-value]
 
 
+Refused = tuple[np.ndarray, np.ndarray]  # (row, id) pairs that rows refuse, in row order (`Allowed.refused`)
+FIRST_ROW = np.zeros(1, np.int64)  # the index of a call's one row
+
+
 @dataclass(frozen=True, slots=True)
 class AllowedRow:
     """One state's row of an `Allowed`, kept until its next token (a row sampled again in the same step,
@@ -413,7 +417,7 @@ class Allowed:
                 ids.append(token)
         return np.array(rows, np.int64), np.array(ids, np.int64)
 
-    def refused(self, rows: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def refused(self, rows: np.ndarray, vocab_size: int) -> Refused | None:
         """(j, token) for each token row rows[j] refuses, where the rows refuse few (inside a JSON string, a
         row refuses about a hundred of Llama 3's 128,256 ids: a pass over their mask words, not over the
         vocabulary); None where they refuse many."""
@@ -427,7 +431,7 @@ class Allowed:
         values: np.ndarray,
         rows: np.ndarray,
         vocab_size: int,
-        refused: tuple[np.ndarray, np.ndarray] | None = None,
+        refused: Refused | None = None,
     ) -> None:
         """Set -inf in fp32 `values` [len(rows), vocab_size] wherever row rows[j] refuses a token: one by
         one where the rows refuse few (`refused`, where listed already), else by a mask of the whole
@@ -555,7 +559,7 @@ class Restricted:
     tokens: np.ndarray | None
     logits: np.ndarray
     log_totals: np.ndarray | None = None  # of their `logits` over the allowed ids, where known (NaN: not)
-    refused: tuple[np.ndarray, np.ndarray] | None = None
+    refused: Refused | None = None
 
     @classmethod
     def groups(
@@ -571,7 +575,7 @@ class Restricted:
         the vocabulary cost less than listing their ids. `gather(rows, tokens)`: fp32 raw logits of
         batch row rows[i] at tokens[i, j], where `tokens` [1, vocab] asks for whole rows (a read-only
         view where it can: `writable`). `allowed`: their masks, where already computed. `log_totals`:
-        the log of the sum of exp over each raw row, where known (`_masked_log_totals`)."""
+        the log of the sum of exp over each raw row, where known (`masked_log_totals`)."""
         allowed = Allowed.of(states, vocab_size) if allowed is None else allowed
         whole = allowed.counts * WHOLE_ROW_SHARE > vocab_size
         if not whole.any():
@@ -624,7 +628,7 @@ class Restricted:
         totals = None
         if refused is not None and not edits:
             if log_totals is not None:
-                totals = _masked_log_totals(logits, refused, log_totals)
+                totals = masked_log_totals(logits, refused, log_totals)
             if not logits.flags.writeable:  # the raw rows themselves: read around their refused ids
                 return cls(rows, None, logits, totals, refused)
         logits = writable(logits)
@@ -643,13 +647,15 @@ def selected(values: np.ndarray | None, rows: np.ndarray | Sequence[int]) -> np.
     return None if values is None else values[rows]
 
 
-def _masked_log_totals(
-    values: np.ndarray, refused: tuple[np.ndarray, np.ndarray], log_totals: np.ndarray
-) -> np.ndarray:
+def masked_log_totals(values: np.ndarray, refused: Refused, log_totals: np.ndarray) -> np.ndarray:
     """The log of the sum of exp over the ids each row of raw `values` [rows, vocab] allows, from its whole
     row's (`log_totals`) less what its `refused` ids (`Allowed.refused`) hold: NaN where unknown, or
     where those held half the row or more (the difference would keep too few exact digits)."""
     rows, ids = refused
+    if len(values) == 1:  # a lone row: a few scalar operations, not a batch's
+        total = float(log_totals[0])
+        share = float(np.exp(np.subtract(values[0, ids], total, dtype=np.float64)).sum())
+        return np.array([total + math.log1p(-share) if share < 0.5 else math.nan])
     held = np.bincount(rows, np.exp(values[rows, ids] - log_totals[rows]), minlength=len(values))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(held < 0.5, log_totals + np.log1p(-held), np.nan)

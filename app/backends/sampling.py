@@ -33,13 +33,16 @@ import torch
 
 from app.backends.base import GREEDY, SampledToken, SamplingParams
 from app.backends.logits import (
+    FIRST_ROW,
     WHOLE_ROW_SHARE,
     Allowed,
     Gather,
     HostLogits,
+    Refused,
     Restricted,
     adjust_rows,
     apply_host_logits,
+    masked_log_totals,
     selected,
     vocabulary_ids,
     writable,
@@ -667,8 +670,11 @@ def _pick_allowed(
     rows', which give those drawn over their whole rows theirs (`Restricted.log_totals`)."""
     states: list[HostLogits] = [p.host for p in params]  # type: ignore[misc]
     allowed = Allowed.of(states, vocab_size)
-    if len(params) == 1 and (token := _lone_draw(params, positions, allowed, vocab_size, gather)) is not None:
-        return token
+    if (
+        len(params) == 1
+        and (lone := _lone_draw(params, positions, allowed, vocab_size, gather, log_totals)) is not None
+    ):
+        return lone
     chosen = np.empty(len(params), np.int64)
     forced, ids = allowed.forced()
     rest = np.arange(len(params))
@@ -693,25 +699,31 @@ def _lone_draw(
     allowed: Allowed,
     vocab_size: int,
     gather: Gather,
+    log_totals: np.ndarray | None = None,
 ) -> np.ndarray | None:
-    """The token (int64 [1]) of a lone restricted row with no filter and no adjustment, drawn over its
-    allowed ids' logits alone: the token `Restricted.groups` and `_inverse_cdf` draw (where they take
-    its whole row, masked, its refused ids add zeros to a running sum taken in one pass), without their
-    layout of many rows, most of what a refused draw costs at k = 1. None for any other row: rescued,
-    allowed nothing, or allowed much of a vocabulary wider than `CDF_BLOCK`, whose running sum goes by
+    """The token (int64 [1]) of a lone restricted row with no adjustment, drawn without the layout of
+    many rows (`Restricted.groups`), most of what its draw costs at k = 1: the token they and
+    `_inverse_cdf` draw. A filtered row refusing few ids (inside a JSON string, top_p) is drawn over its
+    raw row, around them (`log_totals`: its raw row's); an unfiltered one over its allowed ids' logits
+    alone (where they take its whole row, masked, its refused ids add zeros to a running sum taken in
+    one pass). None for any other row: rescued, allowed nothing, filtered and refusing many ids, or
+    unfiltered and allowed much of a vocabulary wider than `CDF_BLOCK`, whose running sum goes by
     blocks there."""
-    row = params[0]
-    if allowed.rescued or row.host.adjusts or _filtered(params):  # type: ignore[union-attr]
+    if allowed.rescued or params[0].host.adjusts:  # type: ignore[union-attr]
         return None
+    if _filtered(params):
+        refused = allowed.refused(FIRST_ROW, vocab_size)
+        if refused is None:
+            return None
+        whole = gather(FIRST_ROW, vocabulary_ids(vocab_size)[None, :])
+        totals = None if log_totals is None else masked_log_totals(whole, refused, log_totals)
+        return _inverse_cdf(whole, params, positions, totals, refused)
     if vocab_size > CDF_BLOCK and allowed.counts[0] * WHOLE_ROW_SHARE > vocab_size:
         return None
-    _, ids = allowed.ids(_FIRST_ROW, vocab_size)
+    _, ids = allowed.ids(FIRST_ROW, vocab_size)
     if not len(ids):
         return None
-    return ids[_inverse_cdf(gather(_FIRST_ROW, ids[None, :]), params, positions)]
-
-
-_FIRST_ROW = np.zeros(1, np.int64)
+    return ids[_inverse_cdf(gather(FIRST_ROW, ids[None, :]), params, positions)]
 
 
 def _inverse_cdf(
@@ -719,7 +731,7 @@ def _inverse_cdf(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     log_totals: np.ndarray | None = None,
-    refused: tuple[np.ndarray, np.ndarray] | None = None,
+    refused: Refused | None = None,
 ) -> np.ndarray:
     """`pick` on fp32 `logits` [rows, columns] in numpy, never written: greedy rows take the argmax, the
     others invert their tempered distribution, cut by their top-k, top-p and min-p as `_cutoff` cuts it,
@@ -748,7 +760,7 @@ def _inverse_cdf(
     return column if chosen is None else np.where(np.array(temperatures) == 0.0, chosen, column)
 
 
-def _per_row(refused: tuple[np.ndarray, np.ndarray] | None, rows: int) -> list[np.ndarray | None]:
+def _per_row(refused: Refused | None, rows: int) -> list[np.ndarray | None]:
     """Each row's refused columns (ascending), from (row, column) pairs in row order, where any."""
     if refused is None:
         return [None] * rows
@@ -765,7 +777,7 @@ def _argmax(logits: np.ndarray, refused: Sequence[np.ndarray | None]) -> np.ndar
     return chosen
 
 
-def _masked(values: np.ndarray, refused: np.ndarray | tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+def _masked(values: np.ndarray, refused: np.ndarray | Refused) -> np.ndarray:
     """A copy of `values` with -inf at `refused` (an index into them)."""
     masked = values.copy()
     masked[refused] = -np.inf

@@ -269,7 +269,7 @@ def test_rows_at_temperature_one_cut_from_their_log_softmax_draw_what_the_torch_
     """Rows at temperature 1, cut by top-p, top-k, min-p or typical-p from their likely tokens' weights
     alone (a nucleus's mass, the sum of the whole row's weights, from the log-softmax the step computes
     for logprobs: `_Row.total`), unrestricted or refusing a few ids (drawn over their whole rows: the sum
-    less what the refused ids hold, `_masked_log_totals`), take the torch sampler's tokens, over rows
+    less what the refused ids hold, `masked_log_totals`), take the torch sampler's tokens, over rows
     wide enough for the cut of likely tokens, at two scales."""
     vocab = 6000
     generator = torch.Generator().manual_seed(11)
@@ -388,11 +388,22 @@ def test_a_row_s_log_total_over_its_allowed_ids_is_its_whole_row_s_less_what_it_
         for row in range(3)
     ]
     numpy.testing.assert_allclose(
-        host_logits._masked_log_totals(values, (rows, ids), whole), expected, rtol=1e-9
+        host_logits.masked_log_totals(values, (rows, ids), whole), expected, rtol=1e-9
     )
+    for row in range(3):  # a lone row, as a backend's one host row: the same figure
+        alone = ids[rows == row]
+        numpy.testing.assert_allclose(
+            host_logits.masked_log_totals(
+                values[row : row + 1], (rows[rows == row] * 0, alone), whole[row : row + 1]
+            ),
+            expected[row : row + 1],
+            rtol=1e-9,
+        )
     most = numpy.flatnonzero(values[1] > numpy.quantile(values[1], 0.9))  # refusing most of the row's mass
-    held = host_logits._masked_log_totals(values, (numpy.ones(len(most), numpy.int64), most), whole)
+    held = host_logits.masked_log_totals(values, (numpy.ones(len(most), numpy.int64), most), whole)
     assert numpy.isnan(held[1]) and not numpy.isnan(held).all()
+    lone = host_logits.masked_log_totals(values[1:2], (numpy.zeros(len(most), numpy.int64), most), whole[1:2])
+    assert numpy.isnan(lone).all()
 
 
 def test_a_row_cut_at_temperature_one_from_its_log_total_computes_no_weight_but_its_likely_tokens() -> None:
@@ -736,6 +747,49 @@ def test_a_lone_unadjusted_row_is_drawn_without_the_layout_of_many_rows(
         sampling.redrawn([lone_row(1, 1.0, 24, **changes)], [5], VOCAB, gather)
     sampling.redrawn([lone_row(1, 1.0, 24), lone_row(2, 1.0, 3)], [5, 5], VOCAB, gather)
     assert laid_out == [1, 1, 2]
+
+
+def laid_out_groups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of rows of each group of rows `Restricted.groups` lays out from now on."""
+    laid_out: list[int] = []
+    groups = host_logits.Restricted.groups.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type, *args: object, **kwargs: object) -> object:
+        laid_out.append(len(args[0]))  # type: ignore[arg-type]
+        return groups(cls, *args, **kwargs)
+
+    monkeypatch.setattr(host_logits.Restricted, "groups", classmethod(counted))
+    return laid_out
+
+
+def test_a_lone_filtered_row_refusing_a_few_ids_is_drawn_around_them_without_the_layout_of_many_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A filtered row refusing a few ids, alone in its call (inside a JSON string with top_p: NxD
+    Inference's one host row), is drawn where its logits lie, around those ids, with no group of rows
+    laid out (`Restricted.groups`): the torch sampler's token from its masked row, where its refused ids
+    are among its likely ones or hold its top, at temperature 1 (its total from its log-softmax), 0.7
+    and greedy; the logits stay unwritten."""
+    laid_out = laid_out_groups(monkeypatch)
+    vocab = 6000
+    generator = torch.Generator().manual_seed(9)
+    for seed in range(20):
+        logits = torch.randn(1, vocab, generator=generator) * 3
+        before = logits.clone()
+        likeliest = logits.argsort(dim=-1, descending=True)[0, :40].numpy()
+        for ids, filters in (
+            (likeliest[:1], {"temperature": 1.0, "top_p": 0.9}),
+            (likeliest[::3], {"temperature": 1.0, "top_p": 0.8}),
+            (likeliest[:1], {"temperature": 0.0, "top_p": 0.9}),
+            (likeliest[5:9], {"temperature": 0.7, "min_p": 0.05}),
+        ):
+            params = [refusing(ids, vocab, seed=seed, **filters)]
+            (ours,) = sample_tokens(logits, params, [seed], vocab)
+            tensors = SamplingTensors.build(params, [seed], 1, vocab, torch.device("cpu"))
+            masked = apply_host_logits(logits, params)
+            assert ours.token_id == int(pick(masked, tensors, random=True, filtered=True)[0])
+            assert torch.equal(logits, before)
+    assert laid_out == []
 
 
 @pytest.mark.parametrize("allowed", [7, 40], ids=["few-ids", "much-of-the-vocabulary"])
