@@ -83,6 +83,7 @@ class HostLogits:
         "_counts",
         "_keep",
         "_only",
+        "_refusal",
         "_seen",
         "_tail",
         "_touches_some",
@@ -107,6 +108,7 @@ class HostLogits:
         counted = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._counts: dict[int, int] | None = {} if counted else None  # output token -> times generated
         self._allowed: AllowedRow | None = None  # what its state allows next (`Allowed.of`), until accept
+        self._refusal: tuple[np.ndarray, Refused | None] | None = None  # (mask words, `refused_alone`'s ids)
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
         self._tail = list(prompt[len(prompt) - self._keep :]) if self._keep else []
@@ -196,6 +198,15 @@ class HostLogits:
     def known_next(self) -> int | None:
         """The one token allowed next, where its grammar, the only restriction, knows it without a mask."""
         return self.mask.known_next() if self.mask is not None and self._only is None else None
+
+    def refused_alone(self, allowed: Allowed, vocab_size: int) -> Refused | None:
+        """`allowed.refused` of its row, alone in `allowed`, listed again only where its mask changed
+        since it was last listed (inside a JSON string a grammar refuses the same ids step after step:
+        one compare of its mask words, not their unpacking)."""
+        words = allowed.words[0]  # never written once made (`AllowedRow`): kept, not copied
+        if self._refusal is None or not np.array_equal(self._refusal[0], words):
+            self._refusal = (words, allowed.refused(FIRST_ROW, vocab_size))
+        return self._refusal[1]
 
     @property
     def restricts(self) -> bool:

@@ -712,7 +712,7 @@ def _lone_draw(
     if allowed.rescued or params[0].host.adjusts:  # type: ignore[union-attr]
         return None
     if _filtered(params):
-        refused = allowed.refused(FIRST_ROW, vocab_size)
+        refused = params[0].host.refused_alone(allowed, vocab_size)  # type: ignore[union-attr]
         if refused is None:
             return None
         whole = gather(FIRST_ROW, vocabulary_ids(vocab_size)[None, :])

@@ -792,6 +792,46 @@ def test_a_lone_filtered_row_refusing_a_few_ids_is_drawn_around_them_without_the
     assert laid_out == []
 
 
+class Shrinking(FixedTokens):
+    """A grammar matcher that allows every id of `vocab` but those it has accepted."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__(tuple(range(vocab)), vocab)
+
+    def accept(self, token_id: int) -> None:
+        self.tokens = tuple(token for token in self.tokens if token != token_id)
+
+
+@pytest.mark.parametrize("changing", [False, True], ids=["same-mask", "changing-mask"])
+def test_a_lone_row_lists_its_refused_ids_again_only_where_its_mask_changed(
+    changing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone filtered row refusing a few ids lists them (unpacks its mask words) at its first step and
+    again only at a step whose mask differs (inside a JSON string a grammar refuses the same ids step
+    after step), and draws the torch sampler's token at every step either way."""
+    unpacked = []
+    set_bits = host_logits._set_bits
+
+    def counted(*args: object, **kwargs: object) -> object:
+        unpacked.append(1)
+        return set_bits(*args, **kwargs)  # type: ignore[arg-type]
+
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4)) * 2
+    mask = Shrinking(VOCAB) if changing else FixedTokens(tuple(range(3, VOCAB)), VOCAB)
+    row = SamplingParams(temperature=1.0, top_p=0.9, seed=3, grammar=object())  # type: ignore[arg-type]
+    params = [HostLogits.start(row, PROMPT, (EOS,), mask)]
+    steps = 5
+    for position in range(steps):
+        monkeypatch.setattr(host_logits, "_set_bits", counted)
+        (ours,) = sample_tokens(logits, params, [position], VOCAB)
+        monkeypatch.setattr(host_logits, "_set_bits", set_bits)  # the reference's own mask is not counted
+        tensors = SamplingTensors.build(params, [position], 1, VOCAB, torch.device("cpu"))
+        masked = apply_host_logits(logits, params)
+        assert ours.token_id == int(pick(masked, tensors, random=True, filtered=True)[0])
+        params[0].host.accept(ours.token_id)  # type: ignore[union-attr]
+    assert len(unpacked) == (steps if changing else 1)
+
+
 @pytest.mark.parametrize("allowed", [7, 40], ids=["few-ids", "much-of-the-vocabulary"])
 def test_refused_rows_redrawn_on_their_device_draw_what_the_host_draws(allowed: int) -> None:
     """`redrawn_on_device` (the mask sent to the logits, `pick` there: CUDA's path), run here on CPU
