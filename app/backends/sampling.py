@@ -289,6 +289,8 @@ def pick_tokens(
     known = {i: token for i in restricted if (token := states[i].known_next()) is not None}  # type: ignore[union-attr]
     checked = [i for i in restricted if i not in known and states[i].checks_first]  # type: ignore[union-attr]
     masked = [i for i in restricted if i not in known and not states[i].checks_first]  # type: ignore[union-attr]
+    if len(masked) == len(params):  # every row draws under its mask (a backend's host rows): nothing to merge
+        return torch.from_numpy(_adjusted_draws(params, positions, vocab_size, gather, log_totals))
     drawn = _free_rows(len(params), masked if propose is None else restricted)
     tokens: torch.Tensor | None = None
     if drawn:
