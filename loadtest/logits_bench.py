@@ -11,9 +11,11 @@ the logits of the tokens seen: such a row's draw is kept with its adjusted weigh
 its grammar allows it, else it takes the whole host path (mask, adjustments, a draw among the allowed
 ids); its k=0 row is plain, so its figures hold the penalty's cost too. Each configuration runs the same
 steps in turn within one process, several rounds, its replays of the grammar engine's own work (below)
-before our steps in half of them and after in the others (`figures`); a step's figure is the wall time of
-`Backend.decode` plus the applying of its tokens to the rows' states (`HostLogits.accept`, as the engine
-does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k. It is set beside three
+before our steps in half of them and after in the others (`figures`); the process keeps the heap it
+frees, so that no step pays for giving back another configuration's memory (`keep_freed_heap`). A
+step's figure is the wall time of `Backend.decode` plus the applying of its tokens to the rows' states
+(`HostLogits.accept`, as the engine does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k.
+It is set beside three
 measures of the grammar engine's own work for the same rows in the same run, per row, each with its
 ratio (1.0: a constrained row costs only its grammar):
 - `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh llguidance matchers, one
@@ -69,6 +71,7 @@ rest of the step at k = 8.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -642,6 +645,22 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
     return report
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_heap() -> None:
+    """Keep the heap this process frees for its own next allocations (glibc's `mallopt`, where the C
+    library has it). The configurations swept in turn free each other's arrays (a [32, 128,256] fp32
+    copy is 16 MB), and glibc gives the heap's freed top back to the system at whichever free comes
+    next: a `brk` of 1-10 ms, in a step of the next configuration, for another's memory (`perf record`
+    of such steps: 57% of their samples in glibc's `systrim`). Large arrays stay on the heap (a fixed
+    mmap threshold: setting the trim threshold alone would fix it at 128 KB, a mapping per 512 KB row)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -655,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    keep_freed_heap()
     report: dict[str, Any] = {"batch": BATCH, "steps": args.steps, "rounds": args.rounds, "threads": 1}
     if args.device == "cuda":
         report |= cuda_report(args.model, args.steps, args.rounds)
