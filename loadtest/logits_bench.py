@@ -11,13 +11,13 @@ the logits of the tokens seen: such a row's draw is kept with its adjusted weigh
 its grammar allows it, else it takes the whole host path (mask, adjustments, a draw among the allowed
 ids); its k=0 row is plain, so its figures hold the penalty's cost too. Each configuration runs the same
 steps in turn within one process, several rounds, its replays of the grammar engine's own work (below)
-before our steps in half of them and after in the others (`figures`); the process keeps the heap it
-frees, so that no step pays for giving back another configuration's memory (`keep_freed_heap`). A
-step's figure is the wall time of `Backend.decode` plus the applying of its tokens to the rows' states
-(`HostLogits.accept`, as the engine does), and `k=K_extra_per_row_us` is (step at k - step at 0) / k.
-It is set beside three
-measures of the grammar engine's own work for the same rows in the same run, per row, each with its
-ratio (1.0: a constrained row costs only its grammar):
+before our steps in half of them and after in the others (`figures`), each measure after an untimed
+run of itself (`warmed`: the figure is the configuration's, not the switch's to it); the process keeps
+the heap it frees, so that no step pays for giving back another configuration's memory
+(`keep_freed_heap`). A step's figure is the wall time of `Backend.decode` plus the applying of its
+tokens to the rows' states (`HostLogits.accept`, as the engine does), and `k=K_extra_per_row_us` is
+(step at k - step at 0) / k. It is set beside three measures of the grammar engine's own work for the
+same rows in the same run, per row, each with its ratio (1.0: a constrained row costs only its grammar):
 - `k=K_grammar_per_row_us`, `k=K_ratio`: the same tokens replayed through fresh llguidance matchers, one
   batched mask call of its executor and one token commit per row a step (llguidance and nothing of ours:
   every step computes its masks, as an integration that asks the engine each step does), back to back;
@@ -82,7 +82,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 import numpy as np
@@ -247,6 +247,7 @@ class Measured:
 
 
 Run = Callable[[int, bool], Measured]  # (k, whether the replay goes first) -> figures
+Figure = TypeVar("Figure")
 Steps = Callable[[list[SamplingParams], Clock], tuple[list[float], list[float], list[list[int]]]]
 Tokens = list[list[int]]  # a run's tokens, a list per step
 
@@ -259,20 +260,29 @@ def measured(
     run of a k draws the same tokens, checked here). Whichever goes second finds the grammar engine's
     tables in the caches the first filled; `figures` takes each measure's best round of both orders.
     Our steps run twice: as they are (the figures), then with their grammar calls timed (`in_step`, the
-    share of draws kept), so the timers' own cost is in neither of the figures compared."""
+    share of draws kept), so the timers' own cost is in neither of the figures compared. Each measure
+    is taken after a run of itself (`warmed`)."""
     clock = Clock()
-    early = rows.grammar_seconds(k, known[k]) if replay_first and k in known else None
-    seconds, _, tokens = steps(rows.params(k), Clock())
+    early = warmed(lambda: rows.grammar_seconds(k, known[k])) if replay_first and k in known else None
+    seconds, _, tokens = warmed(lambda: steps(rows.params(k), Clock()))
     if not k:
         return Measured(seconds, [], [], None)
     _, in_step, timed_tokens = steps(rows.params(k, clock), clock)
     if tokens != timed_tokens or (early is not None and tokens != known[k]):
         raise RuntimeError(f"two runs of k={k} drew different tokens: the replay would not be of this run")
     known[k] = tokens
-    replay = rows.grammar_seconds(k, tokens) if early is None else early
-    applied = None if apply is None else rows.grammar_seconds(k, tokens, apply)
+    replay = warmed(lambda: rows.grammar_seconds(k, tokens)) if early is None else early
+    applied = None if apply is None else warmed(lambda: rows.grammar_seconds(k, tokens, apply))
     kept = clock.kept / clock.checked if clock.checked else 0.0
     return Measured(seconds, replay, in_step, applied, kept)
+
+
+def warmed(measure: Callable[[], Figure]) -> Figure:
+    """`measure()`, run once before, untimed: a run after another configuration's finds colder caches
+    (here any 10 ms of other work makes the next six to eight steps of a 128k top_p row two to four
+    times slower), which is the cost of the switch, not of the configuration measured."""
+    measure()
+    return measure()
 
 
 Decode = Callable[[Backend, DecodeBatch], Callable[[], list[SampledToken]]]
@@ -510,36 +520,34 @@ def host_row_figures(
     """Microseconds of host time a row a step for k NxD Inference host rows, row i's `rule(i)` (on the
     host where `on_host`, by default `with_host_rows`' own rule): `with_host_rows` on seeded peaked
     logits [32, 128,256], the device's draws made from them before the timed steps, tokens fed back, the
-    least mean over `rounds` that sweep every k in turn, as `figures` sweeps (a run after another k's
-    finds colder caches than after its own: the figures set beside `figures`' are taken the same way);
-    and the share of steps that kept the device's token."""
+    least mean over `rounds` that sweep every k in turn, each run after a run of itself (`warmed`), as
+    `figures` takes the figures set beside these; and the share of steps that kept the device's token."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(BATCH, LLAMA3_VOCAB, generator=generator) * PEAKED
     all_logprobs = torch.log_softmax(logits, dim=-1)
     draws = torch.multinomial(all_logprobs.exp(), steps, replacement=True, generator=generator).T
+
+    def run(k: int) -> tuple[list[float], int]:
+        """Seconds per step of k such rows, and how many of their tokens were the device's."""
+        params = [HostLogits.start(rule(i), PROMPT, (2,), None) for i in range(k)]
+        seconds, kept = [], 0
+        for step in range(steps):
+            device = device_tokens(draws[step, :k], all_logprobs[:k], params)
+            start = time.perf_counter()
+            at = [len(PROMPT) + step] * k
+            drawn = with_host_rows(device, logits, all_logprobs, params, at, on_host=on_host, own_draws=True)
+            for p, token in zip(params, drawn, strict=True):
+                if p.host is not None:
+                    p.host.accept(token.token_id)
+            seconds.append(time.perf_counter() - start)
+            kept += sum(t.token_id == d for t, d in zip(drawn, draws[step, :k].tolist(), strict=True))
+        return seconds, kept
+
     best = {k: float("inf") for k in CONSTRAINED[1:]}
     kept: dict[int, int] = {}
     for _ in range(rounds):
         for k in CONSTRAINED[1:]:
-            params = [HostLogits.start(rule(i), PROMPT, (2,), None) for i in range(k)]
-            seconds, kept[k] = [], 0
-            for step in range(steps):
-                device = device_tokens(draws[step, :k], all_logprobs[:k], params)
-                start = time.perf_counter()
-                drawn = with_host_rows(
-                    device,
-                    logits,
-                    all_logprobs,
-                    params,
-                    [len(PROMPT) + step] * k,
-                    on_host=on_host,
-                    own_draws=True,
-                )
-                for p, token in zip(params, drawn, strict=True):
-                    if p.host is not None:
-                        p.host.accept(token.token_id)
-                seconds.append(time.perf_counter() - start)
-                kept[k] += sum(t.token_id == d for t, d in zip(drawn, draws[step, :k].tolist(), strict=True))
+            seconds, kept[k] = warmed(partial(run, k))
             best[k] = min(best[k], statistics.fmean(seconds) * 1e6 / k)
     report: dict[str, float] = {}
     for k in CONSTRAINED[1:]:
