@@ -54,7 +54,9 @@ rest of the step at k = 8.
   `nxdi_host_vocab128256_top_p_host_sampling` draws the same rows on the host without their grammar
   (what a row costs NxD Inference's host for being drawn there: a row with min_p or typical_p pays it
   too), and `nxdi_host_vocab128256_top_p_grammar_share` is what the grammar adds to that, per row,
-  against llguidance's own cost (`grammar_share`);
+  against llguidance's own cost (`grammar_share`); the same three `*_paused`, with the host idle for a
+  device's step (`DEVICE_STEP_S`, 20 ms) before each step and each replayed step of the grammar engine,
+  as NxD Inference's host waits on its device (`paused_report`, a third of the rounds);
   `nxdi_step_host_batch32` is the host work every step pays whatever k (`nxdi_step_ms`);
   `nxdi_host_vocab128256_penalty_only` gives k rows `frequency_penalty` 0.5 and no grammar
   (`penalty_only_figures`: us a row, nothing of llguidance's to compare, and the share of steps that
@@ -107,6 +109,9 @@ BATCH = 32
 CONSTRAINED = (0, 1, 8, 32)
 LLAMA3_VOCAB = 128_256
 PEAKED = 4.0  # logits N(0, 4^2): a nucleus of 0.9 holds a few hundred of 128k tokens, as a model's does
+# The host's wait for NxD Inference's decode step: Llama 3 8B's at batch 32 on inf2 is 19-25 ms
+# (app/backends/sim.py's calibration table); `*_paused` figures sleep this long before each step.
+DEVICE_STEP_S = 0.02
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array"}},
@@ -199,12 +204,12 @@ class Rows:
         return matcher if clock is None else TimedMatcher(matcher, clock)
 
     def grammar_seconds(
-        self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None
+        self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None, pause: float = 0.0
     ) -> list[float]:
         """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
         fresh llguidance matchers, nothing of ours around them, one batched mask call of its executor
         into a bitmask and a batch list made once, then a token commit per row; with `apply`, its masks
-        applied to fresh fp32 logits [k, vocab] in between."""
+        applied to fresh fp32 logits [k, vocab] in between; `pause` seconds idle before each step."""
         matchers = [self.compiler.llguidance_matcher(self.grammar) for _ in range(k)]
         width = (self.compiler.vocab_size + 31) // 32
         logits = None if apply is None else torch.randn(k, self.vocab_size)
@@ -213,6 +218,7 @@ class Rows:
         seconds = []
         for step in tokens:
             scratch = None if logits is None else logits.clone()
+            idle(pause)
             start = time.perf_counter()
             EXECUTOR.unsafe_compute_mask_ptr(batch, bitmask.data_ptr(), width * 4, k)
             if scratch is not None and apply is not None:
@@ -253,7 +259,13 @@ Tokens = list[list[int]]  # a run's tokens, a list per step
 
 
 def measured(
-    rows: Rows, k: int, steps: Steps, apply: ApplyMask | None, replay_first: bool, known: dict[int, Tokens]
+    rows: Rows,
+    k: int,
+    steps: Steps,
+    apply: ApplyMask | None,
+    replay_first: bool,
+    known: dict[int, Tokens],
+    pause: float = 0.0,
 ) -> Measured:
     """`steps` over k constrained rows, and the grammar engine's own work replayed on their tokens: after
     them, or (`replay_first`) before them, on the tokens of an earlier run of the same k (`known`: every
@@ -261,9 +273,11 @@ def measured(
     tables in the caches the first filled; `figures` takes each measure's best round of both orders.
     Our steps run twice: as they are (the figures), then with their grammar calls timed (`in_step`, the
     share of draws kept), so the timers' own cost is in neither of the figures compared. Each measure
-    is taken after a run of itself (`warmed`)."""
+    is taken after a run of itself (`warmed`); the replays idle `pause` seconds before each step, as the
+    steps do."""
     clock = Clock()
-    early = warmed(lambda: rows.grammar_seconds(k, known[k])) if replay_first and k in known else None
+    replayed = partial(rows.grammar_seconds, k, pause=pause)
+    early = warmed(lambda: replayed(known[k])) if replay_first and k in known else None
     seconds, _, tokens = warmed(lambda: steps(rows.params(k), Clock()))
     if not k:
         return Measured(seconds, [], [], None)
@@ -271,8 +285,8 @@ def measured(
     if tokens != timed_tokens or (early is not None and tokens != known[k]):
         raise RuntimeError(f"two runs of k={k} drew different tokens: the replay would not be of this run")
     known[k] = tokens
-    replay = warmed(lambda: rows.grammar_seconds(k, tokens)) if early is None else early
-    applied = None if apply is None else warmed(lambda: rows.grammar_seconds(k, tokens, apply))
+    replay = warmed(lambda: replayed(tokens)) if early is None else early
+    applied = None if apply is None else warmed(lambda: replayed(tokens, apply))
     kept = clock.kept / clock.checked if clock.checked else 0.0
     return Measured(seconds, replay, in_step, applied, kept)
 
@@ -455,12 +469,13 @@ def cuda_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
     return report
 
 
-def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0) -> Run:
+def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0, pause: float = 0.0) -> Run:
     """NxD Inference's host work for k host rows of a [32, V] logits step (`nxdi.step_tokens`: the
     log-softmax of every row and the device's tokens are there whatever k, `nxdi_step_ms`;
     `with_host_rows` with the device's own draws is what k adds), tokens fed back as the engine does.
     The logits are normal with standard deviation `scale`, seeded; the device's draws come from them,
-    made before the timed steps."""
+    made before the timed steps. `pause`: seconds idle before each step, the grammar engine's replays
+    too (the host waiting on the device's step, `DEVICE_STEP_S`)."""
     generator = torch.Generator().manual_seed(0)  # the same logits and draws in every run of the bench
     logits = torch.randn(BATCH, rows.vocab_size, generator=generator) * scale
     all_logprobs = torch.log_softmax(logits, dim=-1)
@@ -475,6 +490,7 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0
         seconds, grammar, tokens = [], [], []
         for step in range(steps):
             device = device_tokens(draws[step, :k], all_logprobs[:k], params[:k])
+            idle(pause)
             before = clock.seconds
             start = time.perf_counter()
             drawn = with_host_rows(
@@ -488,7 +504,13 @@ def nxdi_run(rows: Rows, steps: int, apply: ApplyMask | None, scale: float = 1.0
         return seconds, grammar, tokens
 
     known: dict[int, Tokens] = {}
-    return lambda k, replay_first: measured(rows, k, host_steps, apply, replay_first, known)
+    return lambda k, replay_first: measured(rows, k, host_steps, apply, replay_first, known, pause)
+
+
+def idle(seconds: float) -> None:
+    """Wait `seconds` with the host idle, as it waits on a device's step (nothing where 0)."""
+    if seconds:
+        time.sleep(seconds)
 
 
 def penalty_only_figures(steps: int, rounds: int) -> dict[str, float]:
@@ -501,12 +523,16 @@ def penalty_only_figures(steps: int, rounds: int) -> dict[str, float]:
     )
 
 
-def host_sampling_figures(steps: int, rounds: int) -> dict[str, float]:
+def host_sampling_figures(steps: int, rounds: int, pause: float = 0.0) -> dict[str, float]:
     """`nxdi_host_vocab128256_top_p`'s rows without their grammar, drawn on the host all the same (as NxD
     Inference draws a row with min_p or typical_p, which its device's sampler lacks): what drawing such a
     row on the host costs, whatever constrains it (`host_row_figures`)."""
     figures = host_row_figures(
-        lambda i: SamplingParams(temperature=1.0, seed=i, top_p=0.9), steps, rounds, on_host=lambda _: True
+        lambda i: SamplingParams(temperature=1.0, seed=i, top_p=0.9),
+        steps,
+        rounds,
+        on_host=lambda _: True,
+        pause=pause,
     )
     return {name: value for name, value in figures.items() if name.endswith("_per_row_us")}
 
@@ -516,12 +542,14 @@ def host_row_figures(
     steps: int,
     rounds: int,
     on_host: Callable[[SamplingParams], bool] = drawn_outside_graphs,
+    pause: float = 0.0,
 ) -> dict[str, float]:
     """Microseconds of host time a row a step for k NxD Inference host rows, row i's `rule(i)` (on the
     host where `on_host`, by default `with_host_rows`' own rule): `with_host_rows` on seeded peaked
     logits [32, 128,256], the device's draws made from them before the timed steps, tokens fed back, the
     least mean over `rounds` that sweep every k in turn, each run after a run of itself (`warmed`), as
-    `figures` takes the figures set beside these; and the share of steps that kept the device's token."""
+    `figures` takes the figures set beside these, `pause` seconds idle before each step; and the share of
+    steps that kept the device's token."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(BATCH, LLAMA3_VOCAB, generator=generator) * PEAKED
     all_logprobs = torch.log_softmax(logits, dim=-1)
@@ -533,6 +561,7 @@ def host_row_figures(
         seconds, kept = [], 0
         for step in range(steps):
             device = device_tokens(draws[step, :k], all_logprobs[:k], params)
+            idle(pause)
             start = time.perf_counter()
             at = [len(PROMPT) + step] * k
             drawn = with_host_rows(device, logits, all_logprobs, params, at, on_host=on_host, own_draws=True)
@@ -568,6 +597,20 @@ def grammar_share(top_p: dict[str, float], sampling: dict[str, float]) -> dict[s
         if f"k={k}_grammar_apply_per_row_us" in top_p:
             report[f"k={k}_ratio_with_apply"] = round(share / top_p[f"k={k}_grammar_apply_per_row_us"], 2)
     return report
+
+
+def paused_report(llama3: Rows, steps: int, rounds: int, apply: ApplyMask | None) -> dict[str, Any]:
+    """`nxdi_host_vocab128256_top_p`, its host-sampling baseline and the grammar's share, each step after
+    the host idled for a device's step (`DEVICE_STEP_S`), as NxD Inference's host waits on its device:
+    ours and the grammar engine's replays alike then find caches the idle left cold."""
+    name = f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p_paused"
+    run = nxdi_run(replace(llama3, top_p=0.9), steps, apply, PEAKED, DEVICE_STEP_S)
+    top_p, sampling = figures(run, rounds), host_sampling_figures(steps, rounds, DEVICE_STEP_S)
+    return {
+        name: top_p,
+        f"{name}_host_sampling": sampling,
+        f"{name}_grammar_share": grammar_share(top_p, sampling),
+    }
 
 
 def nxdi_step_ms() -> dict[str, float]:
@@ -646,6 +689,7 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p"] = top_p
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p_host_sampling"] = sampling
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_top_p_grammar_share"] = grammar_share(top_p, sampling)
+    report |= paused_report(llama3, steps, max(1, rounds // 3), apply)
     report[f"nxdi_host_vocab{LLAMA3_VOCAB}_penalty_only"] = penalty_only_figures(steps, rounds)
     report["nxdi_logits_bytes_per_step_batch32"] = BATCH * LLAMA3_VOCAB * 4
     report["nxdi_step_host_batch32"] = nxdi_step_ms()
