@@ -203,9 +203,10 @@ class HostLogits:
         """`allowed.refused` of its row, alone in `allowed`, listed again only where its mask changed
         since it was last listed (inside a JSON string a grammar refuses the same ids step after step:
         one compare of its mask words, not their unpacking)."""
-        words = allowed.words[0]  # never written once made (`AllowedRow`): kept, not copied
+        words = allowed.words[0]
         if self._refusal is None or not np.array_equal(self._refusal[0], words):
-            self._refusal = (words, allowed.refused(FIRST_ROW, vocab_size))
+            # a copy (16 KB at 128k, where listed): the view would keep its whole batch's masks alive
+            self._refusal = (words.copy(), allowed.refused(FIRST_ROW, vocab_size))
         return self._refusal[1]
 
     @property

@@ -832,6 +832,19 @@ def test_a_lone_row_lists_its_refused_ids_again_only_where_its_mask_changed(
     assert len(unpacked) == (steps if changing else 1)
 
 
+def test_the_mask_a_lone_row_keeps_with_its_refused_ids_is_not_a_view_of_its_batch_s() -> None:
+    """The mask a lone row keeps with the refused ids it listed is a copy of its own row (16 KB at
+    128k), not a view that would keep its whole batch's masks alive until it lists them again."""
+    row = SamplingParams(temperature=1.0, top_p=0.9, grammar=object())  # type: ignore[arg-type]
+    mask = FixedTokens(tuple(range(3, VOCAB)), VOCAB)
+    states = [HostLogits.start(row, PROMPT, (EOS,), mask).host for _ in range(2)]
+    batch = host_logits.Allowed.of(states, VOCAB)  # type: ignore[arg-type]
+    alone = host_logits.Allowed.of(states[:1], VOCAB)  # type: ignore[arg-type]
+    assert numpy.shares_memory(alone.words, batch.words)  # its row of the batch's masks, kept for the step
+    assert states[0].refused_alone(alone, VOCAB)[1].tolist() == [0, 1, 2]  # type: ignore[union-attr, index]
+    assert not numpy.shares_memory(states[0]._refusal[0], batch.words)  # type: ignore[union-attr, index]
+
+
 @pytest.mark.parametrize("allowed", [7, 40], ids=["few-ids", "much-of-the-vocabulary"])
 def test_refused_rows_redrawn_on_their_device_draw_what_the_host_draws(allowed: int) -> None:
     """`redrawn_on_device` (the mask sent to the logits, `pick` there: CUDA's path), run here on CPU
