@@ -301,10 +301,15 @@ def pick_tokens(
         if len(drawn) < len(params):
             raw, at = [raw[i] for i in drawn], [positions[i] for i in drawn]
         tokens = _pick_rows(rows(drawn), raw, at, vocab_size, selected(log_totals, drawn))
-    merged = np.empty(len(params), np.int64)
-    if tokens is not None:
-        merged[drawn] = tokens.cpu().numpy()
-    merged[checked] = proposed = _proposals(checked, merged, propose)
+    if tokens is not None and len(drawn) == len(params):  # every row drawn: their tokens, a fresh array
+        merged = tokens.cpu().numpy()
+    else:
+        merged = np.empty(len(params), np.int64)
+        if tokens is not None:
+            merged[drawn] = tokens.cpu().numpy()
+    proposed = _proposals(checked, merged, propose)
+    if propose is not None:  # else they are the draws already in `merged`
+        merged[checked] = proposed
     for i, token in known.items():
         merged[i] = token
     logit = _gathered_logit(gather)
