@@ -27,7 +27,11 @@ same rows in the same run, per row, each with its ratio (1.0: a constrained row 
 - `k=K_grammar_apply_per_row_us`, `k=K_ratio_with_apply`: the replay plus llguidance's own kernel that
   applies its masks to the rows' fp32 logits (`llguidance.torch.apply_token_bitmask_inplace`, compiled by
   torch.compile once at start), since applying a grammar engine's mask is part of using it; absent
-  where torch.compile cannot build it (no C++ compiler).
+  where torch.compile cannot build it (no C++ compiler);
+- `k=K_grammar_after_forward_per_row_us`, `k=K_ratio_after_forward` (the torch backend on the CPU): the
+  replay with the kernel, each of its steps after a forward pass of the backend, untimed
+  (`forward_pass`), as each of our steps comes after one: caches the forward pass left cold for
+  ours are cold for the grammar engine's too.
 A row allowed much of the vocabulary (inside a JSON string) is drawn exactly over its whole row, which
 costs at least one exp over the row: `exp_pass_per_row_us_vocab128256` is that floor, above llguidance's
 own mask at 128k.
@@ -204,12 +208,18 @@ class Rows:
         return matcher if clock is None else TimedMatcher(matcher, clock)
 
     def grammar_seconds(
-        self, k: int, tokens: Sequence[Sequence[int]], apply: ApplyMask | None = None, pause: float = 0.0
+        self,
+        k: int,
+        tokens: Sequence[Sequence[int]],
+        apply: ApplyMask | None = None,
+        pause: float = 0.0,
+        forward: Callable[[], object] | None = None,
     ) -> list[float]:
         """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
         fresh llguidance matchers, nothing of ours around them, one batched mask call of its executor
         into a bitmask and a batch list made once, then a token commit per row; with `apply`, its masks
-        applied to fresh fp32 logits [k, vocab] in between; `pause` seconds idle before each step."""
+        applied to fresh fp32 logits [k, vocab] in between; `pause` seconds idle before each step, and
+        `forward()` (a backend's forward pass) run there, untimed, where given."""
         matchers = [self.compiler.llguidance_matcher(self.grammar) for _ in range(k)]
         width = (self.compiler.vocab_size + 31) // 32
         logits = None if apply is None else torch.randn(k, self.vocab_size)
@@ -219,6 +229,8 @@ class Rows:
         for step in tokens:
             scratch = None if logits is None else logits.clone()
             idle(pause)
+            if forward is not None:
+                forward()
             start = time.perf_counter()
             EXECUTOR.unsafe_compute_mask_ptr(batch, bitmask.data_ptr(), width * 4, k)
             if scratch is not None and apply is not None:
@@ -243,13 +255,15 @@ def llama3_sized_rows() -> Rows:
 @dataclass(frozen=True)
 class Measured:
     """Seconds per step of one run at some k: ours, and the grammar engine's own (`Rows.grammar_seconds`;
-    `in_step`: its calls inside ours; `applied`: with its mask kernel, where it could be built)."""
+    `in_step`: its calls inside ours; `applied`: with its mask kernel, where it could be built;
+    `after_forward`: the same, each step after the backend's forward pass, as our steps come)."""
 
     ours: list[float]
     replay: list[float]
     in_step: list[float]
     applied: list[float] | None
     kept: float | None = None  # the share of constrained rows' steps that kept their unconstrained draw
+    after_forward: list[float] | None = None  # `applied`, each step after a forward pass (`measured`)
 
 
 Run = Callable[[int, bool], Measured]  # (k, whether the replay goes first) -> figures
@@ -266,6 +280,7 @@ def measured(
     replay_first: bool,
     known: dict[int, Tokens],
     pause: float = 0.0,
+    forward: Callable[[], object] | None = None,
 ) -> Measured:
     """`steps` over k constrained rows, and the grammar engine's own work replayed on their tokens: after
     them, or (`replay_first`) before them, on the tokens of an earlier run of the same k (`known`: every
@@ -274,7 +289,9 @@ def measured(
     Our steps run twice: as they are (the figures), then with their grammar calls timed (`in_step`, the
     share of draws kept), so the timers' own cost is in neither of the figures compared. Each measure
     is taken after a run of itself (`warmed`); the replays idle `pause` seconds before each step, as the
-    steps do."""
+    steps do. Where our steps follow a backend's forward pass (`forward`, the torch backend), the
+    replay with the kernel is also taken with one before each of its steps (`after_forward`): a step
+    after a forward pass finds cold caches, ours and the grammar engine's alike."""
     clock = Clock()
     replayed = partial(rows.grammar_seconds, k, pause=pause)
     early = warmed(lambda: replayed(known[k])) if replay_first and k in known else None
@@ -287,8 +304,9 @@ def measured(
     known[k] = tokens
     replay = warmed(lambda: replayed(tokens)) if early is None else early
     applied = None if apply is None else warmed(lambda: replayed(tokens, apply))
+    after = None if forward is None else warmed(lambda: replayed(tokens, apply, forward=forward))
     kept = clock.kept / clock.checked if clock.checked else 0.0
-    return Measured(seconds, replay, in_step, applied, kept)
+    return Measured(seconds, replay, in_step, applied, kept, after)
 
 
 def warmed(measure: Callable[[], Figure]) -> Figure:
@@ -316,7 +334,12 @@ def host_part(backend: Backend, batch: DecodeBatch) -> Callable[[], list[Sampled
 
 
 def backend_run(
-    backend: Backend, rows: Rows, steps: int, apply: ApplyMask | None, decode: Decode = whole_step
+    backend: Backend,
+    rows: Rows,
+    steps: int,
+    apply: ApplyMask | None,
+    decode: Decode = whole_step,
+    forward: Callable[[], object] | None = None,
 ) -> Run:
     known: dict[int, Tokens] = {}
     return lambda k, replay_first: measured(
@@ -326,7 +349,22 @@ def backend_run(
         apply,
         replay_first,
         known,
+        forward=forward,
     )
+
+
+def forward_pass(backend: Backend) -> Callable[[], object]:
+    """One decode forward pass of every slot (`decode_logits`: the torch backend's), at the prompt's end,
+    whose logits are dropped: what comes before the host's part of each of its steps."""
+    batch = DecodeBatch(
+        tuple(range(BATCH)),
+        (PROMPT[-1],) * BATCH,
+        (len(PROMPT),) * BATCH,
+        (SamplingParams(),) * BATCH,
+        BATCH,
+        256,
+    )
+    return lambda: backend.decode_logits(batch)  # type: ignore[attr-defined]
 
 
 def step_times(
@@ -375,7 +413,7 @@ def figures(run: Run, rounds: int) -> dict[str, float]:
             if result.kept is not None:
                 kept[k] = result.kept
             for measure, seconds in zip(
-                REFERENCES, (result.replay, result.in_step, result.applied), strict=True
+                REFERENCES, (result.replay, result.in_step, result.applied, result.after_forward), strict=True
             ):
                 if k and seconds is not None:
                     own[measure][k] = min(own[measure].get(k, float("inf")), statistics.fmean(seconds) * 1e6)
@@ -405,6 +443,7 @@ REFERENCES = {
     "replay": ("grammar_per_row_us", "ratio"),
     "in_step": ("grammar_in_step_per_row_us", "ratio_in_step"),
     "applied": ("grammar_apply_per_row_us", "ratio_with_apply"),
+    "after_forward": ("grammar_after_forward_per_row_us", "ratio_after_forward"),
 }
 
 
@@ -668,9 +707,12 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
         backend = torch_backend(stories, Path(root) / "stories")
         try:
             rows = schema_rows(tokenizer, backend.model.vocab_size)
-            report["torch_stories260K"] = figures(backend_run(backend, rows, steps, apply), rounds)
+            forward = forward_pass(backend)
+            report["torch_stories260K"] = figures(
+                backend_run(backend, rows, steps, apply, forward=forward), rounds
+            )
             report["torch_stories260K_host"] = figures(
-                backend_run(backend, rows, steps, apply, host_part), rounds
+                backend_run(backend, rows, steps, apply, host_part, forward), rounds
             )
         finally:
             backend.close()
@@ -679,7 +721,7 @@ def cpu_report(stories: Path, steps: int, rounds: int) -> dict[str, Any]:
         try:
             rows = schema_rows(Tokenizer.from_dir(model), LLAMA3_VOCAB)
             report[f"torch_vocab{LLAMA3_VOCAB}_host"] = figures(
-                backend_run(backend, rows, steps, apply, host_part), rounds
+                backend_run(backend, rows, steps, apply, host_part, forward_pass(backend)), rounds
             )
         finally:
             backend.close()
