@@ -212,14 +212,13 @@ class Rows:
         k: int,
         tokens: Sequence[Sequence[int]],
         apply: ApplyMask | None = None,
-        pause: float = 0.0,
-        forward: Callable[[], object] | None = None,
+        before: Callable[[], object] | None = None,
     ) -> list[float]:
         """Seconds per step of the grammar engine's own work for k rows fed `tokens` (a list per step):
         fresh llguidance matchers, nothing of ours around them, one batched mask call of its executor
         into a bitmask and a batch list made once, then a token commit per row; with `apply`, its masks
-        applied to fresh fp32 logits [k, vocab] in between; `pause` seconds idle before each step, and
-        `forward()` (a backend's forward pass) run there, untimed, where given."""
+        applied to fresh fp32 logits [k, vocab] in between; `before()` run before each step, untimed,
+        where given (an idle, a backend's forward pass: what comes before each of our steps)."""
         matchers = [self.compiler.llguidance_matcher(self.grammar) for _ in range(k)]
         width = (self.compiler.vocab_size + 31) // 32
         logits = None if apply is None else torch.randn(k, self.vocab_size)
@@ -228,9 +227,8 @@ class Rows:
         seconds = []
         for step in tokens:
             scratch = None if logits is None else logits.clone()
-            idle(pause)
-            if forward is not None:
-                forward()
+            if before is not None:
+                before()
             start = time.perf_counter()
             EXECUTOR.unsafe_compute_mask_ptr(batch, bitmask.data_ptr(), width * 4, k)
             if scratch is not None and apply is not None:
@@ -293,7 +291,7 @@ def measured(
     replay with the kernel is also taken with one before each of its steps (`after_forward`): a step
     after a forward pass finds cold caches, ours and the grammar engine's alike."""
     clock = Clock()
-    replayed = partial(rows.grammar_seconds, k, pause=pause)
+    replayed = partial(rows.grammar_seconds, k, before=partial(idle, pause) if pause else None)
     early = warmed(lambda: replayed(known[k])) if replay_first and k in known else None
     seconds, _, tokens = warmed(lambda: steps(rows.params(k), Clock()))
     if not k:
@@ -304,7 +302,7 @@ def measured(
     known[k] = tokens
     replay = warmed(lambda: replayed(tokens)) if early is None else early
     applied = None if apply is None else warmed(lambda: replayed(tokens, apply))
-    after = None if forward is None else warmed(lambda: replayed(tokens, apply, forward=forward))
+    after = None if forward is None else warmed(lambda: replayed(tokens, apply, before=forward))
     kept = clock.kept / clock.checked if clock.checked else 0.0
     return Measured(seconds, replay, in_step, applied, kept, after)
 
