@@ -459,9 +459,16 @@ class Allowed:
 REFUSED_ONE_BY_ONE = 8  # rows refusing at most 1 / 8 of the vocabulary have their refused ids set one by one
 
 
+UNPACKED_WHOLE = 1024  # a row of at most 1,024 ids is unpacked whole (stories260K's 512: 16 words)
+
+
 def _set_bits(words: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(i, token) for each bit set in uint32 `words` [rows, width] (bit k of word w: token 32 w + k)
-    below `vocab_size`, ascending; only the nonzero words are unpacked."""
+    below `vocab_size`, ascending; only the nonzero words are unpacked, but in rows of at most
+    `UNPACKED_WHOLE` ids, where finding them would cost more array operations than it saves."""
+    if words.shape[1] * 32 <= UNPACKED_WHOLE:
+        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return np.divmod(bits.ravel().view(bool).nonzero()[0], bits.shape[1])
     flat = words.ravel()
     # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
     found = (flat != 0).nonzero()[0]

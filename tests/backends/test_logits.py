@@ -515,6 +515,27 @@ def test_allowed_counts_each_rows_ids(numpy_1: bool, vocab: int, monkeypatch: py
 
 
 @pytest.mark.parametrize("vocab", [VOCAB, 90], ids=["whole-words", "a-part-word"])
+def test_narrow_rows_unpacked_whole_list_the_ids_found_word_by_word(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ids rows of a narrow vocabulary allow, their mask words unpacked whole, are the (row, id)
+    pairs found by unpacking their nonzero words alone, as wide rows are: in the same order, one row or
+    three, words empty, full or in part, over whole words and a last word the vocabulary fills in part."""
+    generator = numpy.random.default_rng(vocab)
+    for trial in range(50):
+        words = generator.integers(0, 1 << 32, (1 + trial % 3, (vocab + 31) // 32), dtype=numpy.uint64)
+        words[generator.random(words.shape) < 0.3] = 0
+        words[generator.random(words.shape) < 0.2] = (1 << 32) - 1
+        words = words.astype(numpy.uint32)
+        whole = host_logits._set_bits(words, vocab)
+        monkeypatch.setattr(host_logits, "UNPACKED_WHOLE", 0)
+        by_word = host_logits._set_bits(words, vocab)
+        monkeypatch.undo()
+        for ours, theirs in zip(whole, by_word, strict=True):
+            assert ours.dtype == theirs.dtype and ours.tolist() == theirs.tolist()
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 90], ids=["whole-words", "a-part-word"])
 @pytest.mark.parametrize("refused", [(5,), (0, 33, 63), tuple(range(3, 60))], ids=["one", "a-few", "most"])
 def test_refused_ids_are_minus_infinity_set_one_by_one_or_by_a_mask(vocab: int, refused: tuple) -> None:
     """`Allowed.refuse` sets -inf at every id a row refuses and nowhere else: one by one where the rows
