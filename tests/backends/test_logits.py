@@ -745,6 +745,24 @@ def test_a_lone_restricted_row_draws_what_the_torch_sampler_draws(
                 assert ours.token_id == int(reference[0])
 
 
+def test_a_short_row_s_draw_is_the_column_inverse_cdf_draws() -> None:
+    """`_short_row_draw`, a lone unfiltered row's draw in fewer array operations, takes the column
+    `_inverse_cdf` takes from the same fp32 row: narrow and wide rows, flat and peaked, some ids at -inf
+    or all of them, greedy and at three temperatures."""
+    generator = numpy.random.default_rng(5)
+    for trial in range(400):
+        width = int(generator.integers(1, sampling.CDF_BLOCK + 1))
+        values = (generator.standard_normal(width) * (0.1, 1.0, 8.0, 40.0)[trial % 4]).astype(numpy.float32)
+        if trial % 5 == 1:
+            values[generator.random(width) < 0.5] = -numpy.inf
+        if trial % 50 == 7:
+            values[:] = -numpy.inf
+        row = SamplingParams(temperature=(1.0, 0.7, 1.6, 0.0)[trial // 4 % 4], seed=trial)
+        position = int(generator.integers(0, 1 << 20))
+        theirs = sampling._inverse_cdf(values[None, :], [row], [position])
+        assert sampling._short_row_draw(values, row, position) == int(theirs[0])
+
+
 def test_a_lone_unadjusted_row_is_drawn_without_the_layout_of_many_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
