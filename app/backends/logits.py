@@ -107,7 +107,7 @@ class HostLogits:
         self._seen = set(prompt) if repeats else None  # the prompt's and the output's tokens
         counted = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._counts: dict[int, int] | None = {} if counted else None  # output token -> times generated
-        self._allowed: AllowedRow | None = None  # what its state allows next (`Allowed.of`), until accept
+        self._allowed: tuple[Allowed, int] | None = None  # its row of what it allows next (`Allowed.of`)
         self._refusal: tuple[np.ndarray, Refused | None] | None = None  # (mask words, `refused_alone`'s ids)
         # the tokens a bad word's prefix can end on: the sequence's last (longest word - 1)
         self._keep = max((len(word) for word in params.bad_words), default=1) - 1
@@ -345,22 +345,13 @@ Refused = tuple[np.ndarray, np.ndarray]  # (row, id) pairs that rows refuse, in 
 FIRST_ROW = np.zeros(1, np.int64)  # the index of a call's one row
 
 
-@dataclass(frozen=True, slots=True)
-class AllowedRow:
-    """One state's row of an `Allowed`, kept until its next token (a row sampled again in the same step,
-    after a backend's first look, costs no second mask)."""
-
-    words: np.ndarray  # uint32 [words], a view of the `Allowed` it came from (never written)
-    nonzero: int  # its words with a bit set
-    rescued: bool
-
-
 class Allowed:
     """The tokens restricted rows may draw next, as one bitmask: bit k of 32-bit word w of row i is set
     where states[i] allows token 32 w + k (its grammar's mask and its `allowed_token_ids`). `rescued`:
     the rows allowed nothing, given their first stop id instead. What a row allows is counted only when
     asked (`counts`): a row its grammar forces one token (the usual refusal of a device's draw) needs
-    only that token (`forced`)."""
+    only that token (`forced`). Each state keeps its row until its next token (`HostLogits._allowed`): a
+    row sampled again in the same step, after a backend's first look, costs no second mask."""
 
     __slots__ = ("_counts", "_nonzero", "rescued", "words")
 
@@ -373,19 +364,22 @@ class Allowed:
     @classmethod
     def of(cls, states: Sequence[HostLogits], vocab_size: int) -> Allowed:
         """For `states` (each restricted), row i being states[i]: every grammar's mask in one call, or the
-        rows each state kept from an earlier call in its current state."""
+        rows each state kept from an earlier call in its current state (that call's own `Allowed`, where
+        it was made for the same states in the same order: a backend's refused rows, redrawn)."""
         kept = [state._allowed for state in states]
         if all(row is not None for row in kept):
-            rows: list[AllowedRow] = kept  # type: ignore[assignment]
+            rows: list[tuple[Allowed, int]] = kept  # type: ignore[assignment]
+            first = rows[0][0]
+            if len(first.words) == len(rows) and all(a is first and i == j for j, (a, i) in enumerate(rows)):
+                return first
             return cls(
-                rows[0].words[None] if len(rows) == 1 else np.stack([row.words for row in rows]),
-                [row.nonzero for row in rows],
-                [i for i, row in enumerate(rows) if row.rescued],
+                first.words[rows[0][1]][None] if len(rows) == 1 else np.stack([a.words[i] for a, i in rows]),
+                [a._nonzero[i] for a, i in rows],
+                [j for j, (a, i) in enumerate(rows) if i in a.rescued],
             )
         allowed = cls._computed(states, vocab_size)
-        rescued = set(allowed.rescued)
-        for i, (state, nonzero) in enumerate(zip(states, allowed._nonzero, strict=True)):
-            state._allowed = AllowedRow(allowed.words[i], nonzero, i in rescued)
+        for i, state in enumerate(states):
+            state._allowed = (allowed, i)
         return allowed
 
     @classmethod

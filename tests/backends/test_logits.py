@@ -695,6 +695,27 @@ def test_a_refused_row_drawn_by_the_sampler_computes_its_mask_once_a_step() -> N
         row.host.accept(token.token_id)  # type: ignore[union-attr]
 
 
+def test_a_second_look_at_the_same_rows_in_their_state_is_the_first_look_s_own() -> None:
+    """`Allowed.of` asked again for the same states in the same order, none advanced, returns what the
+    first call made (a backend's refused rows, redrawn: no layout again); asked for some of them, or in
+    another order, each row is its own, a dead one still rescued to its stop id; after a token, a state's
+    mask is computed again."""
+    masks = [CountedAllows(ALLOWED), CountedAllows(()), CountedAllows((4, 40))]
+    row = SamplingParams(temperature=1.0, grammar=object())  # type: ignore[arg-type]
+    states = [HostLogits.start(row, PROMPT, (EOS,), mask).host for mask in masks]  # type: ignore[arg-type]
+    first = host_logits.Allowed.of(states, VOCAB)  # type: ignore[arg-type]
+    assert host_logits.Allowed.of(states, VOCAB) is first  # type: ignore[arg-type]
+    assert first.rescued == [1] and first.counts.tolist() == [len(ALLOWED), 1, 2]
+    for order in ([2], [1], [2, 0], [1, 2, 0]):
+        some = host_logits.Allowed.of([states[i] for i in order], VOCAB)  # type: ignore[misc]
+        assert some is not first and some.words.tolist() == first.words[order].tolist()
+        assert some.rescued == [j for j, i in enumerate(order) if i == 1]
+    assert masks[0].rows == 3  # one call for the three rows
+    states[0].accept(ALLOWED[0])  # type: ignore[union-attr]
+    again = host_logits.Allowed.of(states, VOCAB)  # type: ignore[arg-type]
+    assert again is not first and masks[0].rows == 6
+
+
 def test_a_refused_row_redrawn_by_its_backend_draws_what_the_sampler_draws() -> None:
     """`checked_tokens` and `redrawn`, a backend's draw of its refused rows without the batch's sampler,
     take the tokens `sample_tokens` takes from the same logits and proposals, and keep an allowed
