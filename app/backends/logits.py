@@ -462,7 +462,8 @@ def _set_bits(words: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarra
     `UNPACKED_WHOLE` ids, where finding them would cost more array operations than it saves."""
     if words.shape[1] * 32 <= UNPACKED_WHOLE:
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        return np.divmod(bits.ravel().view(bool).nonzero()[0], bits.shape[1])
+        at = bits.ravel().view(bool).nonzero()[0]
+        return (np.zeros(len(at), np.int64), at) if len(words) == 1 else np.divmod(at, bits.shape[1])
     flat = words.ravel()
     # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
     found = (flat != 0).nonzero()[0]

@@ -740,15 +740,15 @@ def _short_row_draw(values: np.ndarray, params: SamplingParams, position: int) -
     """`_inverse_cdf`'s column of one unfiltered row of at most `CDF_BLOCK` fp32 `values`, none refused,
     in a third of its array operations (the draw of a lone row whose device's token was refused)."""
     temperature = params.temperature
-    if not temperature:
+    top = values.max()
+    if not temperature or top == -np.inf:  # a row of -inf: column 0, as `_inverse_cdf`'s
         return int(values.argmax())
-    with np.errstate(invalid="ignore"):  # a row of -inf: nan, and column 0, as `_inverse_cdf`'s
-        weights = values - values.max()
-        if temperature != 1.0:
-            weights /= np.float32(temperature)
-        running = np.exp(weights, out=weights).cumsum()
-        total = running[-1]
-        return int(np.count_nonzero(running < min(np.float32(draw(params, position)) * total, total)))
+    weights = values - top
+    if temperature != 1.0:
+        weights /= np.float32(temperature)
+    running = np.exp(weights, out=weights).cumsum()
+    total = running[-1]
+    return int(np.count_nonzero(running < min(np.float32(draw(params, position)) * total, total)))
 
 
 def _inverse_cdf(
