@@ -506,6 +506,9 @@ class SimBackend(Backend):
         def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
             if ids.shape == (1, vocab):
                 return self._rolled(shifts[rows])
+            if len(rows) == 1:  # its rolled row, a view, read at ids: a lone refused row's redraw
+                shift = int(shifts[rows[0]])
+                return self._made_up_twice[vocab - shift : 2 * vocab - shift][ids]
             return made_up[(ids - shifts[rows][:, None]) % vocab]
 
         return gather

@@ -209,6 +209,21 @@ def test_a_restricted_host_row_draws_from_its_made_up_row(allowed: range) -> Non
         assert token[0].logprob == pytest.approx(expected[0].logprob, abs=1e-5)
 
 
+def test_a_row_s_made_up_logits_read_alone_are_those_read_beside_other_rows() -> None:
+    """The made-up logits a lone row reads at some ids (a slice of its rolled row) are what it reads in
+    a call of several rows, at every roll, 0 included, and its whole rolled row's at those ids."""
+    backend = sim()
+    shifts = numpy.arange(50, dtype=numpy.int64)
+    gather = backend._gather(shifts)
+    ids = numpy.array([[0, 3, 17, 49], [1, 2, 48, 49]], dtype=numpy.int64)
+    for shift in range(50):
+        rows = numpy.array([shift, (shift + 7) % 50], dtype=numpy.int64)
+        together = gather(rows, ids)
+        alone = gather(rows[:1], ids[:1])
+        whole = gather(rows[:1], numpy.arange(50, dtype=numpy.int64)[None, :])
+        assert alone.tolist() == together[:1].tolist() == whole[:, ids[0]].tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])
 def test_a_grammar_row_s_first_draw_inverts_its_whole_made_up_row(temperature: float) -> None:
     """The unconstrained draw a grammar row checks first (`_made_up_draw`: a binary search on the fixed
