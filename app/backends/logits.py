@@ -446,8 +446,7 @@ class Allowed:
         if refused is not None:
             values[refused] = -np.inf
             return
-        bits = np.unpackbits((~self.words[rows]).view(np.uint8), axis=1, bitorder="little")
-        np.copyto(values, -np.inf, where=bits[:, :vocab_size].view(bool))
+        np.copyto(values, -np.inf, where=_unpacked(~self.words[rows], vocab_size))
 
 
 REFUSED_ONE_BY_ONE = 8  # rows refusing at most 1 / 8 of the vocabulary have their refused ids set one by one
@@ -461,8 +460,8 @@ def _set_bits(words: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarra
     below `vocab_size`, ascending; only the nonzero words are unpacked, but in rows of at most
     `UNPACKED_WHOLE` ids, where finding them would cost more array operations than it saves."""
     if words.shape[1] * 32 <= UNPACKED_WHOLE:
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        at = bits.ravel().view(bool).nonzero()[0]
+        bits = _unpacked(words, vocab_size)
+        at = bits.ravel().nonzero()[0]
         return (np.zeros(len(at), np.int64), at) if len(words) == 1 else np.divmod(at, bits.shape[1])
     flat = words.ravel()
     # 1-D nonzero of booleans: numpy's 2-D nonzero (or of integers) costs five to ten times more
@@ -476,6 +475,12 @@ def _set_bits(words: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarra
         inside = tokens < vocab_size
         return row[inside], tokens[inside]
     return row, tokens
+
+
+def _unpacked(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [rows, vocab_size]: bit k of word w of each row of uint32 `words` [rows, width], as token
+    32 w + k."""
+    return np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(bool)
 
 
 def single_id(words: np.ndarray, nonzero: int | None = None) -> int | None:
