@@ -507,17 +507,19 @@ class SimBackend(Backend):
             if ids.shape == (1, vocab):
                 return self._rolled(shifts[rows])
             if len(rows) == 1:  # its rolled row, a view, read at ids: a lone refused row's redraw
-                shift = int(shifts[rows[0]])
-                return self._made_up_twice[vocab - shift : 2 * vocab - shift][ids]
+                return self._rolled_row(int(shifts[rows[0]]))[ids]
             return made_up[(ids - shifts[rows][:, None]) % vocab]
 
         return gather
 
     def _rolled(self, shifts: np.ndarray) -> np.ndarray:
-        """The made-up rows rolled by `shifts`: a row rolled by s is the fixed logits twice over, cut at
-        vocab - s."""
-        vocab, twice = self.model.vocab_size, self._made_up_twice
-        return np.stack([twice[vocab - s : 2 * vocab - s] for s in shifts.tolist()])
+        """The made-up rows rolled by `shifts`, a copy."""
+        return np.stack([self._rolled_row(s) for s in shifts.tolist()])
+
+    def _rolled_row(self, shift: int) -> np.ndarray:
+        """The made-up row rolled by `shift`, a view: the fixed logits twice over, cut at vocab - shift."""
+        vocab = self.model.vocab_size
+        return self._made_up_twice[vocab - shift : 2 * vocab - shift]
 
     def _made_up_draw(self, params: SamplingParams, position: int, shift: int) -> int:
         """A row's unconstrained token from its made-up logits (the fixed ones rolled by `shift`): its
